@@ -277,16 +277,26 @@ def local_fleet(cfg: RunConfig, run_dir: RunDir):
         yield
 
 
-def run_dispatch(cfg, builder: RecordBuilder, pending: list[str], committer: Committer, progress, stop) -> str:
+def init_ray(address: str | None) -> None:
+    import os
+
     import ray
 
+    if ray.is_initialized():
+        return
+    if address is None and "RAY_ADDRESS" not in os.environ:
+        # An embedded single-machine cluster: keep Ray on the loopback interface.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+
+
+def run_dispatch(cfg, builder: RecordBuilder, pending: list[str], committer: Committer, progress, stop) -> str:
     from .dispatch import Dispatcher, client_settings, make_actor_factory
     from .fleet import preflight
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
     preflight(cfg, api_keys)
-    if not ray.is_initialized():
-        ray.init(address=cfg.ray.address, include_dashboard=False, logging_level=logging.WARNING)
+    init_ray(cfg.ray.address)
     stop.install()
 
     def on_outcome(outcome: Outcome, attempts: int) -> None:

@@ -63,7 +63,7 @@ class EmulatorConfig:
     enable_cache_report: bool = False
     disable_radix_cache: bool = False
     chunked_prefill_size: int = 8192              # rows of the final prefill chunk only; <= 0: no chunking
-    cache_max_tokens: int = 2_000_000             # prefix-cache capacity (token prefixes, LRU)
+    cache_max_tokens: int = 262_144               # prefix-cache capacity (token prefixes, LRU)
     max_total_num_tokens: int = 1_048_576
     default_max_tokens: int = 512                 # natural answer budget when a chat request has no max_tokens
     unknown_model_status: int = 404
@@ -270,4 +270,4 @@ def options_to_argv(options: dict[str, Any]) -> list[str]:
 
 
 __all__ = ["EmulatorConfig", "FAULT_FIELDS", "RATE_FIELDS", "PRESETS", "build_parser", "config_from_args",
-           "make_config", "options_to_argv", "DEFAULT_MODEL", "field"]
+           "make_config", "options_to_argv", "DEFAULT_MODEL"]

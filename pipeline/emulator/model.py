@@ -193,7 +193,7 @@ def generate(prompt_key: bytes, prompt_ids: list[int], max_tokens: int, temperat
         natural = max_tokens + 2           # never stops on its own
     if thinking:
         natural = max(natural, 4)
-        rfrac = 0.3 + 0.5 * ((s >> 20) & 0xFFFFF) / 1048576.0
+        rfrac = 0.3 + 0.65 * ((s >> 20) & 0xFFFFF) / 1048576.0
         n_reason = max(1, int(natural * rfrac))
         n_answer = max(1, natural - n_reason - 2)
     else:

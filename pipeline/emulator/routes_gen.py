@@ -145,19 +145,16 @@ async def _run(request: web.Request, st: ServerState, job: Job) -> web.StreamRes
         st.running_tokens += tokens
         try:
             plen = gen.prompt_tokens
-            hashes = None
             if not cfg.disable_radix_cache:
                 hashes = PrefixCache.prefix_hashes(gen.prompt_ids + gen.output_ids[:-1])
                 job.cached = min(st.cache.match(hashes[:plen]), plen - 1)
-                st.cache.insert(hashes[:plen])
+                st.cache.insert(hashes)     # prompt + output, as SGLang caches a finished request
             if job.fault == "abort":
                 job.gen = gen = gen.cut(gen.completion_tokens // 2, "abort")
             if job.stream:
                 resp = await _stream(request, st, job)
             else:
                 resp = await _plain(request, st, job)
-            if hashes is not None:
-                st.cache.insert(hashes)
             return resp
         finally:
             st.running_tokens -= tokens

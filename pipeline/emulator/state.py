@@ -55,19 +55,22 @@ class PrefixCache:
                     lo = mid
                 else:
                     hi = mid
-        for h in hashes[:lo]:
-            d.move_to_end(h)
         return lo
 
     def insert(self, hashes: list[int]) -> None:
+        """Remember every prefix (refreshing the ones already cached); evict the least recently used."""
         d = self._d
+        move = d.move_to_end
         for h in hashes:
             if h in d:
-                d.move_to_end(h)
+                move(h)
             else:
                 d[h] = None
-        while len(d) > self.max_entries:
-            d.popitem(last=False)
+        excess = len(d) - self.max_entries
+        if excess > 0:
+            pop = d.popitem
+            for _ in range(excess):
+                pop(last=False)
 
     def clear(self) -> None:
         self._d.clear()

@@ -1,0 +1,119 @@
+"""Small helpers shared by the tests: configs, prompt files, running the real `regen` command."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow.parquet as pq
+import yaml
+
+TOPICS = ["rivers", "volcanoes", "bread", "bicycles", "owls", "glaciers", "violins", "tides", "bees", "comets",
+          "maps", "clocks", "salt", "kites", "moss", "lighthouses", "copper", "tea", "deserts", "coral"]
+ASKS = ["Name one fact about {t}.", "Give a one-line tip about {t}.", "In five words, describe {t}.",
+        "Why are {t} interesting? One sentence.", "Write a short title for an essay on {t}."]
+
+
+def free_port() -> int:
+    """A port free now, with the next one free too (fleets take consecutive ports)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 64000:
+            with socket.socket() as s2:
+                try:
+                    s2.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+
+
+def write_prompts(path: Path, n: int, start: int = 0) -> list[dict[str, Any]]:
+    """n distinct short prompts in the `prompt` format (one JSON object a line)."""
+    rows = []
+    for i in range(start, start + n):
+        ask = ASKS[i % len(ASKS)].format(t=TOPICS[(i // len(ASKS)) % len(TOPICS)])
+        rows.append({"prompt": f"{ask} (#{i})"})
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return rows
+
+
+def write_source(tmp: Path, data: Path, fmt: str = "prompt", name: str = "test") -> Path:
+    spec = tmp / f"{name}.yaml"
+    spec.write_text(yaml.safe_dump({"name": name, "kind": "jsonl", "path": str(data), "format": fmt}))
+    return spec
+
+
+def write_config(tmp: Path, endpoints: list[dict], specs: list[Path], **overrides: Any) -> Path:
+    cfg = {
+        "run_name": "t",
+        "output_dir": str(tmp / "out"),
+        "model": "SmolLM2-135M-Instruct",
+        "sampling": {"temperature": 0.0, "max_tokens": 8},
+        "sources": [{"spec": str(s)} for s in specs],
+        "endpoints": endpoints,
+        "flush_interval_s": 1,
+        "flush_records": 16,
+        "dead_fleet_deadline_s": 20,
+        "status_interval_s": 0.5,
+    }
+    cfg.update(overrides)
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def regen_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline", *args]
+
+
+def run_regen(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(regen_cmd(*args), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def start_regen(*args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    out = open(log, "wb") if log else subprocess.DEVNULL
+    return subprocess.Popen(regen_cmd(*args), stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def sigkill(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+def data_parts(run: Path) -> list[Path]:
+    return sorted((run / "data").glob("part-*.parquet"))
+
+
+def committed_ids(run: Path) -> list[str]:
+    """All prompt_ids of committed parts, duplicates included (every part must be readable)."""
+    ids: list[str] = []
+    for part in data_parts(run):
+        ids += pq.read_table(part, columns=["prompt_id"]).column(0).to_pylist()
+    return ids
+
+
+def all_prompt_ids(run: Path) -> set[str]:
+    latest = sorted((run / "prompts").glob("prompts-*.parquet"))[-1]
+    return set(pq.read_table(latest, columns=["prompt_id"]).column(0).to_pylist())
+
+
+def temp_files(run: Path) -> list[Path]:
+    return [p for p in run.rglob(".tmp-*")]
