@@ -26,6 +26,7 @@ _CONTEXT_OVERFLOW = (
 )
 _DUPLICATE_RID = "duplicate request id"
 _NO_HIDDEN_STATES = "not configured to return hidden states"
+_MODEL_MISSING = "does not exist"  # SGLang: 400 "The model `X` does not exist. The served model name is `Y`."
 
 
 def classify(status: int | None, message: str, endpoint: str = "") -> RequestError:
@@ -37,7 +38,7 @@ def classify(status: int | None, message: str, endpoint: str = "") -> RequestErr
     if status == 400:
         if _DUPLICATE_RID in text:
             return Retryable(message, **kwargs)  # the retry gets a fresh rid
-        if _NO_HIDDEN_STATES in text:
+        if _NO_HIDDEN_STATES in text or ("model" in text and _MODEL_MISSING in text):
             return EndpointFatal(message, **kwargs)
         if any(marker.lower() in text for marker in _CONTEXT_OVERFLOW):
             return TerminalForPrompt(f"context overflow: {message}", **kwargs)

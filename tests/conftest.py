@@ -53,3 +53,15 @@ def llama_fleet(tmp_path_factory):
     processes = LocalFleetProcesses(fleet, tmp_path_factory.mktemp("llama-logs")).start()
     yield fleet
     processes.stop()
+
+
+@pytest.fixture(scope="session")
+def emulator_fleet(tmp_path_factory):
+    """Two SGLang-faithful emulators (Kimi preset, instant answers), each with its own request log."""
+    from pipeline.emulator import start_emulator
+
+    logs = tmp_path_factory.mktemp("emulator-logs")
+    servers = [start_emulator(preset="kimi", request_log=str(logs / f"e{i}.jsonl")) for i in range(2)]
+    yield servers
+    for server in servers:
+        server.stop()

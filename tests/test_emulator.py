@@ -306,7 +306,8 @@ def test_every_400_message(fresh, small):
     assert st == 400 and b["message"] == "The server is not configured to return hidden states."
     # a rid that is still running
     with cf.ThreadPoolExecutor(2) as ex:
-        first = ex.submit(jcall, small.url, "/v1/chat/completions", chat("slow", max_tokens=15, rid="dup"))
+        first = ex.submit(jcall, small.url, "/v1/chat/completions",
+                          chat("slow", max_tokens=15, rid="dup", ignore_eos=True))
         time.sleep(0.1)
         st, b = jcall(small.url, "/v1/chat/completions", chat("again", max_tokens=2, rid="dup"))
         assert first.result()[0] == 200

@@ -66,7 +66,7 @@ class EmulatorConfig:
     cache_max_tokens: int = 262_144               # prefix-cache capacity (token prefixes, LRU)
     max_total_num_tokens: int = 1_048_576
     default_max_tokens: int = 512                 # natural answer budget when a chat request has no max_tokens
-    unknown_model_status: int = 404
+    unknown_model_status: int = 400  # what SGLang answers (its own tests show 400)
     # --- speed and capacity ------------------------------------------------------------------
     tok_per_s: float = 0.0                        # per-request decode speed; 0 = instant
     prefill_tok_per_s: float = 0.0                # 0 = instant
@@ -247,6 +247,9 @@ def make_config(**options: Any) -> EmulatorConfig:
             raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
         values.update(PRESETS[preset])
     values.update(options)
+    for k in ("reasoning_parser", "tool_call_parser", "speculative_algorithm", "request_log"):
+        if isinstance(values.get(k), str) and values[k].lower() in ("", "none", "null"):
+            values[k] = None            # lets the CLI undo a preset: --reasoning-parser none
     known = {f.name for f in dataclasses.fields(EmulatorConfig)}
     unknown = set(values) - known
     if unknown:

@@ -81,15 +81,19 @@ class EmulatorProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL if it does not exit in `timeout` seconds."""
-        if not self.alive():
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
+    def stop(self, timeout: float = 10.0, remove_log: bool = True) -> None:
+        """SIGTERM, then SIGKILL if it does not exit in `timeout` seconds. Removes the log file unless asked."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if remove_log:
+            try:
+                os.unlink(self.log_path)
+            except OSError:
+                pass
 
     def kill(self) -> None:
         """SIGKILL (no cleanup, like a crashed server)."""
@@ -99,7 +103,7 @@ class EmulatorProcess:
 
     def restart(self, **changes: Any) -> "EmulatorProcess":
         """Stop (if running) and start again on the same port, optionally with changed options."""
-        self.stop()
+        self.stop(remove_log=False)
         self.options.update(changes)
         return self.start()
 

@@ -72,6 +72,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 raise RequestInvalid(f"Duplicate request ID detected: {rid}")
         except RequestInvalid as e:
             st.count(CHAT, str(e.status))
+            rid = rid or (body.get("rid") if isinstance(body.get("rid"), str) else "")
             st.log_request(CHAT, rid, body, f"error:{e.status}", message=e.message)
             return openai_error(e.status, e.message)
         job = Job(CHAT, body, rid, gen, bool(body.get("stream")), t0)
@@ -107,6 +108,7 @@ async def generate_native(request: web.Request) -> web.StreamResponse:
                 raise RequestInvalid(f"Duplicate request ID detected: {rid}")
         except RequestInvalid as e:
             st.count(GENERATE, str(e.status))
+            rid = rid or (body.get("rid") if isinstance(body.get("rid"), str) else "")
             st.log_request(GENERATE, rid, body, f"error:{e.status}", message=e.message)
             return native_error(e.status, e.message)
         job = Job(GENERATE, body, rid, gen, bool(body.get("stream")), t0)
