@@ -298,7 +298,7 @@ def test_every_400_message(fresh, small):
     st, b = jcall(u, "/generate", {"sampling_params": {}})
     assert st == 400 and b == {"error": {"message": "Either text, input_ids or input_embeds should be provided."}}
     st, b = jcall(u, "/v1/chat/completions", {**chat("x"), "model": "someone/else"})
-    assert st == 404 and b["code"] == 404 and "`someone/else` does not exist" in b["message"]
+    assert st == 400 and b["code"] == 400 and "`someone/else` does not exist" in b["message"]
     # hidden states without --enable-return-hidden-states
     st, b = jcall(small.url, "/generate", {"text": "x", "return_hidden_states": True})
     assert st == 400 and b["error"]["message"] == "The server is not configured to return hidden states."
@@ -440,7 +440,7 @@ def test_admin_faults_take_effect(fresh):
     g = jcall(u, "/generate", {"text": "abort", "sampling_params": {"max_new_tokens": 10}})[1]
     assert g["meta_info"]["finish_reason"]["type"] == "abort"
     jcall(u, "/admin/faults", {"fault_abort": 0.0, "served_model_name": "wrong/name", "hidden_width": 4096})
-    assert jcall(u, "/v1/chat/completions", chat("x"))[0] == 404
+    assert jcall(u, "/v1/chat/completions", chat("x"))[0] == 400
     assert jcall(u, "/v1/models")[1]["data"][0]["id"] == "wrong/name"
     g = jcall(u, "/generate", {"text": "w", "return_hidden_states": True, "sampling_params": {"max_new_tokens": 2}})
     assert len(g[1]["meta_info"]["hidden_states"][-1]) == 4096
