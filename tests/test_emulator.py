@@ -249,7 +249,7 @@ def test_openai_client_compat(fresh):
                                        extra_body={"chat_template_kwargs": {"thinking": True}})
     assert r.choices[0].message.content == expected_chat(chat("hello", 30), MAIN_CFG)["content"]
     assert [m.id for m in client.models.list().data] == [MODEL]
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
         client.chat.completions.create(model="other/model", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="longer than the model's context length"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w " * 5000}])
