@@ -68,6 +68,16 @@ class SourceRef(_Strict):
     limit: int | None = Field(None, ge=1)
 
 
+class HiddenStates(_Strict):
+    """Hidden-state capture through SGLang's /generate (return_hidden_states)."""
+
+    enabled: bool = False
+    # 21504 = 3 x 7168: Kimi-K2.5's EAGLE-3 auxiliary layers. 7168 alone means the server runs EAGLE, not EAGLE3.
+    expected_width: int = Field(21504, ge=1)
+    layers_note: str = "EAGLE-3 auxiliary layers [2, L//2, L-3] as SGLang captures them"
+    dtype: Literal["bf16"] = "bf16"
+
+
 class RayOptions(_Strict):
     address: str | None = None  # None: embedded local cluster; "auto": join the running one
     actor_num_cpus: float = Field(0.0, ge=0.0)
@@ -87,6 +97,10 @@ class RunConfig(_Strict):
     endpoints: list[Endpoint] = Field(default_factory=list)
     local_fleet: LocalFleet | None = None
     ray: RayOptions = RayOptions()
+    hidden_states: HiddenStates = HiddenStates()
+    # Ask the server for the exact token ids (SGLang: return_token_ids / return_prompt_token_ids).
+    return_token_ids: bool = True
+    min_prompt_tokens: int = Field(256, ge=1)  # preflight: context must hold max_tokens plus this much prompt
     # Retries and deadlines.
     max_attempts: int = Field(4, ge=1)  # HTTP attempts per prompt across all endpoints
     attempts_per_endpoint: int = Field(2, ge=1)
@@ -131,6 +145,7 @@ class RunConfig(_Strict):
             "mode": self.mode,
             "sampling": self.sampling.model_dump(),
             "chat_template_kwargs": self.template_kwargs(),
+            "hidden_states": self.hidden_states.model_dump() if self.hidden_states.enabled else None,
         }
 
     def prompt_identity(self) -> dict[str, Any]:

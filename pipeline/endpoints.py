@@ -158,11 +158,8 @@ class EndpointClient:
     # --- information endpoints ---------------------------------------------------------------------
     async def get_json(self, path: str, timeout_s: float = 10.0) -> tuple[int, Any]:
         """GET an information endpoint. Returns (status, parsed body or None); raises EndpointDown."""
-        if self._http is None:
-            headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-            self._http = aiohttp.ClientSession(headers=headers)
         try:
-            async with self._http.get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            async with self._session().get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 payload = await resp.read()
                 try:
                     return resp.status, orjson.loads(payload) if payload else None
@@ -170,6 +167,27 @@ class EndpointClient:
                     return resp.status, payload.decode(errors="replace")
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EndpointDown(f"{path}: {exc or type(exc).__name__}", endpoint=self.label) from None
+
+    async def post_json(self, path: str, body: dict[str, Any], timeout_s: float = 60.0) -> tuple[int, Any]:
+        """POST to a native endpoint (e.g. /generate). Returns (status, parsed body); raises EndpointDown."""
+        session = self._session()
+        try:
+            async with session.post(self.url + path, data=orjson.dumps(body),
+                                    headers={"Content-Type": "application/json"},
+                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                payload = await resp.read()
+                try:
+                    return resp.status, orjson.loads(payload) if payload else None
+                except orjson.JSONDecodeError:
+                    return resp.status, payload.decode(errors="replace")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EndpointDown(f"{path}: {exc or type(exc).__name__}", endpoint=self.label) from None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+            self._http = aiohttp.ClientSession(headers=headers)
+        return self._http
 
     async def healthy(self) -> bool:
         try:

@@ -22,13 +22,15 @@ PROMPTS = pa.schema(
 RECORDS = pa.schema(
     [
         ("prompt_id", pa.string()),
-        ("turn_index", pa.int32()),  # index of the regenerated assistant turn in the conversation
+        ("turn_index", pa.int32()),  # which assistant turn of the conversation this row regenerated (0-based)
+        ("n_turns", pa.int32()),  # assistant turns regenerated for this prompt (all_turns: the whole conversation)
         ("source", pa.string()),
         ("messages", pa.list_(MESSAGE)),  # exactly what was sent
         ("reference", pa.string()),  # the source's original final assistant turn, if any
         ("content", pa.string()),
         ("reasoning_content", pa.string()),
         ("finish_reason", pa.string()),
+        ("flags", pa.list_(pa.string())),  # quality flags: truncated, empty, leaked_think, repetition
         ("prompt_tokens", pa.int32()),
         ("completion_tokens", pa.int32()),
         ("cached_tokens", pa.int32()),
@@ -41,6 +43,9 @@ RECORDS = pa.schema(
         ("attempts", pa.int32()),
         ("seed", pa.int64()),
         ("request_id", pa.string()),
+        # Exact token ids from the server, null where it cannot give them (e.g. llama.cpp).
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("output_token_ids", pa.list_(pa.int32())),
         ("created_at", pa.timestamp("ms", tz="UTC")),
     ]
 )
