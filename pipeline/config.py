@@ -87,7 +87,7 @@ class RunConfig(_Strict):
     run_name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
     output_dir: str = "outputs"
     model: str
-    mode: Literal["last_turn"] = "last_turn"
+    mode: Literal["last_turn", "all_turns"] = "last_turn"
     # Explicit thinking mode: sent as chat_template_kwargs {"thinking": ...} (Kimi's switch). None: server default.
     thinking: bool | None = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -106,6 +106,8 @@ class RunConfig(_Strict):
     attempts_per_endpoint: int = Field(2, ge=1)
     request_timeout_s: float = Field(0.0, ge=0.0)  # 0: derived from max_tokens and min_tok_per_s
     min_tok_per_s: float = Field(2.0, gt=0.0)
+    stream: bool = False  # SSE: detects a stalled request sooner, but gives no token ids
+    stall_timeout_s: float = Field(60.0, gt=0.0)
     dead_fleet_deadline_s: float = Field(600.0, gt=0.0)
     circuit_failures: int = Field(5, ge=1)
     # Commit cadence: a SIGKILL loses at most this much uncommitted work.

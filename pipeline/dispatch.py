@@ -7,7 +7,9 @@ dies or whose circuit opens goes back to the queue; the committer drops late dup
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,17 +21,13 @@ from ray.exceptions import RayActorError
 from .config import RunConfig
 from .endpoints import ClientSettings
 from .errors import RunFatal
-from .worker import DONE, ENDPOINT_FATAL, RETRY, RETURNED, TERMINAL, EndpointWorker, Exchange, Outcome, WorkItem
+from .work import DONE, RETRY, TERMINAL, Exchange, Outcome, WorkItem
+from .worker import EndpointWorker
 
 log = logging.getLogger("regen.dispatch")
 
 
-def seed_for(prompt_id: str, temperature: float) -> int | None:
-    """At temperature > 0 the seed is derived from the prompt, so a rerun can reproduce a record."""
-    return int(prompt_id[:8], 16) & 0x7FFFFFFF if temperature > 0 else None
-
-
-def client_settings(cfg: RunConfig) -> ClientSettings:
+def client_settings(cfg: RunConfig, weight_version: str | None = None) -> ClientSettings:
     return ClientSettings(
         model=cfg.model,
         temperature=cfg.sampling.temperature,
@@ -37,6 +35,10 @@ def client_settings(cfg: RunConfig) -> ClientSettings:
         max_tokens=cfg.sampling.max_tokens,
         chat_template_kwargs=cfg.template_kwargs(),
         timeout_s=cfg.request_timeout(),
+        return_token_ids=cfg.return_token_ids,
+        stream=cfg.stream,
+        stall_timeout_s=cfg.stall_timeout_s,
+        expected_weight_version=weight_version,
     )
 
 
@@ -183,16 +185,24 @@ class Dispatcher:
                 )
 
 
+ACTOR_NAMESPACE = "regen"
+
+
 def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_keys: dict[str, str | None]):
     remote_worker = ray.remote(EndpointWorker)
     endpoints = {e.label: e for e in cfg.all_endpoints()}
+    generation = itertools.count()
 
     def factory(label: str) -> ray.actor.ActorHandle:
         e = endpoints[label]
+        # Named, so an operator (or a test) can find the actor of an endpoint in the cluster.
+        name = f"{cfg.run_name}:{os.getpid()}:{label}:{next(generation)}"
         return remote_worker.options(
-            num_cpus=cfg.ray.actor_num_cpus, max_concurrency=4, max_restarts=0
+            num_cpus=cfg.ray.actor_num_cpus, max_concurrency=4, max_restarts=0, name=name,
+            namespace=ACTOR_NAMESPACE,
         ).remote(
-            e.url, e.label, e.concurrency, settings, api_keys[label], cfg.attempts_per_endpoint, cfg.circuit_failures
+            e.url, e.label, e.concurrency, settings, api_keys[label], cfg.mode, cfg.attempts_per_endpoint,
+            cfg.circuit_failures,
         )
 
     return factory

@@ -5,6 +5,7 @@ of the error taxonomy, and nothing else in regen looks at error strings.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ import aiohttp
 import openai
 import orjson
 
+from .work import Completion
 from .errors import EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -70,44 +72,77 @@ class ClientSettings:
     top_p: float
     max_tokens: int
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # deadline of a non-streamed request
+    return_token_ids: bool = True
+    stream: bool = False
+    stall_timeout_s: float = 60.0  # streamed: no token for this long is "no progress"
+    # Pinned at preflight: an answer from another weight version is never mixed into the run.
+    expected_weight_version: str | None = None
 
 
-@dataclass
-class Completion:
-    content: str
-    reasoning_content: str | None
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int | None
-    reasoning_tokens: int | None
-    model: str
-    weight_version: str | None
-    latency_s: float
-    request_id: str
+def _usage_fields(usage: dict[str, Any]) -> dict[str, Any]:
+    details = usage.get("prompt_tokens_details") or {}
+    completion_details = usage.get("completion_tokens_details") or {}
+    return {
+        "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+        "completion_tokens": int(usage.get("completion_tokens") or 0),
+        "cached_tokens": details.get("cached_tokens"),
+        "reasoning_tokens": usage.get("reasoning_tokens", completion_details.get("reasoning_tokens")),
+    }
 
 
 def parse_chat(body: dict[str, Any], latency_s: float, request_id: str) -> Completion:
     choice = body["choices"][0]
     message = choice.get("message") or {}
-    usage = body.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    completion_details = usage.get("completion_tokens_details") or {}
-    reasoning_tokens = usage.get("reasoning_tokens", completion_details.get("reasoning_tokens"))
     return Completion(
         content=message.get("content") or "",
         reasoning_content=message.get("reasoning_content"),
         finish_reason=choice.get("finish_reason") or "unknown",
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        completion_tokens=int(usage.get("completion_tokens") or 0),
-        cached_tokens=details.get("cached_tokens"),
-        reasoning_tokens=reasoning_tokens,
         model=body.get("model", ""),
         weight_version=(body.get("metadata") or {}).get("weight_version"),
         latency_s=latency_s,
         request_id=request_id,
+        prompt_token_ids=choice.get("prompt_token_ids"),
+        output_token_ids=choice.get("token_ids"),
+        **_usage_fields(body.get("usage") or {}),
     )
+
+
+@dataclass
+class StreamAccumulator:
+    """Folds SSE chunks into one completion."""
+
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    finish_reason: str = "unknown"
+    usage: dict[str, Any] = field(default_factory=dict)
+    model: str = ""
+    request_id: str = ""
+    weight_version: str | None = None
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        if "error" in chunk:  # SGLang reports a mid-stream error as a data event
+            error = chunk["error"]
+            status = error.get("code") if isinstance(error, dict) else None
+            raise classify(int(status) if isinstance(status, int) else 500, _error_message(chunk, "stream error"))
+        self.model = chunk.get("model") or self.model
+        self.request_id = chunk.get("id") or self.request_id
+        self.weight_version = (chunk.get("metadata") or {}).get("weight_version", self.weight_version)
+        self.usage = chunk.get("usage") or self.usage
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.content.append(delta["content"])
+            if delta.get("reasoning_content"):
+                self.reasoning.append(delta["reasoning_content"])
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+
+    def completion(self, latency_s: float) -> Completion:
+        return Completion(
+            content="".join(self.content), reasoning_content="".join(self.reasoning) if self.reasoning else None,
+            finish_reason=self.finish_reason, model=self.model, weight_version=self.weight_version,
+            latency_s=latency_s, request_id=self.request_id, **_usage_fields(self.usage),
+        )
 
 
 class EndpointClient:
@@ -127,32 +162,55 @@ class EndpointClient:
         extra: dict[str, Any] = {"rid": rid}
         if s.chat_template_kwargs:
             extra["chat_template_kwargs"] = s.chat_template_kwargs
+        if s.return_token_ids and not s.stream:  # SGLang refuses token ids on a stream
+            extra.update(return_token_ids=True, return_prompt_token_ids=True)
+        request = dict(model=s.model, messages=messages, max_tokens=s.max_tokens, temperature=s.temperature,
+                       top_p=s.top_p, seed=seed, extra_body=extra)
         started = time.monotonic()
         try:
-            raw = await self._openai.chat.completions.with_raw_response.create(
-                model=s.model,
-                messages=messages,
-                max_tokens=s.max_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                seed=seed,
-                extra_body=extra,
-            )
-            body = orjson.loads(raw.content)
+            if s.stream:
+                completion = await self._streamed(request, started, rid)
+            else:
+                raw = await self._openai.chat.completions.with_raw_response.create(**request)
+                body = orjson.loads(raw.content)
+                completion = parse_chat(body, time.monotonic() - started, body.get("id") or rid)
         except openai.APIStatusError as exc:
             raise classify(exc.status_code, _error_message(exc.body, exc.message), self.label) from None
-        except openai.APITimeoutError:
-            raise Retryable(f"no progress within {s.timeout_s:.0f}s", endpoint=self.label) from None
+        except (openai.APITimeoutError, TimeoutError):
+            raise Retryable(f"no progress (deadline {s.timeout_s:.0f}s, stall {s.stall_timeout_s:.0f}s)",
+                            endpoint=self.label) from None
         except openai.APIConnectionError as exc:
             raise classify(None, f"connection failed: {exc.__cause__ or exc}", self.label) from None
-        except (orjson.JSONDecodeError, ValueError) as exc:
-            raise Retryable(f"unreadable response: {exc}", endpoint=self.label) from None
+        except openai.APIError as exc:  # e.g. an error event in the middle of a stream
+            raise Retryable(f"stream error: {_error_message(exc.body, exc.message)}", endpoint=self.label) from None
+        except (ValueError, KeyError, IndexError, TypeError) as exc:  # orjson.JSONDecodeError is a ValueError
+            raise Retryable(f"unreadable response ({exc!r})", endpoint=self.label) from None
+        return self._checked(completion)
+
+    async def _streamed(self, request: dict[str, Any], started: float, rid: str) -> Completion:
+        """SSE: a request with no new chunk for stall_timeout_s made no progress and is cancelled."""
+        stream = await self._openai.chat.completions.create(
+            **request, stream=True, stream_options={"include_usage": True})
+        folded = StreamAccumulator(request_id=rid)
+        chunks = stream.__aiter__()
         try:
-            completion = parse_chat(body, time.monotonic() - started, body.get("id") or rid)
-        except (KeyError, IndexError, TypeError) as exc:
-            raise Retryable(f"malformed response ({exc!r})", endpoint=self.label) from None
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(chunks.__anext__(), self.settings.stall_timeout_s)
+                except StopAsyncIteration:
+                    break
+                folded.add(chunk.model_dump(exclude_unset=True))
+        finally:
+            await stream.close()
+        return folded.completion(time.monotonic() - started)
+
+    def _checked(self, completion: Completion) -> Completion:
         if completion.finish_reason == "abort":
             raise Retryable("the server aborted the request", endpoint=self.label)
+        expected = self.settings.expected_weight_version
+        if expected is not None and completion.weight_version not in (None, expected):
+            raise EndpointFatal(f"weight version changed during the run: pinned {expected!r}, "
+                                f"the server now reports {completion.weight_version!r}", endpoint=self.label)
         return completion
 
     # --- information endpoints ---------------------------------------------------------------------

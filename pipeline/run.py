@@ -10,10 +10,8 @@ import platform
 import signal
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import orjson
 import pyarrow as pa
 
 from . import __version__, schema
@@ -22,7 +20,8 @@ from .errors import DriftError, StorageError
 from .prompts import PromptSet, build_prompt_set
 from .sources import load_source_spec
 from .store import Committer, RunDir, RunLock, now_utc, resolve_run_dir
-from .worker import DONE, Outcome, WorkItem
+from .records import RecordBuilder
+from .work import DONE, Outcome
 
 log = logging.getLogger("regen")
 
@@ -140,46 +139,6 @@ def setup_logging(run_dir: RunDir) -> None:
 
 
 # --- records ----------------------------------------------------------------------------------------
-class RecordBuilder:
-    """Turns an outcome into a data or failure row, from the prompt set held in compact form."""
-
-    def __init__(self, prompts: pa.Table, fingerprint: str, temperature: float):
-        self.index = {pid: i for i, pid in enumerate(prompts.column("prompt_id").to_pylist())}
-        self.sources = prompts.column("source").to_pylist()
-        self.references = prompts.column("reference").to_pylist()
-        self.messages = [orjson.dumps(m) for m in prompts.column("messages").to_pylist()]
-        self.fingerprint, self.temperature = fingerprint, temperature
-
-    def work_item(self, prompt_id: str) -> WorkItem:
-        from .dispatch import seed_for
-
-        return WorkItem(prompt_id, self.messages[self.index[prompt_id]], seed_for(prompt_id, self.temperature))
-
-    def record(self, outcome: Outcome, attempts: int) -> dict[str, Any]:
-        from .dispatch import seed_for
-
-        i, c = self.index[outcome.prompt_id], outcome.completion
-        messages = orjson.loads(self.messages[i])
-        return {
-            "prompt_id": outcome.prompt_id, "source": self.sources[i], "messages": messages,
-            "turn_index": sum(m["role"] == "assistant" for m in messages), "reference": self.references[i],
-            "content": c.content, "reasoning_content": c.reasoning_content, "finish_reason": c.finish_reason,
-            "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-            "cached_tokens": c.cached_tokens, "reasoning_tokens": c.reasoning_tokens, "endpoint": outcome.endpoint,
-            "model": c.model, "weight_version": c.weight_version, "config_fingerprint": self.fingerprint,
-            "latency_s": c.latency_s, "attempts": attempts, "seed": seed_for(outcome.prompt_id, self.temperature),
-            "request_id": c.request_id, "created_at": now_utc(),
-        }
-
-    def failure(self, outcome: Outcome, attempts: int) -> dict[str, Any]:
-        return {
-            "prompt_id": outcome.prompt_id, "source": self.sources[self.index[outcome.prompt_id]],
-            "error_class": outcome.kind, "status": outcome.status, "message": outcome.message,
-            "endpoint": outcome.endpoint, "attempts": attempts, "config_fingerprint": self.fingerprint,
-            "created_at": now_utc(),
-        }
-
-
 class StopFlag:
     """SIGINT/SIGTERM ask for a clean stop: dispatch ends, the buffer is committed, exit non-zero."""
 
@@ -234,12 +193,12 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, pro
               f"{progress.failed_before} failures, nothing pending", file=sys.stderr)
         return 0
     log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed), len(failed))
-    builder = RecordBuilder(prompts, cfg.fingerprint(), cfg.sampling.temperature)
+    builder = RecordBuilder(prompts, cfg)
     committer = Committer(run_dir, done, cfg.flush_records, cfg.flush_interval_s)
     stop = StopFlag()
     try:
         with local_fleet(cfg, run_dir):
-            state = run_dispatch(cfg, builder, pending, committer, progress, stop)
+            state = run_dispatch(cfg, run_dir, builder, pending, committer, progress, stop)
     except BaseException:
         salvage(committer, progress)
         raise
@@ -290,19 +249,35 @@ def init_ray(address: str | None) -> None:
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
 
 
-def run_dispatch(cfg, builder: RecordBuilder, pending: list[str], committer: Committer, progress, stop) -> str:
+def pin_weight_version(run_dir: RunDir, reports) -> str | None:
+    """The run is pinned to the weight version the fleet reports; a resume against other weights is drift."""
+    seen = {r.weight_version for r in reports if r.reachable and r.weight_version}
+    if len(seen) != 1:
+        return None  # not reported (e.g. llama.cpp); a mixed fleet is refused by the preflight
+    version = seen.pop()
+    manifest = run_dir.read_manifest()
+    pinned = manifest.get("weight_version")
+    if pinned is None:
+        run_dir.write_manifest({**manifest, "weight_version": version})
+    elif pinned != version:
+        raise DriftError(str(run_dir.path), [f"weight_version: {pinned!r} -> {version!r} (reported by the fleet)"])
+    return version
+
+
+def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,
+                 progress, stop) -> str:
     from .dispatch import Dispatcher, client_settings, make_actor_factory
     from .fleet import preflight
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
-    preflight(cfg, api_keys)
+    weight_version = pin_weight_version(run_dir, preflight(cfg, api_keys))
     init_ray(cfg.ray.address)
     stop.install()
 
     def on_outcome(outcome: Outcome, attempts: int) -> None:
         if outcome.kind == DONE:
-            committer.add_record(builder.record(outcome, attempts))
-            progress.record(True, outcome.completion.completion_tokens)
+            committer.add_records(builder.records(outcome, attempts))
+            progress.record(True, sum(c.completion_tokens for c in outcome.completions))
         else:
             committer.add_failure(builder.failure(outcome, attempts))
             progress.record(False, 0)
@@ -314,7 +289,7 @@ def run_dispatch(cfg, builder: RecordBuilder, pending: list[str], committer: Com
         progress.tick(endpoints)
 
     dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
-                            make_actor_factory(cfg, client_settings(cfg), api_keys))
+                            make_actor_factory(cfg, client_settings(cfg, weight_version), api_keys))
     try:
         dispatcher.run()
     finally:

@@ -308,9 +308,10 @@ class Committer:
         self.buffered.add(prompt_id)
         return True
 
-    def add_record(self, row: dict[str, Any]) -> bool:
-        if self._accept(row["prompt_id"]):
-            self.records.append(row)
+    def add_records(self, rows: list[dict[str, Any]]) -> bool:
+        """All rows of one prompt (one per regenerated turn) are committed together, in one part."""
+        if self._accept(rows[0]["prompt_id"]):
+            self.records.extend(rows)
             return True
         return False
 
@@ -321,7 +322,7 @@ class Committer:
         return False
 
     def due(self) -> bool:
-        pending = len(self.records) + len(self.failures)
+        pending = len(self.buffered)
         return pending >= self.flush_records or (
             pending > 0 and time.monotonic() - self._oldest >= self.flush_interval_s
         )

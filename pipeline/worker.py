@@ -13,44 +13,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
-from .endpoints import ClientSettings, Completion, EndpointClient
+from .conversation import turn_history, user_turns
+from .endpoints import ClientSettings, EndpointClient
 from .errors import EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt
+from .work import DONE, ENDPOINT_FATAL, RETRY, RETURNED, TERMINAL, Completion, Exchange, Outcome, WorkItem
 
 
-@dataclass(frozen=True)
-class WorkItem:
-    prompt_id: str
-    messages_json: bytes  # orjson of the messages to send; decoded only here
-    seed: int | None
-
-
-# What became of one work item at one endpoint.
-DONE, RETRY, RETURNED, TERMINAL, ENDPOINT_FATAL = "done", "retryable", "returned", "terminal", "endpoint_fatal"
-
-
-@dataclass
-class Outcome:
-    prompt_id: str
-    kind: str
-    endpoint: str
-    attempts: int  # attempts that count against the prompt (an unreachable endpoint does not count)
-    completion: Completion | None = None
-    message: str = ""
-    status: int | None = None
-
-
-@dataclass
-class Exchange:
-    outcomes: list[Outcome]
-    demand: int  # how many more items this endpoint can take now
-    state: str  # healthy | open | probing | fatal
-    in_flight: int
-    stats: dict = field(default_factory=dict)
+class _Failed(Exception):
+    def __init__(self, error: RequestError, attempts: int):
+        self.error, self.attempts = error, attempts
 
 
 class EndpointWorker:
@@ -61,12 +35,13 @@ class EndpointWorker:
         concurrency: int,
         settings: ClientSettings,
         api_key: str | None = None,
+        mode: str = "last_turn",
         attempts_per_endpoint: int = 2,
         circuit_failures: int = 5,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
     ):
-        self.label, self.concurrency = label, concurrency
+        self.label, self.concurrency, self.mode = label, concurrency, mode
         self.client = EndpointClient(url, label, settings, api_key)
         self.attempts_per_endpoint = attempts_per_endpoint
         self.circuit_failures = circuit_failures
@@ -145,7 +120,31 @@ class EndpointWorker:
                 self.in_flight -= 1
 
     async def _run(self, item: WorkItem) -> Outcome:
+        """All turns of a prompt on this endpoint, in order. A failure redoes the whole prompt elsewhere."""
         messages = orjson.loads(item.messages_json)
+        completions: list[Completion] = []
+        attempts = 0
+        try:
+            if self.mode == "all_turns":
+                system, users = user_turns(messages)
+                for k in range(len(users)):
+                    history = turn_history(system, users, [c.content for c in completions], k)
+                    seed = None if item.seed is None else item.seed + k
+                    completion, used = await self._request(history, seed)
+                    attempts += used
+                    completions.append(completion)
+            else:
+                completion, attempts = await self._request(messages, item.seed)
+                completions.append(completion)
+        except _Failed as failed:
+            return self._failed(item, failed.error, attempts + failed.attempts)
+        self.consecutive_failures = 0
+        if self.state == "probing":
+            self.state = "healthy"
+        return Outcome(item.prompt_id, DONE, self.label, attempts, completions=completions)
+
+    async def _request(self, messages: list[dict[str, str]], seed: int | None) -> tuple[Completion, int]:
+        """One turn, with backoff and jitter on retryable errors, up to attempts_per_endpoint."""
         attempts = 0
         retrying = AsyncRetrying(
             # An unreachable endpoint is not retried here: the circuit breaker handles it.
@@ -159,14 +158,11 @@ class EndpointWorker:
                 with attempt:
                     self.requests += 1
                     attempts += 1
-                    completion = await self.client.chat(messages, item.seed)
+                    completion = await self.client.chat(messages, seed)
         except RequestError as error:
-            return self._failed(item, error, attempts)
-        self.consecutive_failures = 0
-        if self.state == "probing":
-            self.state = "healthy"
+            raise _Failed(error, attempts) from None
         self.completion_tokens += completion.completion_tokens
-        return Outcome(item.prompt_id, DONE, self.label, attempts, completion=completion)
+        return completion, attempts
 
     def _failed(self, item: WorkItem, error: RequestError, attempts: int) -> Outcome:
         """The one place that turns an error class into an outcome and circuit bookkeeping."""

@@ -7,7 +7,6 @@ import sys
 import textwrap
 import time
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -127,11 +126,11 @@ def test_committer_commits_each_prompt_once_and_the_ledger_reads_it(tmp_path):
     run = RunDir(tmp_path / "run")
     run.create()
     committer = Committer(run, done=set(), flush_records=3, flush_interval_s=60)
-    assert committer.add_record(record("a")) and committer.add_record(record("b"))
-    assert not committer.add_record(record("a")), "a buffered duplicate is dropped"
-    committer.add_record(record("c"))
+    assert committer.add_records([record("a")]) and committer.add_records([record("b")])
+    assert not committer.add_records([record("a")]), "a buffered duplicate is dropped"
+    committer.add_records([record("c")])
     committer.maybe_flush()
-    assert not committer.add_record(record("b")), "a committed duplicate is dropped"
+    assert not committer.add_records([record("b")]), "a committed duplicate is dropped"
     committer.add_failure({"prompt_id": "d", "message": "x", "created_at": now_utc()})
     committer.flush()
     assert run.committed_ids() == {"a", "b", "c"} and run.failed_ids() == {"d"}
@@ -139,14 +138,14 @@ def test_committer_commits_each_prompt_once_and_the_ledger_reads_it(tmp_path):
     assert len(run.parts(run.data)) == 1
     assert pq.read_table(run.parts(run.data)[0]).schema.equals(schema.RECORDS)
     resumed = Committer(run, done=run.committed_ids() | run.failed_ids(), flush_records=3, flush_interval_s=60)
-    assert not resumed.add_record(record("c")) and not resumed.add_failure({"prompt_id": "d"})
+    assert not resumed.add_records([record("c")]) and not resumed.add_failure({"prompt_id": "d"})
 
 
 def test_flush_interval_commits_a_small_buffer(tmp_path):
     run = RunDir(tmp_path / "run")
     run.create()
     committer = Committer(run, done=set(), flush_records=100, flush_interval_s=0.05)
-    committer.add_record(record("a"))
+    committer.add_records([record("a")])
     assert not committer.due()
     time.sleep(0.06)
     committer.maybe_flush()
@@ -169,7 +168,7 @@ def test_cleanup_removes_only_temporary_files(tmp_path):
     run = RunDir(tmp_path / "run")
     run.create()
     committer = Committer(run, done=set(), flush_records=1, flush_interval_s=60)
-    committer.add_record(record("a"))
+    committer.add_records([record("a")])
     committer.flush()
     (run.data / ".tmp-part-000002-deadbeef.parquet.1234").write_bytes(b"torn")
     removed = run.cleanup_temp()

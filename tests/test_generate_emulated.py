@@ -72,7 +72,7 @@ def test_refresh_sends_exactly_the_new_prompts(tmp_path, ray_cluster, emulator_f
     run = tmp_path / "out" / "t"
     before = [len(log) for log in request_log_lines(emulator_fleet)]
 
-    removed, kept = rows[:5], rows[5:]
+    kept = rows[5:]  # the first 5 are removed from the source
     added = write_prompts(tmp_path / "new.jsonl", 5, start=1000)
     shuffled = kept + added
     random.Random(7).shuffle(shuffled)

@@ -3,7 +3,6 @@ real `regen` command in a subprocess and real SIGKILLs."""
 from __future__ import annotations
 
 import collections
-import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq

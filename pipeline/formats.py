@@ -1,0 +1,153 @@
+"""Training-row builders and the SpecForge validator. Pure: records in (dicts with the RECORDS
+columns), rows out. The facts they follow are in ../shared/reference/training-formats.md.
+
+Only target-written text may become trainable:
+- SpecForge conversations train on every assistant message, so a conversation row holds only
+  target-written assistant messages, except a per-turn row, which is trained with
+  `train_only_last_turn: true` (its history may be source-written in last_turn mode).
+- Token rows carry a loss mask of 1 exactly over the tokens the target generated.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+Record = Mapping[str, Any]
+
+SPECFORGE_ROLES = ("system", "user", "assistant")
+
+
+def turn_id(prompt_id: str, turn_index: int) -> str:
+    """SpecForge's per-turn id (scripts/expand_reasoning_conversations.py)."""
+    return f"{prompt_id}#turn{turn_index}"
+
+
+def speculators_id(prompt_id: str, turn_index: int) -> str:
+    return f"{prompt_id}_gen{turn_index}"
+
+
+def reply_message(record: Record) -> dict[str, str]:
+    """The regenerated assistant turn, with its reasoning when the target produced any."""
+    message = {"role": "assistant", "content": record["content"] or ""}
+    if record.get("reasoning_content"):
+        message["reasoning_content"] = record["reasoning_content"]
+    return message
+
+
+def history(record: Record) -> list[dict[str, str]]:
+    """The messages exactly as sent (no reasoning: it is never sent back)."""
+    return [{"role": m["role"], "content": m["content"]} for m in record["messages"] or []]
+
+
+# --- SpecForge conversations ---------------------------------------------------------------------
+def specforge_per_turn_row(record: Record) -> dict[str, Any]:
+    """One assistant turn as the last message of its own row; train with `train_only_last_turn: true`."""
+    return {
+        "id": turn_id(record["prompt_id"], record["turn_index"]),
+        "conversations": history(record) + [reply_message(record)],
+        "source_id": record["prompt_id"],
+        "assistant_turn_index": record["turn_index"],
+    }
+
+
+class HistoryMismatch(ValueError):
+    """An all_turns history holds an assistant message that is not the target's reply for that turn."""
+
+
+def specforge_conversation_row(turns: Sequence[Record]) -> dict[str, Any]:
+    """A whole all_turns conversation from its rows, ordered by turn_index 0..k with none missing.
+
+    The last row's history already holds the target's earlier replies; each is checked against the
+    row of that turn, and gets that row's reasoning_content."""
+    last = turns[-1]
+    conversation = []
+    assistant_index = 0
+    for message in history(last):
+        if message["role"] == "assistant":
+            earlier = turns[assistant_index]
+            if message["content"] != (earlier["content"] or ""):
+                raise HistoryMismatch(f"{last['prompt_id']}: assistant turn {assistant_index} differs from its row")
+            message = reply_message(earlier)
+            assistant_index += 1
+        conversation.append(message)
+    if assistant_index != len(turns) - 1:
+        raise HistoryMismatch(f"{last['prompt_id']}: history has {assistant_index} assistant turns, "
+                              f"expected {len(turns) - 1}")
+    conversation.append(reply_message(last))
+    return {"id": last["prompt_id"], "conversations": conversation}
+
+
+def validate_specforge_row(row: Any) -> list[str]:
+    """Problems with a SpecForge conversations row (empty list: valid).
+
+    Rules (SpecForge specforge/data/prompt_builder.py, conversations format): `id` a string;
+    `conversations` a list of {"role", "content", "reasoning_content"?}; an optional leading system
+    message, then strict user/assistant alternation starting with user; every content a non-empty
+    string; reasoning_content, where present, a string. A training row also needs an assistant
+    message to train on, so it must end with one."""
+    if not isinstance(row, Mapping):
+        return ["row is not an object"]
+    problems = []
+    if not isinstance(row.get("id"), str) or not row.get("id"):
+        problems.append("id must be a non-empty string")
+    conversation = row.get("conversations")
+    if not isinstance(conversation, list) or not conversation:
+        return problems + ["conversations must be a non-empty list"]
+    expected = "user"
+    for position, message in enumerate(conversation):
+        where = f"conversations[{position}]"
+        if not isinstance(message, Mapping):
+            problems.append(f"{where} is not an object")
+            continue
+        role, content = message.get("role"), message.get("content")
+        if role not in SPECFORGE_ROLES:
+            problems.append(f"{where}: role {role!r} is not one of {SPECFORGE_ROLES}")
+        elif role == "system":
+            if position != 0:
+                problems.append(f"{where}: a system message may only come first")
+        elif role != expected:
+            problems.append(f"{where}: expected role {expected!r}, got {role!r} (roles must alternate)")
+        else:
+            expected = "assistant" if role == "user" else "user"
+        if not isinstance(content, str) or not content.strip():
+            problems.append(f"{where}: content must be a non-empty string")
+        if "reasoning_content" in message and not isinstance(message["reasoning_content"], str):
+            problems.append(f"{where}: reasoning_content must be a string")
+    last = conversation[-1]
+    if not isinstance(last, Mapping) or last.get("role") != "assistant":
+        problems.append("the conversation must end with an assistant message")
+    return problems
+
+
+# --- pre-tokenized rows --------------------------------------------------------------------------
+def has_token_ids(record: Record) -> bool:
+    return record.get("prompt_token_ids") is not None and bool(record.get("output_token_ids"))
+
+
+def tokens_and_mask(record: Record) -> tuple[list[int], list[int]]:
+    """input_ids = prompt + generated tokens; loss mask 0 over the prompt, 1 over the generated tokens."""
+    prompt, output = list(record["prompt_token_ids"]), list(record["output_token_ids"])
+    return prompt + output, [0] * len(prompt) + [1] * len(output)
+
+
+def specforge_tokens_row(record: Record) -> dict[str, Any]:
+    input_ids, loss_mask = tokens_and_mask(record)
+    return {"id": turn_id(record["prompt_id"], record["turn_index"]), "input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def speculators_row(record: Record, sampling_params: Mapping[str, Any]) -> dict[str, Any]:
+    input_ids, loss_mask = tokens_and_mask(record)
+    return {
+        "id": speculators_id(record["prompt_id"], record["turn_index"]),
+        "primary_id": record["prompt_id"],
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "text": record["content"] or "",
+        "metadata": {
+            "idx": record["turn_index"],
+            "finish_reason": record["finish_reason"],
+            "usage": {"prompt_tokens": record.get("prompt_tokens"),
+                      "completion_tokens": record.get("completion_tokens")},
+            "endpoint": record.get("endpoint"),
+            "sampling_params": dict(sampling_params),
+        },
+    }
