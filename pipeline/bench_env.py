@@ -49,6 +49,7 @@ class RayHead:
         self.temp_dir = Path(f"/tmp/regen-bench-ray-{os.getpid()}")  # short: Ray's socket paths are limited
         self.address: str | None = None
         self.startup_s: float | None = None
+        self.restarts = 0  # another user's `ray stop --force` ends every Ray on the machine, ours included
 
     def start(self) -> "RayHead":
         shutil.rmtree(self.temp_dir, ignore_errors=True)
@@ -57,11 +58,31 @@ class RayHead:
         t0 = time.perf_counter()
         subprocess.run(
             [ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-             "--disable-usage-stats", f"--temp-dir={self.temp_dir}"],
+             f"--dashboard-port={free_port()}", "--disable-usage-stats", f"--temp-dir={self.temp_dir}"],
             check=True, capture_output=True, env={**os.environ, **self.ENV},
         )
         self.startup_s = time.perf_counter() - t0
         self.address = f"127.0.0.1:{port}"
+        return self
+
+    def alive(self) -> bool:
+        psutil = _psutil()
+        for proc in self.processes():
+            try:
+                if proc.name() == "gcs_server" and proc.status() != psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.NoSuchProcess:
+                continue
+        return False
+
+    def ensure(self) -> "RayHead":
+        """Start the head again if something outside the benchmark ended it."""
+        if not self.alive():
+            self.stop()
+            self.restarts += 1
+            first = self.startup_s
+            self.start()
+            self.startup_s = first
         return self
 
     def env(self) -> dict[str, str]:
@@ -171,13 +192,27 @@ def start_regen(config: Path, env: dict[str, str], log: Path) -> subprocess.Pope
                                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **env})
 
 
-def wait_regen(proc: subprocess.Popen, log: Path, timeout: float) -> int:
+def wait_regen(proc: subprocess.Popen, log: Path, timeout: float, alive=None) -> int:
+    """Wait for regen; stop it (SIGTERM) past `timeout`, or as soon as `alive()` says the Ray head is gone."""
+    deadline = time.monotonic() + timeout
+    last_check = time.monotonic()
+    while time.monotonic() < deadline:
+        try:
+            return proc.wait(0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        if alive is not None and time.monotonic() - last_check > 2:
+            last_check = time.monotonic()
+            if not alive():
+                deadline = 0
+    proc.send_signal(signal.SIGTERM)
     try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-        raise RuntimeError(f"regen did not finish in {timeout:.0f}s:\n{log.read_text(errors='replace')[-3000:]}")
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    raise RuntimeError(f"regen did not finish (timeout {timeout:.0f}s or the Ray head died):\n"
+                       f"{log.read_text(errors='replace')[-3000:]}")
 
 
 def committed(run: Path) -> tuple[int, float | None]:

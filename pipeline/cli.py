@@ -41,6 +41,12 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _preflight(args: argparse.Namespace) -> int:
+    from .fleet import run_preflight_command
+
+    return run_preflight_command(args.config)
+
+
 def _serve_local(args: argparse.Namespace) -> int:
     from .localfleet import main as serve_main
 
@@ -73,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run_dir")
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(func=_status)
+
+    preflight = sub.add_parser("preflight", help="probe every endpoint and print a table; send no prompt",
+                               description="Check model identity, weight version, context, reasoning parser and "
+                                           "hidden-state width and layout of every endpoint.")
+    preflight.add_argument("config")
+    preflight.set_defaults(func=_preflight)
 
     validate = sub.add_parser("validate", help="check a config without contacting anything")
     validate.add_argument("config")

@@ -202,7 +202,7 @@ def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_keys: dict[
             namespace=ACTOR_NAMESPACE,
         ).remote(
             e.url, e.label, e.concurrency, settings, api_keys[label], cfg.mode, cfg.attempts_per_endpoint,
-            cfg.circuit_failures,
+            cfg.circuit_failures, readmission=cfg,
         )
 
     return factory

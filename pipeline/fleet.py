@@ -45,6 +45,13 @@ PROBE_TIMEOUT_S = 30.0  # each tiny generation (8 chat tokens, 4 /generate token
 CHAT_PROBE_TOKENS = 8
 HIDDEN_PROBE_TOKENS = 4
 KIMI_LAYER_WIDTH = 7168
+PROBE_RID_PREFIX = "regen-preflight-"  # probes are told apart from prompts in the servers' logs
+
+
+def probe_rid() -> str:
+    return PROBE_RID_PREFIX + uuid.uuid4().hex
+
+
 PROBE_MESSAGES = [{"role": "user", "content": "Reply with the single word: ready."}]
 
 
@@ -221,7 +228,7 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
 async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointReport, found: _Findings,
                       timeout_s: float) -> None:
     body: dict[str, Any] = {"model": cfg.model, "messages": PROBE_MESSAGES, "max_tokens": CHAT_PROBE_TOKENS,
-                            "temperature": 0.0}
+                            "temperature": 0.0, "rid": probe_rid()}
     if cfg.template_kwargs():
         body["chat_template_kwargs"] = cfg.template_kwargs()
     try:
@@ -262,7 +269,7 @@ async def _hidden_probe(client: EndpointClient, cfg: RunConfig, report: Endpoint
     rows: list[tuple[int, int]] = []  # (n_prefill, prompt_tokens) per probe
     for attempt in (1, 2):  # the same text twice: the second finds it in a radix cache if one is on
         try:
-            status, answer = await client.post_json("/generate", body, timeout_s=timeout_s)
+            status, answer = await client.post_json("/generate", {**body, "rid": probe_rid()}, timeout_s=timeout_s)
         except EndpointDown as exc:
             report.down_reason = report.down_reason or (
                 f"answers /v1/models, but a tiny /generate ({HIDDEN_PROBE_TOKENS} tokens) got no answer within "

@@ -40,7 +40,8 @@ def _row(r: "EndpointReport", cfg: "RunConfig") -> tuple[str, ...]:
         parser = radix = "n/a"
     else:
         parser = (r.reasoning_parser or "none") if r.sglang else "?"
-        radix = {True: "ON", False: "off", None: "?"}[r.radix_cache]
+        # Upper case only where it matters: a radix cache drops hidden-state rows, and is harmless otherwise.
+        radix = {True: "ON" if cfg.hidden_states.enabled else "on", False: "off", None: "?"}[r.radix_cache]
     if not cfg.hidden_states.enabled:
         hidden = "not asked"
     else:

@@ -251,10 +251,11 @@ def init_ray(address: str | None) -> None:
 
 def pin_weight_version(run_dir: RunDir, reports) -> str | None:
     """The run is pinned to the weight version the fleet reports; a resume against other weights is drift."""
-    seen = {r.weight_version for r in reports if r.reachable and r.weight_version}
-    if len(seen) != 1:
+    from .fleet import pinned_weight_version
+
+    version = pinned_weight_version(reports)
+    if version is None:
         return None  # not reported (e.g. llama.cpp); a mixed fleet is refused by the preflight
-    version = seen.pop()
     manifest = run_dir.read_manifest()
     pinned = manifest.get("weight_version")
     if pinned is None:

@@ -16,6 +16,7 @@ from collections import Counter
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from .config import RunConfig
 from .conversation import turn_history, user_turns
 from .endpoints import ClientSettings, EndpointClient
 from .errors import EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt
@@ -40,12 +41,14 @@ class EndpointWorker:
         circuit_failures: int = 5,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
+        readmission: RunConfig | None = None,
     ):
         self.label, self.concurrency, self.mode = label, concurrency, mode
         self.client = EndpointClient(url, label, settings, api_key)
         self.attempts_per_endpoint = attempts_per_endpoint
         self.circuit_failures = circuit_failures
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
+        self.readmission = readmission  # the run's config: a recovered endpoint passes the full preflight again
         self.inbox: asyncio.Queue[WorkItem] = asyncio.Queue()
         self.outbox: list[Outcome] = []
         self.ready = asyncio.Event()
@@ -200,11 +203,27 @@ class EndpointWorker:
         delay = self.backoff_initial_s
         while self.state == "open":
             await asyncio.sleep(delay)
-            if await self.client.healthy():
+            if await self.client.healthy() and await self._passes_preflight():
                 self.state = "probing"  # half-open: one request decides
                 self.consecutive_failures = 0
                 return
             delay = min(self.backoff_max_s, delay * 2)
+
+    async def _passes_preflight(self) -> bool:
+        """A restarted server may come back with other flags, another model or other weights."""
+        if self.readmission is None:
+            return True
+        from .fleet import check_endpoint, fleet_problems
+
+        report = await check_endpoint(self.client, self.readmission)
+        expected = self.client.settings.expected_weight_version
+        problems = report.problems + fleet_problems([report], self.readmission)
+        if expected is not None and report.weight_version not in (None, expected):
+            problems.append(f"weight version {report.weight_version!r} differs from the run's {expected!r}")
+        if problems:
+            self.last_error = "refused on recovery: " + "; ".join(problems)
+            self.errors["readmission_refused"] += 1
+        return report.ok and not problems
 
     async def close(self) -> None:
         for task in self._tasks:

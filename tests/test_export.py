@@ -19,7 +19,7 @@ from pipeline.errors import StorageError
 from pipeline.export import NotARunDirectory, export_run
 from pipeline.formats import validate_specforge_row
 from pipeline.quality import quality_flags
-from pipeline.store import RunDir, atomic_write, table_bytes
+from pipeline.store import RunDir, table_bytes
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 64}
 

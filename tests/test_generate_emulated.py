@@ -18,6 +18,7 @@ import pytest
 
 from pipeline.emulator import make_config, start_emulator
 from pipeline.emulator.model import expected_chat
+from pipeline.fleet import PROBE_RID_PREFIX
 from tests.helpers import (
     all_prompt_ids, committed_ids, data_parts, run_regen, start_regen, temp_files, wait_for, write_config,
     write_prompts, write_source,
@@ -80,7 +81,8 @@ def test_refresh_sends_exactly_the_new_prompts(tmp_path, ray_cluster, emulator_f
 
     result = run_regen("generate", "--config", str(config), "--refresh-prompts")
     assert result.returncode == 0, result.stderr
-    sent = [line for log in request_log_lines(emulator_fleet, skip=before) for line in log]
+    sent = [line for log in request_log_lines(emulator_fleet, skip=before) for line in log
+            if not line["rid"].startswith(PROBE_RID_PREFIX)]  # the preflight's tiny probes are not prompts
     assert sorted(line["messages"][-1]["content"] for line in sent) == sorted(r["prompt"] for r in added)
     assert "5 added, 5 vanished" in result.stderr
     ids = committed_ids(run)
