@@ -68,14 +68,17 @@ def regen_run(ctx: Ctx, folder: Path, urls: list[str], concurrency, prompts: Pat
               poll: float = 0.025, timeout: float = 600, during=None, **overrides) -> tuple[RegenRun, StatsPoller]:
     """Run `regen generate` to completion; time it from the first request to the last commit.
     If our Ray head was ended from outside during the run, start it again and redo the run once."""
-    try:
-        return _regen_run(ctx, folder, urls, concurrency, prompts, max_tokens, poll, timeout, during, **overrides)
-    except RuntimeError:
-        if ctx.head.alive():
-            raise
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        return _regen_run(ctx, folder, urls, concurrency, prompts, max_tokens, poll, timeout, during, **overrides)
+    for attempt in range(4):
+        try:
+            return _regen_run(ctx, folder, urls, concurrency, prompts, max_tokens, poll, timeout, during,
+                              **overrides)
+        except RuntimeError:
+            if ctx.head.alive() or attempt == 3:
+                raise
+            print(f"  (the Ray head was ended from outside; restarting it and redoing {folder.name})", flush=True)
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+    raise AssertionError("unreachable")
 
 
 def _regen_run(ctx: Ctx, folder: Path, urls: list[str], concurrency, prompts: Path, max_tokens: int,

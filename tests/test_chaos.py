@@ -38,11 +38,11 @@ class PartWatcher(threading.Thread):
 
     def __init__(self, run: Path):
         super().__init__(daemon=True)
-        self.run, self.stop, self.reads, self.errors = run, threading.Event(), 0, []
+        self.run_path, self.stop, self.reads, self.errors = run, threading.Event(), 0, []
 
-    def run(self) -> None:  # noqa: D401 (thread body)
+    def run(self) -> None:
         while not self.stop.is_set():
-            for part in data_parts(self.run):
+            for part in data_parts(self.run_path):
                 try:
                     pq.read_table(part, columns=["prompt_id"])
                     self.reads += 1
