@@ -48,3 +48,7 @@ serve-local: setup
 
 emulate: setup
 	$(REGEN) emulate --port 30000
+
+.PHONY: bench
+bench: setup
+	$(PY) -m pipeline.bench $(ARGS)

@@ -14,8 +14,21 @@ from pathlib import Path
 
 import orjson
 
-from .bench_env import (MODEL, REPO, RayHead, StatsPoller, actor_pids_when_ready, committed, emulators, median,
-                        run_client, start_regen, wait_regen, write_config, write_prompts)
+from .bench_env import (
+    MODEL,
+    REPO,
+    RayHead,
+    StatsPoller,
+    actor_pids_when_ready,
+    committed,
+    emulators,
+    median,
+    run_client,
+    start_regen,
+    wait_regen,
+    write_config,
+    write_prompts,
+)
 
 
 @dataclass
@@ -113,7 +126,7 @@ def overhead(ctx: Ctx) -> Result:
     base_rates, regen_rates, ratios, startups = [], [], [], []
     with emulators(2, tok_per_s=0) as fleet:
         urls = [e.url for e in fleet]
-        ctx.head  # Ray start-up is measured on its own, before any timed run
+        ctx.head.ensure()  # Ray start-up is measured on its own, before any timed run
 
         def baseline() -> float:
             out = run_client(["--mode", "pool", "--urls", ",".join(urls), "--prompts", str(prompts),
@@ -273,7 +286,7 @@ def stragglers(ctx: Ctx) -> Result:
     with emulators(4, per=[{"tok_per_s": s} for s in speeds], capacity=cap) as fleet:
         urls = [e.url for e in fleet]
         for k in range(1 if ctx.quick else 2):
-            run, poller = regen_run(ctx, w / f"regen-{k}", urls, cap, prompts, max_tokens, poll=0.1)
+            run, _ = regen_run(ctx, w / f"regen-{k}", urls, cap, prompts, max_tokens, poll=0.1)
             assert run.rows == n
             tokens = _total_tokens(w / f"regen-{k}" / "out" / "bench")
             ideal = tokens / (cap * sum(speeds))
@@ -316,7 +329,7 @@ def emulator_capacity(ctx: Ctx) -> Result:
         for _ in range(1 if ctx.quick else 2):
             out = subprocess.run([sys.executable, "-m", "pipeline.emulator.loadgen", "--url", fleet[0].url,
                                   "--concurrency", "128", "--duration", "3", "--max-tokens", "8", "--model", MODEL],
-                                 capture_output=True, text=True, cwd=REPO, timeout=60)
+                                 capture_output=True, text=True, cwd=REPO, timeout=60, check=True)
             rates.append(orjson.loads(out.stdout.strip().splitlines()[-1])["req_per_s"])
     rate = median(rates)
     res.rows.append(("one emulator, raw-aiohttp loadgen (128 in flight, max_tokens 8)", f"{fmt(rate, 0)} req/s",

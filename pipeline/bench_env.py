@@ -14,9 +14,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ClassVar
 
 import orjson
 import yaml
@@ -43,7 +44,7 @@ def _psutil():
 class RayHead:
     """`ray start --head` on 127.0.0.1 in a private temp dir (as tests/conftest.py does)."""
 
-    ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    ENV: ClassVar[dict[str, str]] = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
     def __init__(self) -> None:
         self.temp_dir = Path(f"/tmp/regen-bench-ray-{os.getpid()}")  # short: Ray's socket paths are limited
@@ -51,7 +52,7 @@ class RayHead:
         self.startup_s: float | None = None
         self.restarts = 0  # another user's `ray stop --force` ends every Ray on the machine, ours included
 
-    def start(self) -> "RayHead":
+    def start(self) -> RayHead:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         port = free_port()
         ray_bin = str(Path(sys.executable).with_name("ray"))
@@ -75,7 +76,7 @@ class RayHead:
                 continue
         return False
 
-    def ensure(self) -> "RayHead":
+    def ensure(self) -> RayHead:
         """Start the head again if something outside the benchmark ended it."""
         if not self.alive():
             self.stop()
@@ -227,7 +228,7 @@ def committed(run: Path) -> tuple[int, float | None]:
 def run_client(args: list[str], timeout: float = 900) -> dict:
     """A baseline client (pipeline.bench_clients) in its own process; returns its JSON line."""
     out = subprocess.run([sys.executable, "-m", "pipeline.bench_clients", *args], capture_output=True, text=True,
-                         cwd=REPO, timeout=timeout)
+                         cwd=REPO, timeout=timeout, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"baseline client failed:\n{out.stderr[-3000:]}")
     return orjson.loads(out.stdout.strip().splitlines()[-1])
@@ -258,7 +259,7 @@ class StatsPoller(threading.Thread):
             self.samples.append((t, row))
             self._halt.wait(max(0.0, self.interval - (time.time() - t)))
 
-    def stop(self) -> "StatsPoller":
+    def stop(self) -> StatsPoller:
         self._halt.set()
         self.join(10)
         return self
@@ -318,7 +319,7 @@ class RssSampler(threading.Thread):
         except (OSError, ValueError, KeyError):
             return None
 
-    def stop(self) -> "RssSampler":
+    def stop(self) -> RssSampler:
         self._halt.set()
         self.join(10)
         return self

@@ -46,7 +46,26 @@ RECORDS = pa.schema(
         # Exact token ids from the server, null where it cannot give them (e.g. llama.cpp).
         ("prompt_token_ids", pa.list_(pa.int32())),
         ("output_token_ids", pa.list_(pa.int32())),
+        # Hidden states (when captured): the hidden part file under hidden/ and the row in it.
+        ("hidden_part", pa.string()),
+        ("hidden_row", pa.int32()),
         ("created_at", pa.timestamp("ms", tz="UTC")),
+    ]
+)
+
+# One row per sample in hidden/part-*.parquet, written by the endpoint actor before the data row that
+# references it. Row i of `hidden` (bf16, row-major [n_rows, width]) belongs to token i of `token_ids`
+# (prompt + completion); the last generated token has no vector, so n_rows = len(token_ids) - 1.
+HIDDEN = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("turn_index", pa.int32()),
+        ("token_ids", pa.list_(pa.int32())),
+        ("n_prompt", pa.int32()),
+        ("n_rows", pa.int32()),
+        ("width", pa.int32()),
+        ("dtype", pa.string()),  # "bf16": little-endian bfloat16 bit patterns
+        ("hidden", pa.large_binary()),
     ]
 )
 
