@@ -107,7 +107,7 @@ def _regen_run(ctx: Ctx, folder: Path, urls: list[str], concurrency, prompts: Pa
     rc = wait_regen(proc, folder / "regen.log", timeout, alive=ctx.head.alive)
     poller.stop()
     rows, last = committed(folder / "out" / "bench")
-    first = poller.first_activity(after=started)
+    first = poller.first_activity(after=started, skip=3 * len(urls))  # not the preflight's probes
     if rc != 0 or first is None or last is None:
         raise RuntimeError(f"regen run failed (rc {rc}):\n{(folder / 'regen.log').read_text(errors='replace')[-3000:]}")
     return RegenRun(rows, started, first, last, rc), poller
@@ -207,7 +207,7 @@ def profile_run(ctx: Ctx, w: Path, urls: list[str], conc: int, prompts: Path, ma
 
     def during(proc: subprocess.Popen, poller: StatsPoller) -> None:
         deadline = time.time() + 60
-        while poller.first_activity() is None and time.time() < deadline:
+        while poller.first_activity(skip=3 * len(urls)) is None and time.time() < deadline:
             time.sleep(0.05)
         duration = 5 if ctx.quick else 6
         targets = [("driver", proc.pid)] + [("actor", pid) for pid in actor_pids_when_ready(ctx.head, 2)[:1]]

@@ -264,15 +264,18 @@ class StatsPoller(threading.Thread):
         self.join(10)
         return self
 
-    def first_activity(self, after: float = 0.0) -> float | None:
-        """When a request first showed up (in flight or finished), to within one interval."""
+    def first_activity(self, after: float = 0.0, skip: int = 0) -> float | None:
+        """When requests first showed up (in flight or finished), to within one interval. The first `skip`
+        requests are not counted: regen's preflight sends a probe or two per endpoint seconds before dispatch."""
         base = None
+        prev_t = None
         for t, row in self.samples:
             total = sum(s.get("in_flight", 0) + s.get("requests_finished", 0) for s in row)
             if base is None:
                 base = total
-            elif total > base and t >= after:
-                return t - self.interval / 2
+            elif total > base + skip and t >= after:
+                return t - self.interval / 2 if prev_t is None else (t + prev_t) / 2
+            prev_t = t
         return None
 
 

@@ -69,6 +69,7 @@ class Dispatcher:
         self.cfg = cfg
         self.queue: deque[WorkItem] = deque(items)
         self.attempts: dict[str, int] = {}
+        self.avoid: dict[str, str] = {}  # prompt_id -> the endpoint it last failed at
         self.unfinished = {item.prompt_id for item in items}
         self.on_outcome, self.on_tick, self.should_stop = on_outcome, on_tick, should_stop
         self.actor_factory = actor_factory
@@ -113,11 +114,22 @@ class Dispatcher:
         self.calls[slot.handle.exchange.remote(work, 0.5)] = slot.label
 
     def _take(self, slot: Slot, slot_demand: int) -> list[WorkItem]:
+        """Up to `slot_demand` items. Work that just failed at this endpoint goes to another one if any
+        other is healthy (the skipped items keep their place at the head of the queue)."""
         batch: list[WorkItem] = []
-        while self.queue and len(batch) < slot_demand:
+        skipped: list[WorkItem] = []
+        elsewhere = any(s.state == "healthy" for s in self.slots.values() if s is not slot)
+        budget = 4 * slot_demand + 16  # bounded scan: never walk the whole queue
+        while self.queue and len(batch) < slot_demand and budget > 0:
+            budget -= 1
             item = self.queue.popleft()
-            if item.prompt_id in self.unfinished:
+            if item.prompt_id not in self.unfinished:
+                continue
+            if elsewhere and self.avoid.get(item.prompt_id) == slot.label:
+                skipped.append(item)
+            else:
                 batch.append(item)
+        self.queue.extendleft(reversed(skipped))
         return batch
 
     # --- outcomes -----------------------------------------------------------------------------------
@@ -136,12 +148,14 @@ class Dispatcher:
                 outcome.kind, outcome.message = TERMINAL, f"attempts exhausted ({attempts}): {outcome.message}"
                 self._finish(outcome, attempts)
             elif item is not None:  # RETRY, RETURNED, ENDPOINT_FATAL: another endpoint will take it
+                self.avoid[outcome.prompt_id] = slot.label
                 self._requeue(item)
         if exchange.state == "fatal":
             self._retire(slot, str(exchange.stats.get("last_error", "endpoint-fatal error")))
 
     def _finish(self, outcome: Outcome, attempts: int) -> None:
         self.unfinished.discard(outcome.prompt_id)
+        self.avoid.pop(outcome.prompt_id, None)
         self.on_outcome(outcome, attempts)
 
     def _requeue(self, item: WorkItem) -> None:
