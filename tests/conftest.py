@@ -37,8 +37,24 @@ def ray_cluster(tmp_path_factory):
     os.environ["RAY_ADDRESS"] = address
     yield {"address": address, "temp_dir": temp_dir}
     os.environ.pop("RAY_ADDRESS", None)
-    subprocess.run([ray_bin, "stop", "--force"], capture_output=True)
+    stop_cluster(temp_dir)
     shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def stop_cluster(temp_dir: Path) -> None:
+    """Stop this session's Ray head only (`ray stop` would stop every Ray cluster on the machine)."""
+    import psutil
+
+    ours = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(temp_dir) in arg for arg in proc.info["cmdline"] or []):
+                ours.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for proc in ours:
+        proc.kill()
+    psutil.wait_procs(ours, timeout=10)
 
 
 @pytest.fixture(scope="session")

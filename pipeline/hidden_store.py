@@ -1,0 +1,247 @@
+"""Hidden parts on disk: writer, listing, garbage collection and the loader.
+
+Layout: `<run>/hidden/part-<tag>-<seq>-<uuid8>.parquet`, schema `schema.HIDDEN`, one sample per row and one
+row per row group (so a reader loads one sample at a time). `tag` names the writer (an actor), `seq`
+counts its parts, and the random suffix keeps names unique across writers and restarts: many actors
+write into the same folder without coordinating. The `hidden` column is stored PLAIN, uncompressed,
+without dictionary or statistics, so a part is the bf16 bytes plus a few hundred bytes per sample.
+
+Commit order: an actor commits its hidden part (atomic rename) before the data row that references it
+(`hidden_part` = the part's file name, `hidden_row` = the row). A crash in between leaves a hidden part
+that no data row references; `garbage_hidden_parts` lists those (and killed writers' temporary files)
+for deletion on resume, while no writer is running.
+"""
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import schema
+from .store import PART_RE, TMP_PREFIX, RunDir, _fsync_dir, _storage_error
+
+HIDDEN_PART_RE = re.compile(r"^part-(?:([a-z0-9]{1,32})-)?(\d{6})-([0-9a-f]{8})\.parquet$")
+_HIDDEN_COL = "hidden"
+_OTHER_COLS = [f.name for f in schema.HIDDEN if f.name != _HIDDEN_COL]
+
+try:  # optional: a real bfloat16 dtype for users; uint16 bit patterns otherwise
+    import ml_dtypes
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - depends on the environment
+    ml_dtypes = None
+    BF16 = np.dtype(np.uint16)
+
+
+def hidden_dir(run_dir: RunDir | Path) -> Path:
+    return _run_dir(run_dir).path / "hidden"
+
+
+def _run_dir(run_dir: RunDir | Path | str) -> RunDir:
+    return run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+
+
+def hidden_parts(run_dir: RunDir | Path) -> list[Path]:
+    """Committed hidden parts (any writer), sorted by name."""
+    folder = hidden_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if HIDDEN_PART_RE.match(p.name) or PART_RE.match(p.name))
+
+
+def _sanitize_tag(tag: str | None) -> str:
+    clean = re.sub(r"[^a-z0-9]", "", (tag or "").lower())[:32]
+    return clean or uuid.uuid4().hex[:6]
+
+
+class HiddenPartWriter:
+    """Buffers samples of one writer (an endpoint actor) and commits them as one hidden part.
+
+    `add()` keeps a reference to each matrix (no copy); `commit()` writes them with one atomic rename and
+    returns (part file name, {(prompt_id, turn_index): row}); the caller then commits the data rows with
+    hidden_part/hidden_row. Memory: the buffered matrices plus the encoded part (about the same size).
+    Cap what is buffered with `pending_bytes` (the actor's bound on answers held at once).
+    """
+
+    def __init__(self, run_dir: RunDir | Path, tag: str | None = None):
+        self.run_dir = _run_dir(run_dir)
+        self.tag = _sanitize_tag(tag)
+        self.seq = 0
+        self._rows: list[dict] = []
+        self._mats: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(m.nbytes for m in self._mats)
+
+    def add(self, prompt_id: str, turn_index: int, token_ids, n_prompt: int, hidden: np.ndarray) -> None:
+        """One sample: `token_ids` = prompt + completion ids, `hidden` = [len(token_ids) - 1, width] bf16
+        (uint16 bit patterns or ml_dtypes.bfloat16)."""
+        if hidden.ndim != 2 or hidden.dtype.itemsize != 2:
+            raise ValueError(f"hidden must be a 2-D bf16/uint16 matrix, got {hidden.dtype} {hidden.shape}")
+        token_ids = np.asarray(token_ids, dtype=np.int32)
+        if hidden.shape[0] != max(len(token_ids) - 1, 0):
+            raise ValueError(f"{hidden.shape[0]} hidden rows for {len(token_ids)} tokens; expected tokens - 1")
+        if any(r["prompt_id"] == prompt_id and r["turn_index"] == turn_index for r in self._rows):
+            raise ValueError(f"({prompt_id!r}, {turn_index}) is already pending in this part")
+        self._rows.append({"prompt_id": prompt_id, "turn_index": int(turn_index), "token_ids": token_ids,
+                           "n_prompt": int(n_prompt), "n_rows": int(hidden.shape[0]),
+                           "width": int(hidden.shape[1]), "dtype": "bf16"})
+        self._mats.append(np.ascontiguousarray(hidden).view(np.uint16))
+
+    def _table(self) -> pa.Table:
+        cols = {name: [r[name] for r in self._rows] for name in _OTHER_COLS if name != "token_ids"}
+        token_ids = pa.array([r["token_ids"] for r in self._rows], type=pa.list_(pa.int32()))
+        # The hidden column without copying the matrices: one data buffer per sample is not possible in one
+        # array, so each sample is a one-element chunk over its own numpy buffer.
+        chunks = [pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(), 1, [None, pa.py_buffer(np.array([0, m.nbytes], dtype=np.int64)), pa.py_buffer(m)])
+            for m in self._mats]
+        arrays = []
+        for field in schema.HIDDEN:
+            if field.name == _HIDDEN_COL:
+                arrays.append(pa.chunked_array(chunks, type=field.type))
+            elif field.name == "token_ids":
+                arrays.append(token_ids)
+            else:
+                arrays.append(pa.array(cols[field.name], type=field.type))
+        return pa.Table.from_arrays(arrays, schema=schema.HIDDEN)
+
+    def commit(self) -> tuple[str, dict[tuple[str, int], int]]:
+        """Write the pending samples as one part; ("", {}) if nothing is pending."""
+        if not self._rows:
+            return "", {}
+        folder = hidden_dir(self.run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.seq += 1
+        name = f"part-{self.tag}-{self.seq:06d}-{uuid.uuid4().hex[:8]}.parquet"
+        _atomic_write_table(folder / name, self._table())
+        rows = {(r["prompt_id"], r["turn_index"]): i for i, r in enumerate(self._rows)}
+        self._rows, self._mats = [], []
+        return name, rows
+
+
+def _atomic_write_table(path: Path, table: pa.Table) -> None:
+    """store.atomic_write's protocol (hidden temp name, fsync, rename, fsync the folder), but the Parquet
+    writer streams into the temp file: the encoded part is never held in memory next to the matrices."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        pq.write_table(table, tmp, row_group_size=1, compression={c: ("none" if c == _HIDDEN_COL else "zstd")
+                       for c in schema.HIDDEN.names}, use_dictionary=_OTHER_COLS, write_statistics=_OTHER_COLS)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise _storage_error(exc, path) from exc
+
+
+def referenced_hidden_parts(run_dir: RunDir | Path) -> set[str]:
+    """Hidden part names referenced by committed data rows (reads only the `hidden_part` column)."""
+    rd = _run_dir(run_dir)
+    names: set[str] = set()
+    for part in rd.parts(rd.data):
+        if "hidden_part" not in pq.read_schema(part).names:
+            continue
+        names.update(n for n in pq.read_table(part, columns=["hidden_part"]).column(0).to_pylist() if n)
+    return names
+
+
+def garbage_hidden_parts(run_dir: RunDir | Path, referenced: set[str] | None = None) -> list[Path]:
+    """Hidden parts no committed data row references, plus temporary files of killed writers. Call on resume
+    before any writer starts (a part committed a moment ago whose data row is still pending looks the same)."""
+    if referenced is None:
+        referenced = referenced_hidden_parts(run_dir)
+    folder = hidden_dir(run_dir)
+    garbage = [p for p in hidden_parts(run_dir) if p.name not in referenced]
+    if folder.is_dir():
+        garbage += sorted(p for p in folder.iterdir() if p.name.startswith(TMP_PREFIX))
+    return garbage
+
+
+@dataclass
+class HiddenSample:
+    prompt_id: str
+    turn_index: int
+    token_ids: np.ndarray  # int32 [T]: prompt + completion
+    n_prompt: int
+    hidden: np.ndarray  # bf16 [T - 1, W] (ml_dtypes.bfloat16, or uint16 bit patterns without ml_dtypes)
+    loss_mask: np.ndarray  # uint8 [T]: 0 on the prompt, 1 on the completion
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.hidden.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.hidden.shape[1])
+
+
+def _references(rd: RunDir) -> dict[str, list[tuple[int, str, int]]]:
+    by_part: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
+    cols = ["prompt_id", "turn_index", "hidden_part", "hidden_row"]
+    for part in rd.parts(rd.data):
+        if "hidden_part" not in pq.read_schema(part).names:
+            continue
+        t = pq.read_table(part, columns=cols).to_pydict()
+        for pid, turn, hp, row in zip(t["prompt_id"], t["turn_index"], t["hidden_part"], t["hidden_row"]):
+            if hp is not None and row is not None:
+                by_part[hp].append((int(row), pid, int(turn or 0)))
+    return by_part
+
+
+def read_sample(path: Path, row: int, pf: pq.ParquetFile | None = None) -> HiddenSample:
+    """Row `row` of one hidden part, reading only its row group."""
+    pf = pf or pq.ParquetFile(path)
+    md = pf.metadata
+    rg, first = 0, 0
+    while rg < md.num_row_groups and first + md.row_group(rg).num_rows <= row:
+        first += md.row_group(rg).num_rows
+        rg += 1
+    if rg >= md.num_row_groups:
+        raise IndexError(f"{path.name} has no row {row}")
+    table = pf.read_row_group(rg).slice(row - first, 1)
+    meta = {name: table.column(name)[0].as_py() for name in ("prompt_id", "turn_index", "n_prompt", "n_rows",
+                                                             "width", "dtype")}
+    if meta["dtype"] != "bf16":
+        raise ValueError(f"{path.name} row {row}: unknown dtype {meta['dtype']!r}")
+    blob = table.column(_HIDDEN_COL).chunk(0) if table.column(_HIDDEN_COL).num_chunks == 1 else \
+        table.column(_HIDDEN_COL).combine_chunks()
+    value = blob[0].as_buffer()
+    hidden = np.frombuffer(value, dtype=np.uint16).reshape(meta["n_rows"], meta["width"])
+    if BF16 != np.uint16:
+        hidden = hidden.view(BF16)
+    token_ids = np.asarray(table.column("token_ids")[0].values.to_numpy(zero_copy_only=False), dtype=np.int32)
+    loss_mask = np.zeros(len(token_ids), dtype=np.uint8)
+    loss_mask[meta["n_prompt"]:] = 1
+    return HiddenSample(meta["prompt_id"], int(meta["turn_index"]), token_ids, int(meta["n_prompt"]), hidden,
+                        loss_mask)
+
+
+def iter_hidden(run_dir: RunDir | Path) -> Iterator[HiddenSample]:
+    """Every hidden sample referenced by a committed data row, one part and one sample at a time, in part
+    name order then row order. Unreferenced (garbage) parts and rows are skipped."""
+    rd = _run_dir(run_dir)
+    folder = hidden_dir(rd)
+    for name, refs in sorted(_references(rd).items()):
+        path = folder / name
+        if not path.exists():
+            raise FileNotFoundError(f"committed data rows reference {path}, which is missing")
+        pf = pq.ParquetFile(path)
+        for row, pid, turn in sorted(set(refs)):
+            sample = read_sample(path, row, pf)
+            if (sample.prompt_id, sample.turn_index) != (pid, turn):
+                raise ValueError(f"{name} row {row} holds ({sample.prompt_id!r}, {sample.turn_index}), "
+                                 f"but the data row says ({pid!r}, {turn})")
+            yield sample
