@@ -255,8 +255,10 @@ def saturation(ctx: Ctx) -> Result:
             # Steady state: after the first request, while the driver still had queued work for every actor
             # (fewer than n - 2·ΣC finished; the last 2·C per endpoint are the drain).
             samples = [(t, row) for t, row in poller.samples if run.first <= t <= run.last_commit]
+            base = sum(s.get("requests_finished", 0) for s in samples[0][1]) if samples else 0
             steady = [row for t, row in samples
-                      if sum(s.get("requests_finished", 0) for s in row) <= n - 2 * 2 * cap and t > run.first + 0.5]
+                      if sum(s.get("requests_finished", 0) for s in row) - base <= n - 2 * 2 * cap
+                      and t > run.first + 0.5]
             per_ep = [0.0 if not steady else sum(r[i].get("running", 0) for r in steady) / len(steady)
                       for i in range(len(urls))]
             whole = [sum(r[i].get("running", 0) for _, r in samples) / max(1, len(samples)) for i in range(len(urls))]

@@ -89,7 +89,9 @@ def build_run_dir(config: Path, n_prompts: int, n_done: int, n_failed: int, part
             "prompt_token_ids": _token_ids(rng, k, 512), "output_token_ids": _token_ids(rng, k, 1024),
             "created_at": pa.array([now.as_py()] * k, pa.timestamp("ms", tz="UTC")),
         }
-        run.write_part(run.data, pa.Table.from_arrays([cols[f.name] for f in schema.RECORDS], schema=schema.RECORDS))
+        # Columns added to the schema later are nullable: left null here.
+        run.write_part(run.data, pa.Table.from_arrays(
+            [cols[f.name] if f.name in cols else pa.nulls(k, f.type) for f in schema.RECORDS], schema=schema.RECORDS))
     if n_failed:
         k = len(failed)
         run.write_part(run.failures, pa.Table.from_pylist(
@@ -139,7 +141,9 @@ def resume(ctx: Ctx) -> Result:
             ledgers.append(orjson.loads(out.stdout.strip().splitlines()[-1]))
         assert ledgers[0]["pending"] == n_prompts - n_done - n_failed, ledgers[0]
         firsts = []
-        for k in range(1 if ctx.quick else 2):
+        for k in range(6):  # retried when another user's `ray stop` ended our head mid-run
+            if len(firsts) == (1 if ctx.quick else 2):
+                break
             log = w / "e0.jsonl"
             log.write_bytes(b"")
             ctx.head.ensure()
@@ -150,6 +154,8 @@ def resume(ctx: Ctx) -> Result:
             proc.wait(60)
             if first is not None:
                 firsts.append(first - started)
+            elif ctx.head.alive():
+                raise RuntimeError((w / f"regen-{k}.log").read_text(errors="replace")[-3000:])
     pending_s = median([x["pending_s"] for x in ledgers])
     res.rows += [
         ("pending set: ledger + failures + prompt ids (88K prompts, 80K done)", f"{fmt(pending_s)} s", "≤ 2 s",

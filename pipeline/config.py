@@ -26,6 +26,8 @@ class Endpoint(_Strict):
     # Name of an environment variable holding the API key; the key itself never enters the config.
     api_key_env: str | None = None
     name: str | None = None
+    # Pin this endpoint's actor to a node: Ray resources, e.g. {"node:10.0.0.7": 0.01} (default: spread).
+    ray_resources: dict[str, float] = Field(default_factory=dict)
 
     @field_validator("url")
     @classmethod
@@ -95,6 +97,14 @@ class RunConfig(_Strict):
     selection_seed: int = 0
     sources: list[SourceRef] = Field(min_length=1)
     endpoints: list[Endpoint] = Field(default_factory=list)
+    # A file of endpoints (one URL a line, optional concurrency), re-read during the run: new endpoints join
+    # after passing the preflight, removed ones drain.
+    endpoints_file: str | None = None
+    endpoints_file_interval_s: float = Field(10.0, gt=0.0)
+    endpoints_file_concurrency: int = Field(64, ge=1)
+    endpoints_file_api_key_env: str | None = None
+    # Prefix affinity: prompts whose first N characters agree go to the same endpoint (0: off).
+    prefix_affinity_chars: int = Field(256, ge=0)
     local_fleet: LocalFleet | None = None
     ray: RayOptions = RayOptions()
     hidden_states: HiddenStates = HiddenStates()
@@ -117,15 +127,24 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _fleet(self) -> "RunConfig":
-        if not self.endpoints and self.local_fleet is None:
-            raise ValueError("no endpoints: list `endpoints` or set `local_fleet`")
-        labels = [e.label for e in self.all_endpoints()]
+        if not self.endpoints and self.local_fleet is None and self.endpoints_file is None:
+            raise ValueError("no endpoints: list `endpoints`, name an `endpoints_file` or set `local_fleet`")
+        labels = [e.label for e in self.static_endpoints()]
         if len(set(labels)) != len(labels):
             raise ValueError(f"endpoints are listed twice: {sorted(labels)}")
         return self
 
-    def all_endpoints(self) -> list[Endpoint]:
+    def static_endpoints(self) -> list[Endpoint]:
         return list(self.endpoints) + (self.local_fleet.endpoints() if self.local_fleet else [])
+
+    def all_endpoints(self) -> list[Endpoint]:
+        """The fleet as it is now: the config's endpoints plus the endpoints file's current contents."""
+        fleet = {e.label: e for e in self.static_endpoints()}
+        if self.endpoints_file:
+            for e in read_endpoints_file(self.endpoints_file, self.endpoints_file_concurrency,
+                                         self.endpoints_file_api_key_env):
+                fleet.setdefault(e.label, e)
+        return list(fleet.values())
 
     def request_timeout(self) -> float:
         """The deadline of one non-streamed request: past it the request made no progress."""
@@ -175,6 +194,27 @@ class RunConfig(_Strict):
     def check_secrets(self) -> None:
         for endpoint in self.all_endpoints():
             self.api_key(endpoint)
+
+
+def read_endpoints_file(path: str | Path, concurrency: int, api_key_env: str | None = None) -> list[Endpoint]:
+    """`URL [concurrency]` per line; blank lines and `#` comments are skipped. Errors name the line."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ConfigError(f"endpoints file not found: {path}") from None
+    endpoints = []
+    for number, line in enumerate(lines, start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        try:
+            if len(fields) > 2:
+                raise ValueError("expected `URL [concurrency]`")
+            endpoints.append(Endpoint(url=fields[0], concurrency=int(fields[1]) if len(fields) == 2 else concurrency,
+                                      api_key_env=api_key_env))
+        except (ValueError, ValidationError) as exc:
+            raise ConfigError(f"{path}:{number}: {line.strip()!r}: {exc}") from None
+    return endpoints
 
 
 def fingerprint_of(identity: dict[str, Any]) -> str:

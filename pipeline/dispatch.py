@@ -2,8 +2,12 @@
 
 The driver keeps exactly one `exchange` call outstanding per actor. Each answer brings finished
 outcomes and the actor's demand (free slots plus a small prefetch), and the next call carries that
-many new prompts. A slow endpoint asks for less, so it simply takes less. Work held by an actor that
-dies or whose circuit opens goes back to the queue; the committer drops late duplicates.
+many new prompts, chosen by the router (routing.py: prefix affinity bounded by work stealing). A slow
+endpoint asks for less, so it simply takes less. Work held by an actor that dies or whose circuit
+opens goes back to the queue; the committer drops late duplicates.
+
+The fleet may change during the run (an endpoints file): a new endpoint's actor starts with its circuit
+open and takes work once it has passed the full preflight; a removed endpoint drains.
 """
 from __future__ import annotations
 
@@ -11,20 +15,22 @@ import itertools
 import logging
 import os
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 import ray
 from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .config import RunConfig
+from .config import Endpoint, RunConfig
 from .endpoints import ClientSettings
 from .errors import RunFatal
+from .routing import Router
 from .work import DONE, RETRY, TERMINAL, Exchange, Outcome, WorkItem
 from .worker import EndpointWorker
 
 log = logging.getLogger("regen.dispatch")
+ACTOR_NAMESPACE = "regen"
 
 
 def client_settings(cfg: RunConfig, weight_version: str | None = None) -> ClientSettings:
@@ -46,12 +52,20 @@ def client_settings(cfg: RunConfig, weight_version: str | None = None) -> Client
 class Slot:
     """The driver's view of one endpoint actor."""
 
-    label: str
+    endpoint: Endpoint
     handle: ray.actor.ActorHandle
     assigned: dict[str, WorkItem] = field(default_factory=dict)
     state: str = "healthy"
     stats: dict = field(default_factory=dict)
     open_since: float | None = None
+    draining: bool = False  # removed from the fleet: finishes its work, takes no more
+
+    @property
+    def label(self) -> str:
+        return self.endpoint.label
+
+
+ActorFactory = Callable[[Endpoint, bool], ray.actor.ActorHandle]
 
 
 class Dispatcher:
@@ -64,73 +78,71 @@ class Dispatcher:
         on_outcome: Callable[[Outcome, int], None],
         on_tick: Callable[[dict[str, dict]], None],
         should_stop: Callable[[], bool],
-        actor_factory: Callable[[str], ray.actor.ActorHandle],
+        actor_factory: ActorFactory,
+        fleet_watch: Callable[[], list[Endpoint] | None] | None = None,
     ):
         self.cfg = cfg
-        self.queue: deque[WorkItem] = deque(items)
+        self.router = Router(affinity=cfg.prefix_affinity_chars > 0)
         self.attempts: dict[str, int] = {}
-        self.avoid: dict[str, str] = {}  # prompt_id -> the endpoint it last failed at
         self.unfinished = {item.prompt_id for item in items}
         self.on_outcome, self.on_tick, self.should_stop = on_outcome, on_tick, should_stop
-        self.actor_factory = actor_factory
-        self.slots = {e.label: Slot(e.label, actor_factory(e.label)) for e in cfg.all_endpoints()}
+        self.actor_factory, self.fleet_watch = actor_factory, fleet_watch
+        self.slots = {e.label: Slot(e, actor_factory(e, False)) for e in cfg.all_endpoints()}
+        self.router.set_endpoints(list(self.slots))
+        self.router.add(items)
         self.calls: dict[ray.ObjectRef, str] = {}
         self.actor_restarts = 0
         self.requeued = 0
+        self.fleet_changes: list[str] = []
 
     # --- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
         for slot in self.slots.values():
-            self._call(slot, self._take(slot, slot_demand=2 * self._concurrency(slot.label)))
+            self._call(slot, self._take(slot, 2 * slot.endpoint.concurrency))
         while self.unfinished and not self.should_stop():
             refs = list(self.calls)
             ready, rest = ray.wait(refs, num_returns=1, timeout=0.2)
             if ready and rest:  # take every other answer already there too
                 ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
             for ref in ready:
-                slot = self.slots[self.calls.pop(ref)]
-                try:
-                    exchange: Exchange = ray.get(ref)
-                except RayActorError as exc:
-                    self._actor_lost(slot, exc)
-                    continue
-                self._absorb(slot, exchange)
-                if slot.label in self.slots:
-                    self._call(slot, self._take(slot, exchange.demand))
+                label = self.calls.pop(ref)
+                slot = self.slots.get(label)
+                if slot is not None:
+                    self._answered(slot, ref)
+            self._watch_fleet()
             self._check_fleet()
-            self.on_tick({label: {**s.stats, "state": s.state} for label, s in self.slots.items()})
+            self.on_tick(self.fleet_status())
+
+    def _answered(self, slot: Slot, ref: ray.ObjectRef) -> None:
+        try:
+            exchange: Exchange = ray.get(ref)
+        except RayActorError as exc:
+            self._actor_lost(slot, exc)
+            return
+        self._absorb(slot, exchange)
+        if slot.label not in self.slots:
+            return
+        if slot.draining and not slot.assigned:
+            self._drop(slot, "drained")
+            return
+        self._call(slot, [] if slot.draining else self._take(slot, exchange.demand))
+
+    def fleet_status(self) -> dict[str, dict]:
+        return {label: {**s.stats, "state": "draining" if s.draining else s.state} for label, s in self.slots.items()}
 
     def shutdown(self) -> None:
         """End the actors. Work they still hold was never committed and stays pending."""
         for slot in self.slots.values():
             ray.kill(slot.handle)
 
-    def _concurrency(self, label: str) -> int:
-        return next(e.concurrency for e in self.cfg.all_endpoints() if e.label == label)
-
     def _call(self, slot: Slot, work: list[WorkItem]) -> None:
         for item in work:
             slot.assigned[item.prompt_id] = item
         self.calls[slot.handle.exchange.remote(work, 0.5)] = slot.label
 
-    def _take(self, slot: Slot, slot_demand: int) -> list[WorkItem]:
-        """Up to `slot_demand` items. Work that just failed at this endpoint goes to another one if any
-        other is healthy (the skipped items keep their place at the head of the queue)."""
-        batch: list[WorkItem] = []
-        skipped: list[WorkItem] = []
-        elsewhere = any(s.state == "healthy" for s in self.slots.values() if s is not slot)
-        budget = 4 * slot_demand + 16  # bounded scan: never walk the whole queue
-        while self.queue and len(batch) < slot_demand and budget > 0:
-            budget -= 1
-            item = self.queue.popleft()
-            if item.prompt_id not in self.unfinished:
-                continue
-            if elsewhere and self.avoid.get(item.prompt_id) == slot.label:
-                skipped.append(item)
-            else:
-                batch.append(item)
-        self.queue.extendleft(reversed(skipped))
-        return batch
+    def _take(self, slot: Slot, demand: int) -> list[WorkItem]:
+        elsewhere = any(s.state == "healthy" for s in self.slots.values() if s is not slot and not s.draining)
+        return self.router.take(slot.label, demand, self.unfinished.__contains__, elsewhere)
 
     # --- outcomes -----------------------------------------------------------------------------------
     def _absorb(self, slot: Slot, exchange: Exchange) -> None:
@@ -148,19 +160,18 @@ class Dispatcher:
                 outcome.kind, outcome.message = TERMINAL, f"attempts exhausted ({attempts}): {outcome.message}"
                 self._finish(outcome, attempts)
             elif item is not None:  # RETRY, RETURNED, ENDPOINT_FATAL: another endpoint will take it
-                self.avoid[outcome.prompt_id] = slot.label
-                self._requeue(item)
+                self._requeue(item, failed_at=slot.label)
         if exchange.state == "fatal":
-            self._retire(slot, str(exchange.stats.get("last_error", "endpoint-fatal error")))
+            self._drop(slot, str(exchange.stats.get("last_error", "endpoint-fatal error")))
 
     def _finish(self, outcome: Outcome, attempts: int) -> None:
         self.unfinished.discard(outcome.prompt_id)
-        self.avoid.pop(outcome.prompt_id, None)
+        self.router.forget(outcome.prompt_id)
         self.on_outcome(outcome, attempts)
 
-    def _requeue(self, item: WorkItem) -> None:
+    def _requeue(self, item: WorkItem, failed_at: str | None = None) -> None:
         self.requeued += 1
-        self.queue.appendleft(item)
+        self.router.requeue(item, failed_at)
 
     def _return_assigned(self, slot: Slot) -> None:
         for item in slot.assigned.values():
@@ -168,23 +179,48 @@ class Dispatcher:
                 self._requeue(item)
         slot.assigned.clear()
 
-    # --- fleet health -------------------------------------------------------------------------------
+    # --- fleet health and changes -------------------------------------------------------------------
     def _actor_lost(self, slot: Slot, exc: Exception) -> None:
         """A dead actor's in-flight work is requeued and a fresh actor takes its place."""
         log.warning("actor for %s died (%s); requeueing %d prompts", slot.label, type(exc).__name__, len(slot.assigned))
         self._return_assigned(slot)
         self.actor_restarts += 1
-        slot.handle = self.actor_factory(slot.label)
+        slot.handle = self.actor_factory(slot.endpoint, False)
         self._call(slot, [])
 
-    def _retire(self, slot: Slot, why: str) -> None:
-        log.error("endpoint %s leaves the fleet: %s", slot.label, why)
+    def _drop(self, slot: Slot, why: str) -> None:
+        level = logging.INFO if slot.draining else logging.ERROR
+        log.log(level, "endpoint %s leaves the fleet: %s", slot.label, why)
+        self.fleet_changes.append(f"-{slot.label}")
         self._return_assigned(slot)
         for ref, label in list(self.calls.items()):
             if label == slot.label:
                 del self.calls[ref]
         del self.slots[slot.label]
+        self.router.set_endpoints(list(self.slots))
         ray.kill(slot.handle)
+
+    def _watch_fleet(self) -> None:
+        """Apply the current endpoint list: new endpoints join (after their preflight), removed ones drain."""
+        current = self.fleet_watch() if self.fleet_watch else None
+        if current is None:
+            return
+        wanted = {e.label: e for e in current}
+        for label, endpoint in wanted.items():
+            slot = self.slots.get(label)
+            if slot is None:
+                log.info("endpoint %s joins the fleet; it gets work once it passes the preflight", label)
+                self.fleet_changes.append(f"+{label}")
+                self.slots[label] = slot = Slot(endpoint, self.actor_factory(endpoint, True), state="open")
+                self.router.set_endpoints(list(self.slots))
+                self._call(slot, [])
+            elif slot.draining:
+                slot.draining = False  # listed again before it drained
+        for label, slot in self.slots.items():
+            if label not in wanted and not slot.draining:
+                log.info("endpoint %s was removed from the endpoints file: draining %d prompts", label,
+                         len(slot.assigned))
+                slot.draining = True
 
     def _check_fleet(self) -> None:
         if not self.slots:
@@ -199,24 +235,28 @@ class Dispatcher:
                 )
 
 
-ACTOR_NAMESPACE = "regen"
-
-
-def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_keys: dict[str, str | None]):
+def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None]):
+    """Actors are spread round-robin over the cluster's live nodes (Ray's SPREAD leaves zero-CPU actors on
+    one node); an endpoint may pin its actor instead through Ray resources (e.g. `{"node:10.0.0.7": 0.01}`,
+    or a custom resource given to `ray start --resources`). A replacement actor goes to a node still alive."""
     remote_worker = ray.remote(EndpointWorker)
-    endpoints = {e.label: e for e in cfg.all_endpoints()}
     generation = itertools.count()
 
-    def factory(label: str) -> ray.actor.ActorHandle:
-        e = endpoints[label]
+    def factory(e: Endpoint, start_open: bool) -> ray.actor.ActorHandle:
+        n = next(generation)
         # Named, so an operator (or a test) can find the actor of an endpoint in the cluster.
-        name = f"{cfg.run_name}:{os.getpid()}:{label}:{next(generation)}"
+        name = f"{cfg.run_name}:{os.getpid()}:{e.label}:{n}"
+        if e.ray_resources:
+            placement = {"resources": dict(e.ray_resources)}
+        else:
+            nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
+            placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(nodes[n % len(nodes)], soft=False)}
         return remote_worker.options(
             num_cpus=cfg.ray.actor_num_cpus, max_concurrency=4, max_restarts=0, name=name,
-            namespace=ACTOR_NAMESPACE,
+            namespace=ACTOR_NAMESPACE, **placement,
         ).remote(
-            e.url, e.label, e.concurrency, settings, api_keys[label], cfg.mode, cfg.attempts_per_endpoint,
-            cfg.circuit_failures, readmission=cfg,
+            e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
+            cfg.circuit_failures, readmission=cfg, start_open=start_open,
         )
 
     return factory

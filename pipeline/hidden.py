@@ -18,8 +18,10 @@ conversion is exact; a value that is not bf16-exact is rounded to nearest even a
 
 Memory: `parse_generate_response` never builds Python floats. It cuts the `hidden_states` array out of
 the body, parses the rest (text, ids, meta_info) with orjson, and converts the numbers with a compiled
-kernel (pipeline/hidden_kernel.py) straight into uint16 chunks of `chunk_rows` rows, concatenated once at
-the end: the working set is at most about twice the bf16 matrix besides the body itself.
+kernel (pipeline/hidden_kernel.py) straight into one uint16 buffer, sized from the bytes per row of the
+first 16 rows (over-estimated; pages never written are never resident). Only if that estimate falls short
+are further chunks of `chunk_rows` rows appended and joined at the end. So the working set besides the
+body is about one bf16 matrix (2x in the rare short-estimate case).
 
 Public API
 ----------
@@ -123,16 +125,61 @@ def _syntax(body: bytes, pos: int) -> HiddenStateMismatch:
     return HiddenStateMismatch(f"hidden_states: not an array of JSON numbers at byte {pos}: {body[pos:pos + 40]!r}")
 
 
-def _rows(body: bytes, p: int, width: int, chunk_rows: int, chunks: list[np.ndarray],
-          row0: int) -> tuple[int, int, int]:
+class _Sink:
+    """Where parsed rows go: a small first buffer to learn the bytes per row, then one buffer sized from the
+    bytes left (over-estimated: pages never written stay virtual, so they cost no memory), then, only if
+    that runs out, further chunks joined at the end."""
+
+    def __init__(self, width: int, body_len: int, chunk_rows: int):
+        self.width, self.body_len, self.chunk_rows = width, body_len, chunk_rows
+        self.buffers: list[np.ndarray] = []  # filled arrays, in order
+        self.current: np.ndarray | None = None
+        self.filled = 0  # rows filled in `current`
+        self.rows = 0
+        self.first_pos: int | None = None
+        self.estimated = False
+
+    def target(self, pos: int) -> np.ndarray:
+        if self.current is not None and self.filled < self.current.shape[0]:
+            return self.current[self.filled:]
+        if self.first_pos is None:
+            self.first_pos, cap = pos, min(16, self.chunk_rows)
+        elif not self.estimated and self.rows:
+            self.estimated = True
+            per_row = max((pos - self.first_pos) / self.rows, 1.0)
+            cap = self.rows + int((self.body_len - pos) / (0.8 * per_row)) + 16
+            big = np.empty((cap, self.width), dtype=np.uint16)
+            big[:self.rows] = self.current  # the small first buffer moves to the front
+            self.current, self.filled = big, self.rows
+            return big[self.filled:]
+        else:
+            cap = self.chunk_rows
+        if self.current is not None:
+            self.buffers.append(self.current)
+        self.current, self.filled = np.empty((cap, self.width), dtype=np.uint16), 0
+        return self.current
+
+    def wrote(self, n: int) -> None:
+        self.filled += n
+        self.rows += n
+
+    def matrix(self) -> np.ndarray:
+        parts = self.buffers + ([self.current[:self.filled]] if self.current is not None and self.filled else [])
+        self.buffers, self.current = [], None
+        if not parts:
+            return np.empty((0, self.width), dtype=np.uint16)
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts)  # only when the estimate was short (rows much longer than the first ones)
+
+
+def _rows(body: bytes, p: int, width: int, sink: _Sink) -> tuple[int, int, int]:
     """Parse rows from `p` up to and including the enclosing ']'. Returns (end, rows, inexact)."""
     rows = inexact = 0
     while True:
-        out = np.empty((chunk_rows, width), dtype=np.uint16)
-        res = hk.parse_rows(body, p, width, out)
+        res = hk.parse_rows(body, p, width, sink.target(p))
+        sink.wrote(res.rows)
         inexact += res.inexact
-        if res.rows:
-            chunks.append(out[:res.rows] if res.rows < chunk_rows else out)
         rows += res.rows
         if res.status == hk.END:
             return res.pos, rows, inexact
@@ -142,7 +189,7 @@ def _rows(body: bytes, p: int, width: int, chunk_rows: int, chunks: list[np.ndar
         if res.status == hk.WIDTH:
             raise HiddenWidthMismatch(
                 f"hidden-state width {res.bad_width} does not match expected_width {width} "
-                f"(row {row0 + rows}); a server started with EAGLE instead of EAGLE3, or without "
+                f"(row {sink.rows}); a server started with EAGLE instead of EAGLE3, or without "
                 f"--enable-return-aux-hidden-states, returns one layer instead of the auxiliary layers")
         raise _syntax(body, res.pos)
 
@@ -162,7 +209,7 @@ def parse_generate_response(body: bytes, expected_width: int, *, strict: bool = 
                                   "and does the server run with --enable-return-hidden-states?)")
     if chunk_rows is None:
         chunk_rows = max(1, (8 << 20) // (2 * expected_width))  # ~8 MB of bf16 per chunk
-    chunks: list[np.ndarray] = []
+    sink = _Sink(expected_width, len(body), chunk_rows)
     n_prefill = n_rows = inexact = 0
     p = _expect(body, start, b"[", "the start of hidden_states")
     p = _skip(body, p)
@@ -174,7 +221,7 @@ def parse_generate_response(body: bytes, expected_width: int, *, strict: bool = 
         if body[p:p + 1] == b"]":  # an empty prefill block
             p += 1
         elif body[p:p + 1] == b"[":
-            p, n_prefill, bad = _rows(body, p, expected_width, chunk_rows, chunks, 0)
+            p, n_prefill, bad = _rows(body, p, expected_width, sink)
             inexact += bad
         else:
             raise HiddenStateMismatch("hidden_states[0] is not 2-D: expected the prefill block [[...], ...] "
@@ -182,7 +229,7 @@ def parse_generate_response(body: bytes, expected_width: int, *, strict: bool = 
         n_rows = n_prefill
         p = _skip(body, p)
         if body[p:p + 1] == b",":
-            end, n_dec, bad = _rows(body, p + 1, expected_width, chunk_rows, chunks, n_prefill)
+            end, n_dec, bad = _rows(body, p + 1, expected_width, sink)
             n_rows += n_dec
             inexact += bad
         elif body[p:p + 1] == b"]":
@@ -199,14 +246,7 @@ def parse_generate_response(body: bytes, expected_width: int, *, strict: bool = 
     if not isinstance(meta, dict) or "hidden_states" not in meta or meta["hidden_states"] is not None:
         raise HiddenStateMismatch("hidden_states is not a key of meta_info in the /generate response")
     del meta["hidden_states"]
-    del body
-    if not chunks:
-        hidden = np.empty((0, expected_width), dtype=np.uint16)
-    elif len(chunks) == 1:
-        hidden = np.ascontiguousarray(chunks[0])
-    else:
-        hidden = np.concatenate(chunks)
-    chunks.clear()
+    hidden = sink.matrix()
     extra = {k: v for k, v in rest.items() if k not in ("text", "output_ids", "meta_info")}
     return GenerateResult(text=rest.get("text", ""), output_ids=list(rest.get("output_ids") or []), meta=meta,
                           hidden=hidden, n_prefill=n_prefill, n_inexact=inexact, extra=extra)
@@ -257,6 +297,17 @@ def check_free_space(path: str | Path, needed_bytes: int, force: bool) -> dict[s
     return {"needed_bytes": int(needed_bytes), "free_bytes": int(free), "fits": fits, "message": message}
 
 
-from .hidden_store import (  # noqa: E402  (the storage half of the API, re-exported)
-    HiddenPartWriter, HiddenSample, garbage_hidden_parts, hidden_parts, iter_hidden, referenced_hidden_parts,
+# The storage half of the API, re-exported (hidden_store imports nothing from this module).
+from .hidden_store import (
+    HiddenPartWriter,
+    HiddenSample,
+    garbage_hidden_parts,
+    hidden_parts,
+    iter_hidden,
+    referenced_hidden_parts,
 )
+
+__all__ = ["GenerateResult", "HiddenPartWriter", "HiddenPrefixShortfall", "HiddenSample", "HiddenStateError",
+           "HiddenStateMismatch", "HiddenWidthMismatch", "InsufficientStorage", "align", "check_free_space",
+           "estimate_bytes", "garbage_hidden_parts", "hidden_parts", "iter_hidden", "parse_generate_response",
+           "referenced_hidden_parts"]

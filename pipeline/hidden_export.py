@@ -161,7 +161,7 @@ def export_hidden(run_dir: str | Path | RunDir, fmt: str, out_dir: str | Path) -
         else:
             path = _speculators_write_np(save_file, sample, idx, out, n_layers)
         index.append({"idx": idx, "file": str(path.relative_to(out)), "prompt_id": sample.prompt_id,
-                      "turn_index": sample.turn_index, "tokens": int(len(sample.token_ids)),
+                      "turn_index": sample.turn_index, "tokens": len(sample.token_ids),
                       "n_prompt": sample.n_prompt, "n_rows": sample.n_rows})
         n += 1
         tokens += len(sample.token_ids)

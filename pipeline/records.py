@@ -9,6 +9,7 @@ import pyarrow as pa
 from .config import RunConfig
 from .conversation import histories, seed_for
 from .quality import quality_flags
+from .routing import affinity_key
 from .store import now_utc
 from .work import Outcome, WorkItem
 
@@ -21,11 +22,15 @@ class RecordBuilder:
         self.index = {pid: i for i, pid in enumerate(prompts.column("prompt_id").to_pylist())}
         self.sources = prompts.column("source").to_pylist()
         self.references = prompts.column("reference").to_pylist()
-        self.messages = [orjson.dumps(m) for m in prompts.column("messages").to_pylist()]
+        self.messages, self.affinity = [], []
+        for messages in prompts.column("messages").to_pylist():
+            self.messages.append(orjson.dumps(messages))
+            self.affinity.append(affinity_key(messages, cfg.prefix_affinity_chars))
         self.fingerprint, self.temperature, self.mode = cfg.fingerprint(), cfg.sampling.temperature, cfg.mode
 
     def work_item(self, prompt_id: str) -> WorkItem:
-        return WorkItem(prompt_id, self.messages[self.index[prompt_id]], seed_for(prompt_id, self.temperature))
+        i = self.index[prompt_id]
+        return WorkItem(prompt_id, self.messages[i], seed_for(prompt_id, self.temperature), self.affinity[i])
 
     def records(self, outcome: Outcome, attempts: int) -> list[dict[str, Any]]:
         i = self.index[outcome.prompt_id]

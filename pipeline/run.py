@@ -9,6 +9,7 @@ import logging
 import platform
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ import pyarrow as pa
 
 from . import __version__, schema
 from .config import RunConfig, flat_diff, load_config
-from .errors import DriftError, StorageError
+from .errors import ConfigError, DriftError, StorageError
 from .prompts import PromptSet, build_prompt_set
 from .sources import load_source_spec
 from .store import Committer, RunDir, RunLock, now_utc, resolve_run_dir
@@ -265,6 +266,27 @@ def pin_weight_version(run_dir: RunDir, reports) -> str | None:
     return version
 
 
+class EndpointsFileWatch:
+    """Re-reads the endpoints file every `endpoints_file_interval_s`; None between reads or on a bad edit."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg, self.next_read = cfg, 0.0
+
+    def __call__(self):
+        now = time.monotonic()
+        if now < self.next_read:
+            return None
+        self.next_read = now + self.cfg.endpoints_file_interval_s
+        try:
+            fleet = self.cfg.all_endpoints()
+            for endpoint in fleet:
+                self.cfg.api_key(endpoint)
+            return fleet
+        except ConfigError as exc:  # a half-edited file must not stop a two-day run
+            log.error("endpoints file not applied: %s", exc)
+            return None
+
+
 def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,
                  progress, stop) -> str:
     from .dispatch import Dispatcher, client_settings, make_actor_factory
@@ -290,7 +312,8 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
         progress.tick(endpoints)
 
     dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
-                            make_actor_factory(cfg, client_settings(cfg, weight_version), api_keys))
+                            make_actor_factory(cfg, client_settings(cfg, weight_version), cfg.api_key),
+                            fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None)
     try:
         dispatcher.run()
     finally:

@@ -25,6 +25,7 @@ class WorkItem:
     prompt_id: str
     messages_json: bytes  # orjson of the conversation; decoded only by the endpoint worker
     seed: int | None
+    affinity: int = 0  # prefix-affinity key (routing.py); 0: none
 
 
 # What became of one work item at one endpoint.

@@ -42,6 +42,7 @@ class EndpointWorker:
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         readmission: RunConfig | None = None,
+        start_open: bool = False,
     ):
         self.label, self.concurrency, self.mode = label, concurrency, mode
         self.client = EndpointClient(url, label, settings, api_key)
@@ -53,7 +54,8 @@ class EndpointWorker:
         self.outbox: list[Outcome] = []
         self.ready = asyncio.Event()
         self.in_flight = 0
-        self.state = "healthy"
+        # An endpoint that joins mid-run starts with its circuit open: it must pass the preflight first.
+        self.state = "open" if start_open else "healthy"
         self.consecutive_failures = 0
         self.errors: Counter[str] = Counter()
         self.last_error = ""
@@ -66,6 +68,8 @@ class EndpointWorker:
     def _ensure_started(self) -> None:
         if not self._tasks:
             self._tasks = [asyncio.create_task(self._work()) for _ in range(self.concurrency)]
+            if self.state == "open":
+                self._probe = asyncio.create_task(self._probe_until_healthy(first_delay=0.0))
 
     # --- the driver's one call ---------------------------------------------------------------------
     async def exchange(self, work: list[WorkItem], wait_s: float = 0.5) -> Exchange:
@@ -199,14 +203,15 @@ class EndpointWorker:
         if self._probe is None or self._probe.done():
             self._probe = asyncio.create_task(self._probe_until_healthy())
 
-    async def _probe_until_healthy(self) -> None:
+    async def _probe_until_healthy(self, first_delay: float | None = None) -> None:
         delay = self.backoff_initial_s
+        await asyncio.sleep(self.backoff_initial_s if first_delay is None else first_delay)
         while self.state == "open":
-            await asyncio.sleep(delay)
             if await self.client.healthy() and await self._passes_preflight():
                 self.state = "probing"  # half-open: one request decides
                 self.consecutive_failures = 0
                 return
+            await asyncio.sleep(delay)
             delay = min(self.backoff_max_s, delay * 2)
 
     async def _passes_preflight(self) -> bool:

@@ -49,11 +49,14 @@ def stop_cluster(temp_dir: Path) -> None:
     for proc in psutil.process_iter(["cmdline"]):
         try:
             if any(str(temp_dir) in arg for arg in proc.info["cmdline"] or []):
-                ours.append(proc)
+                ours += [proc, *proc.children(recursive=True)]  # the raylet's workers and actors too
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     for proc in ours:
-        proc.kill()
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
     psutil.wait_procs(ours, timeout=10)
 
 

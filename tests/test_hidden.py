@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import orjson
@@ -207,7 +205,7 @@ def test_writer_loader_roundtrip_and_garbage(tmp_path):
     got = list(H.iter_hidden(rd.path))
     assert len(got) == 4
     for g in got:
-        pid, turn, ids, n_prompt, hidden = samples[(g.prompt_id, g.turn_index)]
+        _, _, ids, n_prompt, hidden = samples[(g.prompt_id, g.turn_index)]
         assert np.array_equal(g.token_ids, ids) and g.token_ids.dtype == np.int32 and g.n_prompt == n_prompt
         assert np.array_equal(g.hidden.view(np.uint16), hidden) and g.hidden.shape == (len(ids) - 1, 64)
         assert g.loss_mask.tolist() == [0] * n_prompt + [1] * (len(ids) - n_prompt)
@@ -292,12 +290,18 @@ def test_export_specforge_offline(tmp_path):
         assert "hidden_state" not in obj
 
 
-def test_export_speculators(tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
+def test_export_speculators(tmp_path, backend, monkeypatch):
     pytest.importorskip("safetensors")
+    pytest.importorskip("torch" if backend == "torch" else "ml_dtypes")
     from safetensors import safe_open
 
+    from pipeline import hidden_export
     from pipeline.hidden_export import export_hidden
 
+    if backend == "numpy":
+        from safetensors.numpy import save_file
+        monkeypatch.setattr(hidden_export, "_speculators_writer", lambda: (save_file, "numpy"))
     rd, samples = _export_run(tmp_path)
     summary = export_hidden(rd, "speculators-hidden", tmp_path / "sp")
     assert summary["layout_differs_from_speculators"] and any("LAYOUT DIFFERS" in n for n in summary["notes"])
@@ -326,3 +330,29 @@ def test_export_unknown_format(tmp_path):
 
     with pytest.raises(ConfigError, match="unknown hidden-state export format"):
         export_hidden(tmp_path, "nope", tmp_path / "o")
+
+
+def test_parse_when_the_row_estimate_falls_short(kernel, monkeypatch):
+    # 20 long rows first (the size estimate), then short ones: more rows than estimated, the sink grows by chunks
+    short, long = [0.0] * 8, [3.0517578125e-05] * 8
+    hs = [[long] * 20] + [short] * 60
+    body = orjson.dumps({"text": "", "output_ids": list(range(61)), "meta_info": {"hidden_states": hs}})
+    concatenated = []
+    real = np.concatenate
+    monkeypatch.setattr(np, "concatenate", lambda parts: concatenated.append(len(parts)) or real(parts))
+    r = H.parse_generate_response(body, 8, chunk_rows=4)
+    assert concatenated and concatenated[0] > 2
+    want = np.array([long] * 20 + [short] * 60, dtype=np.float32)
+    assert np.array_equal(r.hidden, (want.view(np.uint32) >> 16).astype(np.uint16)) and r.n_prefill == 20
+
+
+def test_export_specforge_without_torch(tmp_path, monkeypatch):
+    import sys
+
+    from pipeline.errors import ConfigError
+    from pipeline.hidden_export import export_hidden
+
+    rd, _ = _export_run(tmp_path)
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    with pytest.raises(ConfigError, match="needs torch"):
+        export_hidden(rd, "specforge-offline", tmp_path / "sf")

@@ -28,7 +28,14 @@ from typing import Any
 from aiohttp import web
 
 from .process import EmulatorProcess
-from .protocol import RequestInvalid, check_context, json_response, native_error, openai_error, parse_json
+from .protocol import (
+    RequestInvalid,
+    check_context,
+    json_response,
+    native_error,
+    openai_error,
+    parse_json,
+)
 from .server import free_port
 
 ENGINE_KEY: web.AppKey[Any] = web.AppKey("realmodel_engine", object)
@@ -163,7 +170,7 @@ async def chat_completions(request: web.Request) -> web.Response:
         rid = _rid(srv, body)
     except RequestInvalid as e:
         return openai_error(e.status, e.message)
-    except Exception as e:                 # a template that cannot render these messages
+    except (ValueError, TypeError, KeyError) as e:     # a template that cannot render these messages
         return openai_error(400, f"Failed to apply the chat template: {e}")
     want = bool(body.get("return_hidden_states"))
     srv.running.add(rid)

@@ -156,8 +156,12 @@ class Engine:
         return diff
 
     def chat_prompt(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
-        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                           **(template_kwargs or {}))
+        from jinja2 import TemplateError
+        try:
+            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False, **(template_kwargs or {}))
+        except TemplateError as e:
+            raise ValueError(str(e)) from None
         return [int(t) for t in ids]
 
     def encode(self, text: str) -> list[int]:

@@ -1,0 +1,154 @@
+"""Cluster mode: a two-raylet Ray cluster losing a node mid-run, live fleet changes through an endpoints
+file, and prefix-aware routing against plain least-loaded routing."""
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.emulator import start_emulator
+from tests.conftest import stop_cluster
+from tests.helpers import (
+    committed_ids, data_parts, free_port, run_regen, start_regen, wait_for, write_config, write_prompts, write_source,
+)
+
+MODEL = "moonshotai/Kimi-K2.5"
+pytestmark = pytest.mark.slow
+
+
+def rows_of(run: Path) -> list[dict]:
+    return [r for part in data_parts(run) for r in pq.read_table(part).to_pylist()]
+
+
+def status_of(run: Path) -> dict:
+    try:
+        return orjson.loads((run / "status.json").read_bytes())
+    except (FileNotFoundError, orjson.JSONDecodeError):
+        return {}
+
+
+@pytest.fixture
+def two_node_cluster(tmp_path):
+    """`ray start --head` plus a second `ray start --address=...`: two raylets on two loopback addresses."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "disabled",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    head_dir, worker_dir = Path(f"/tmp/regen-h-{os.getpid()}"), Path(f"/tmp/regen-w-{os.getpid()}")
+    port = free_port()
+    common = ["--num-cpus=1", "--disable-usage-stats"]
+    subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.2", f"--port={port}",
+                    "--include-dashboard=false", f"--temp-dir={head_dir}", *common], check=True, capture_output=True,
+                   env=env)
+    subprocess.run([ray_bin, "start", f"--address=127.0.0.2:{port}", "--node-ip-address=127.0.0.3",
+                    f"--temp-dir={worker_dir}", *common], check=True, capture_output=True, env=env)
+    yield {"env": {"RAY_ADDRESS": f"127.0.0.2:{port}", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"},
+           "worker_dir": worker_dir}
+    stop_cluster(worker_dir)
+    stop_cluster(head_dir)
+    shutil.rmtree(head_dir, ignore_errors=True)
+    shutil.rmtree(worker_dir, ignore_errors=True)
+
+
+def test_losing_a_worker_node_moves_its_work_to_the_survivors(tmp_path, two_node_cluster):
+    servers = [start_emulator(preset="kimi", tok_per_s=40) for _ in range(4)]
+    try:
+        prompts = tmp_path / "p.jsonl"
+        write_prompts(prompts, 200)
+        config = write_config(tmp_path, [{"url": s.url, "concurrency": 8, "name": f"emu-{i}"}
+                                         for i, s in enumerate(servers)],
+                              [write_source(tmp_path, prompts)], model=MODEL,
+                              sampling={"temperature": 0.0, "max_tokens": 16}, flush_records=10, status_interval_s=0.2)
+        run = tmp_path / "out" / "t"
+        proc = start_regen("generate", "--config", str(config), env=two_node_cluster["env"], log=tmp_path / "log")
+        wait_for(lambda: len(committed_ids(run)) >= 20, 120, what="progress on both nodes")
+        stop_cluster(two_node_cluster["worker_dir"])  # SIGKILL the second node's raylet and its workers
+        assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-3000:]
+        assert status_of(run)["actor_restarts"] >= 1, "the lost node held endpoint actors"
+        ids = committed_ids(run)
+        assert len(ids) == len(set(ids)) == 200
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_endpoints_file_adds_and_drains_endpoints_live(tmp_path, ray_cluster):
+    first = start_emulator(preset="kimi", tok_per_s=40)
+    second = start_emulator(preset="kimi", tok_per_s=40)
+    try:
+        fleet_file = tmp_path / "endpoints.txt"
+        fleet_file.write_text(f"# the fleet\n{first.url} 4\n")
+        prompts = tmp_path / "p.jsonl"
+        write_prompts(prompts, 240)
+        config = write_config(tmp_path, [], [write_source(tmp_path, prompts)], model=MODEL,
+                              endpoints_file=str(fleet_file), endpoints_file_interval_s=0.3,
+                              sampling={"temperature": 0.0, "max_tokens": 16}, flush_records=10,
+                              status_interval_s=0.2)
+        run = tmp_path / "out" / "t"
+        first_label, second_label = first.url.split("://")[1], second.url.split("://")[1]
+        proc = start_regen("generate", "--config", str(config), log=tmp_path / "log")
+        wait_for(lambda: len(committed_ids(run)) >= 20, 120, what="the first endpoint working")
+        fleet_file.write_text(f"{first.url} 4\n{second.url} 4\n")
+        wait_for(lambda: any(r["endpoint"] == second_label for r in rows_of(run)), 60, what="the new endpoint's work")
+        fleet_file.write_text(f"{second.url} 4\n")
+        wait_for(lambda: first_label not in status_of(run).get("endpoints", {}), 60, what="the removed one to drain")
+        drained_at = len(committed_ids(run))
+        assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-3000:]
+        log = (tmp_path / "log").read_text()
+        assert f"endpoint {second_label} joins the fleet" in log and f"endpoint {first_label} leaves the fleet: drained" in log
+        rows = rows_of(run)
+        counts = collections.Counter(r["endpoint"] for r in rows)
+        assert counts[first_label] > 0 and counts[second_label] > 0
+        assert len(rows) == len({r["prompt_id"] for r in rows}) == 240
+        assert drained_at < 240, "the drain happened mid-run"
+    finally:
+        first.stop()
+        second.stop()
+
+
+FAMILY_SYSTEM = ("You are assistant number {f}. You work for the {f}th department of a large library and you answer "
+                 "questions about its collection, its opening hours, its reading rooms, its rules for borrowing rare "
+                 "books, and the history of the building, always politely, briefly and accurately, in plain words.")
+
+
+def run_routing(tmp_path: Path, name: str, affinity_chars: int) -> tuple[float, float]:
+    """Cache hit rate (cached / prompt tokens) and makespan of 288 prompts in 48 prefix families."""
+    servers = [start_emulator(preset="kimi", enable_cache_report=True, cache_max_tokens=1500, tok_per_s=400)
+               for _ in range(4)]
+    try:
+        lines = [orjson.dumps({"messages": [{"role": "system", "content": FAMILY_SYSTEM.format(f=i % 48)},
+                                            {"role": "user", "content": f"Question {i}: when do you open?"}]})
+                 for i in range(288)]
+        work = tmp_path / name
+        work.mkdir()
+        (work / "p.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+        config = write_config(work, [{"url": s.url, "concurrency": 4, "name": f"emu-{i}"}
+                                     for i, s in enumerate(servers)],
+                              [write_source(work, work / "p.jsonl", fmt="openai")], model=MODEL,
+                              prefix_affinity_chars=affinity_chars, sampling={"temperature": 0.0, "max_tokens": 8})
+        started = time.monotonic()
+        result = run_regen("generate", "--config", str(config))
+        makespan = time.monotonic() - started
+        assert result.returncode == 0, result.stderr
+        rows = rows_of(work / "out" / "t")
+        assert len(rows) == 288
+        return sum(r["cached_tokens"] or 0 for r in rows) / sum(r["prompt_tokens"] for r in rows), makespan
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_prefix_affinity_raises_the_cache_hit_rate(tmp_path, ray_cluster):
+    affinity_hits, affinity_makespan = run_routing(tmp_path, "affinity", 200)
+    plain_hits, plain_makespan = run_routing(tmp_path, "plain", 0)
+    print(f"\nrouting: cache hit rate {affinity_hits:.1%} with prefix affinity vs {plain_hits:.1%} least-loaded; "
+          f"makespan {affinity_makespan:.1f}s vs {plain_makespan:.1f}s (incl. start-up)")
+    assert affinity_hits > plain_hits + 0.10
