@@ -14,7 +14,7 @@ EXIT_CODES = {ConfigError: 2, DriftError: 3, RunLocked: 4}
 def _generate(args: argparse.Namespace) -> int:
     from .run import GenerateOptions, generate
 
-    return generate(GenerateOptions(args.config, args.new_run, args.refresh_prompts, args.retry_failures))
+    return generate(GenerateOptions(args.config, args.new_run, args.refresh_prompts, args.retry_failures, args.force))
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--refresh-prompts", action="store_true",
                      help="re-read the sources: new prompts are added, done ones never sent again")
     gen.add_argument("--retry-failures", action="store_true", help="send terminal failures again")
+    gen.add_argument("--force", action="store_true",
+                     help="start even if the hidden states' estimated size exceeds the free disk space")
     gen.set_defaults(func=_generate)
 
     status = sub.add_parser("status", help="progress of a run, counted from its ledger",

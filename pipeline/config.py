@@ -78,6 +78,7 @@ class HiddenStates(_Strict):
     expected_width: int = Field(21504, ge=1)
     layers_note: str = "EAGLE-3 auxiliary layers [2, L//2, L-3] as SGLang captures them"
     dtype: Literal["bf16"] = "bf16"
+    max_in_memory: int = Field(2, ge=1)  # answers each actor parses or writes at once (one 4K answer ~ 176 MB)
 
 
 class RayOptions(_Strict):
@@ -166,7 +167,8 @@ class RunConfig(_Strict):
             "mode": self.mode,
             "sampling": self.sampling.model_dump(),
             "chat_template_kwargs": self.template_kwargs(),
-            "hidden_states": self.hidden_states.model_dump() if self.hidden_states.enabled else None,
+            "hidden_states": self.hidden_states.model_dump(exclude={"max_in_memory"})
+            if self.hidden_states.enabled else None,
         }
 
     def prompt_identity(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .config import Endpoint, RunConfig
 from .endpoints import ClientSettings
 from .errors import RunFatal
+from .hidden_route import HiddenRoute
 from .routing import Router
 from .work import DONE, RETRY, TERMINAL, Exchange, Outcome, WorkItem
 from .worker import EndpointWorker
@@ -235,12 +236,16 @@ class Dispatcher:
                 )
 
 
-def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None]):
+def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None],
+                       run_dir: str):
     """Actors are spread round-robin over the cluster's live nodes (Ray's SPREAD leaves zero-CPU actors on
     one node); an endpoint may pin its actor instead through Ray resources (e.g. `{"node:10.0.0.7": 0.01}`,
     or a custom resource given to `ray start --resources`). A replacement actor goes to a node still alive."""
     remote_worker = ray.remote(EndpointWorker)
     generation = itertools.count()
+    hidden = cfg.hidden_states
+    route = HiddenRoute(hidden.expected_width, run_dir, cfg.template_kwargs().get("thinking"),
+                        hidden.max_in_memory) if hidden.enabled else None
 
     def factory(e: Endpoint, start_open: bool) -> ray.actor.ActorHandle:
         n = next(generation)
@@ -256,7 +261,7 @@ def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callab
             namespace=ACTOR_NAMESPACE, **placement,
         ).remote(
             e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
-            cfg.circuit_failures, readmission=cfg, start_open=start_open,
+            cfg.circuit_failures, readmission=cfg, start_open=start_open, hidden=route,
         )
 
     return factory

@@ -185,7 +185,7 @@ class EndpointClient:
             raise Retryable(f"stream error: {_error_message(exc.body, exc.message)}", endpoint=self.label) from None
         except (ValueError, KeyError, IndexError, TypeError) as exc:  # orjson.JSONDecodeError is a ValueError
             raise Retryable(f"unreadable response ({exc!r})", endpoint=self.label) from None
-        return self._checked(completion)
+        return self.check_completion(completion)
 
     async def _streamed(self, request: dict[str, Any], started: float, rid: str) -> Completion:
         """SSE: a request with no new chunk for stall_timeout_s made no progress and is cancelled."""
@@ -204,7 +204,8 @@ class EndpointClient:
             await stream.close()
         return folded.completion(time.monotonic() - started)
 
-    def _checked(self, completion: Completion) -> Completion:
+    def check_completion(self, completion: Completion) -> Completion:
+        """An `abort` finish is retryable; an answer from other weights than the run's is endpoint-fatal."""
         if completion.finish_reason == "abort":
             raise Retryable("the server aborted the request", endpoint=self.label)
         expected = self.settings.expected_weight_version
@@ -228,16 +229,20 @@ class EndpointClient:
 
     async def post_json(self, path: str, body: dict[str, Any], timeout_s: float = 60.0) -> tuple[int, Any]:
         """POST to a native endpoint (e.g. /generate). Returns (status, parsed body); raises EndpointDown."""
+        status, payload = await self.post_raw(path, body, timeout_s)
+        try:
+            return status, orjson.loads(payload) if payload else None
+        except orjson.JSONDecodeError:
+            return status, payload.decode(errors="replace")
+
+    async def post_raw(self, path: str, body: dict[str, Any], timeout_s: float = 60.0) -> tuple[int, bytes]:
+        """POST and return the body's bytes unparsed (hidden states are parsed at the byte level)."""
         session = self._session()
         try:
             async with session.post(self.url + path, data=orjson.dumps(body),
                                     headers={"Content-Type": "application/json"},
                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                payload = await resp.read()
-                try:
-                    return resp.status, orjson.loads(payload) if payload else None
-                except orjson.JSONDecodeError:
-                    return resp.status, payload.decode(errors="replace")
+                return resp.status, await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EndpointDown(f"{path}: {exc or type(exc).__name__}", endpoint=self.label) from None
 

@@ -310,10 +310,16 @@ def export_run(run_dir: Path, fmt: str, out: Path, *, drop_truncated: bool = Fal
 
 
 # --- CLI (wired as `regen export`) -----------------------------------------------------------------
+HIDDEN_FORMATS = ("specforge-offline", "speculators-hidden")  # pipeline/hidden_export.py
+
+
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run directory (outputs/<run>)")
-    parser.add_argument("--format", required=True, choices=FORMATS, dest="format")
-    parser.add_argument("--out", required=True, help="output JSONL path (written atomically)")
+    parser.add_argument("--format", required=True, choices=FORMATS + HIDDEN_FORMATS, dest="format",
+                        help="JSONL training rows, or hidden-state files: specforge-offline (one torch file per "
+                             "sample; needs torch) and speculators-hidden (hs_{idx}.safetensors)")
+    parser.add_argument("--out", required=True,
+                        help="output JSONL path (written atomically), or a directory for the hidden-state formats")
     parser.add_argument("--per-turn", action="store_true",
                         help="specforge, all_turns runs: one row per assistant turn instead of whole conversations")
     parser.add_argument("--drop-truncated", action="store_true", help="drop records that hit max_tokens")
@@ -323,6 +329,15 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    if args.format in HIDDEN_FORMATS:
+        from .hidden_export import export_hidden
+
+        result = export_hidden(Path(args.run_dir), args.format, Path(args.out))
+        for note in result.get("notes", []):
+            print(f"regen: {note}", file=sys.stderr)
+        print(f"regen: {args.format}: {result.get('samples', result.get('written', '?'))} samples in {args.out} "
+              f"(manifest.json says which layers and which norm convention)", file=sys.stderr)
+        return 0
     summary = export_run(Path(args.run_dir), args.format, Path(args.out), drop_truncated=args.drop_truncated,
                          drop_flagged=args.drop_flagged, sources=args.sources, per_turn=args.per_turn)
     print(summary.table(), file=sys.stderr)

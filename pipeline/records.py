@@ -50,7 +50,8 @@ class RecordBuilder:
                 "config_fingerprint": self.fingerprint, "latency_s": c.latency_s, "attempts": attempts,
                 "seed": None if seed is None else seed + (k if self.mode == "all_turns" else 0),
                 "request_id": c.request_id, "prompt_token_ids": c.prompt_token_ids,
-                "output_token_ids": c.output_token_ids, "created_at": now_utc(),
+                "output_token_ids": c.output_token_ids, "hidden_part": c.hidden_part,
+                "hidden_row": c.hidden_row, "created_at": now_utc(),
             })
         return rows
 

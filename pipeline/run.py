@@ -35,6 +35,7 @@ class GenerateOptions:
     new_run: bool = False
     refresh_prompts: bool = False
     retry_failures: bool = False
+    force: bool = False  # start even if the hidden states' estimated size exceeds the free space
 
 
 # --- the prompt set ------------------------------------------------------------------------------
@@ -194,6 +195,7 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, pro
               f"{progress.failed_before} failures, nothing pending", file=sys.stderr)
         return 0
     log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed), len(failed))
+    prepare_hidden_states(cfg, opts, run_dir, prompts, pending)
     builder = RecordBuilder(prompts, cfg)
     committer = Committer(run_dir, done, cfg.flush_records, cfg.flush_interval_s)
     stop = StopFlag()
@@ -213,6 +215,28 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, pro
           f"{progress.failed_before + progress.failed} failures "
           f"({committer.dropped_duplicates} late duplicates dropped)", file=sys.stderr)
     return 0
+
+
+def prepare_hidden_states(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts: pa.Table,
+                          pending: list[str]) -> None:
+    """Remove hidden parts no committed row references (left by a kill or a retried request), then check
+    that the pending work's hidden states fit on the disk."""
+    from .hidden import check_free_space, estimate_bytes
+    from .hidden_store import garbage_hidden_parts
+
+    garbage = garbage_hidden_parts(run_dir)
+    for part in garbage:
+        part.unlink(missing_ok=True)
+    if garbage:
+        log.info("removed %d unreferenced hidden-state parts", len(garbage))
+    if not cfg.hidden_states.enabled:
+        return
+    chars = sum(len(m["content"]) for conv in prompts.column("messages").to_pylist()[:2000] for m in conv)
+    mean_prompt_tokens = chars / max(1, min(2000, prompts.num_rows)) / 4  # ~4 characters a token
+    tokens = int(mean_prompt_tokens + cfg.sampling.max_tokens)
+    fit = check_free_space(run_dir.path, estimate_bytes(len(pending), tokens, cfg.hidden_states.expected_width),
+                           force=opts.force)
+    log.info("%s (about %d tokens a sample)%s", fit["message"], tokens, "" if fit["fits"] else ": forced")
 
 
 def salvage(committer: Committer, progress) -> None:
@@ -312,7 +336,8 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
         progress.tick(endpoints)
 
     dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
-                            make_actor_factory(cfg, client_settings(cfg, weight_version), cfg.api_key),
+                            make_actor_factory(cfg, client_settings(cfg, weight_version), cfg.api_key,
+                                               str(run_dir.path.absolute())),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None)
     try:
         dispatcher.run()

@@ -19,6 +19,8 @@ class Completion:
     request_id: str
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
+    hidden_part: str | None = None  # the hidden part holding this turn's states (hidden/ of the run)
+    hidden_row: int | None = None
 
 @dataclass(frozen=True)
 class WorkItem:

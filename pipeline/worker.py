@@ -19,6 +19,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from .config import RunConfig
 from .conversation import turn_history, user_turns
 from .endpoints import ClientSettings, EndpointClient
+from .hidden_route import HiddenRoute, HiddenTurns
 from .errors import EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt
 from .work import DONE, ENDPOINT_FATAL, RETRY, RETURNED, TERMINAL, Completion, Exchange, Outcome, WorkItem
 
@@ -43,9 +44,11 @@ class EndpointWorker:
         backoff_max_s: float = 30.0,
         readmission: RunConfig | None = None,
         start_open: bool = False,
+        hidden: HiddenRoute | None = None,
     ):
         self.label, self.concurrency, self.mode = label, concurrency, mode
         self.client = EndpointClient(url, label, settings, api_key)
+        self.hidden = HiddenTurns(self.client, hidden, tag=label) if hidden else None
         self.attempts_per_endpoint = attempts_per_endpoint
         self.circuit_failures = circuit_failures
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
@@ -137,11 +140,12 @@ class EndpointWorker:
                 for k in range(len(users)):
                     history = turn_history(system, users, [c.content for c in completions], k)
                     seed = None if item.seed is None else item.seed + k
-                    completion, used = await self._request(history, seed)
+                    completion, used = await self._request(item.prompt_id, k, history, seed)
                     attempts += used
                     completions.append(completion)
             else:
-                completion, attempts = await self._request(messages, item.seed)
+                turn = sum(m["role"] == "assistant" for m in messages)
+                completion, attempts = await self._request(item.prompt_id, turn, messages, item.seed)
                 completions.append(completion)
         except _Failed as failed:
             return self._failed(item, failed.error, attempts + failed.attempts)
@@ -150,7 +154,8 @@ class EndpointWorker:
             self.state = "healthy"
         return Outcome(item.prompt_id, DONE, self.label, attempts, completions=completions)
 
-    async def _request(self, messages: list[dict[str, str]], seed: int | None) -> tuple[Completion, int]:
+    async def _request(self, prompt_id: str, turn_index: int, messages: list[dict[str, str]],
+                       seed: int | None) -> tuple[Completion, int]:
         """One turn, with backoff and jitter on retryable errors, up to attempts_per_endpoint."""
         attempts = 0
         retrying = AsyncRetrying(
@@ -165,7 +170,10 @@ class EndpointWorker:
                 with attempt:
                     self.requests += 1
                     attempts += 1
-                    completion = await self.client.chat(messages, seed)
+                    if self.hidden:
+                        completion = await self.hidden.turn(prompt_id, turn_index, messages, seed)
+                    else:
+                        completion = await self.client.chat(messages, seed)
         except RequestError as error:
             raise _Failed(error, attempts) from None
         self.completion_tokens += completion.completion_tokens

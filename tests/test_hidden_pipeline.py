@@ -1,0 +1,96 @@
+"""Hidden states through the whole pipeline, against the SGLang emulator: /generate with
+return_hidden_states, bf16 parts written by the endpoint actors, aligned to prompt + completion tokens,
+referenced by the data rows, garbage-collected on resume, exported."""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from pipeline.emulator import start_emulator
+from pipeline.emulator.hidden import hidden_rows
+from pipeline.hidden_store import hidden_parts, iter_hidden
+from tests.helpers import data_parts, run_regen, sigkill, start_regen, wait_for, write_config, write_prompts, write_source
+
+MODEL = "moonshotai/Kimi-K2.5"
+WIDTH = 3 * 32  # EAGLE-3: three auxiliary layers of a 32-wide toy model
+
+
+def as_bf16_bits(values: np.ndarray) -> np.ndarray:
+    return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def test_hidden_states_are_aligned_stored_and_referenced(tmp_path, ray_cluster):
+    server = start_emulator(preset="kimi-eagle3", hidden_width=32, tok_per_s=200)
+    try:
+        prompts = tmp_path / "p.jsonl"
+        write_prompts(prompts, 40)
+        config = write_config(tmp_path, [{"url": server.url, "concurrency": 4, "name": "emu-0"}],
+                              [write_source(tmp_path, prompts)], model=MODEL, thinking=True,
+                              sampling={"temperature": 0.0, "max_tokens": 24}, flush_records=4,
+                              hidden_states={"enabled": True, "expected_width": WIDTH})
+        run = tmp_path / "out" / "t"
+        proc = start_regen("generate", "--config", str(config), log=tmp_path / "log")
+        wait_for(lambda: len(data_parts(run)) >= 2, 120, what="some committed records")
+        sigkill(proc)
+        result = run_regen("generate", "--config", str(config))
+        assert result.returncode == 0, result.stderr
+
+        rows = [r for part in data_parts(run) for r in pq.read_table(part).to_pylist()]
+        assert len(rows) == 40 and all(r["hidden_part"] and r["hidden_row"] is not None for r in rows)
+        referenced = {r["hidden_part"] for r in rows}
+        assert {p.name for p in hidden_parts(run)} == referenced, "unreferenced parts are removed on resume"
+        by_key = {(r["prompt_id"], r["turn_index"]): r for r in rows}
+        samples = list(iter_hidden(run))
+        assert len(samples) == 40
+        for sample in samples:
+            row = by_key[(sample.prompt_id, sample.turn_index)]
+            tokens = row["prompt_token_ids"] + row["output_token_ids"]
+            assert list(sample.token_ids) == tokens and sample.n_prompt == row["prompt_tokens"]
+            assert sample.hidden.shape == (len(tokens) - 1, WIDTH), "row i belongs to token i; the last has none"
+            expected = as_bf16_bits(hidden_rows(tokens[:-1], range(len(tokens) - 1), WIDTH))
+            assert np.array_equal(sample.hidden.view(np.uint16), expected)
+            assert list(sample.loss_mask) == [0] * row["prompt_tokens"] + [1] * row["completion_tokens"]
+        assert collections.Counter(r["finish_reason"] for r in rows).keys() <= {"stop", "length"}
+        assert any(r["reasoning_content"] for r in rows), "Kimi's reasoning is split out of /generate's text"
+
+        out = tmp_path / "hs"
+        export = run_regen("export", str(run), "--format", "speculators-hidden", "--out", str(out))
+        assert export.returncode == 0, export.stderr
+        assert "LAYOUT DIFFERS" in export.stderr and (out / "manifest.json").exists()
+        assert len(list(out.rglob("hs_*.safetensors"))) == 40
+    finally:
+        server.stop()
+
+
+def test_a_wrong_hidden_width_refuses_the_run_before_any_prompt(tmp_path, ray_cluster):
+    # The failure that cost days: --speculative-algorithm EAGLE instead of EAGLE3 gives 7168, not 21504.
+    eagle = start_emulator(preset="kimi-eagle3", speculative_algorithm="EAGLE")
+    try:
+        prompts = tmp_path / "p.jsonl"
+        write_prompts(prompts, 5)
+        config = write_config(tmp_path, [{"url": eagle.url, "concurrency": 4, "name": "emu-0"}],
+                              [write_source(tmp_path, prompts)], model=MODEL,
+                              hidden_states={"enabled": True, "expected_width": 21504})
+        result = run_regen("generate", "--config", str(config))
+        assert result.returncode == 1
+        assert "7168-wide" in result.stderr and "EAGLE3" in result.stderr and "emu-0" in result.stderr
+        assert not list((tmp_path / "out" / "t" / "data").glob("part-*")), "no prompt was generated"
+    finally:
+        eagle.stop()
+
+
+def test_storage_preflight_refuses_a_run_that_cannot_fit(tmp_path, ray_cluster):
+    server = start_emulator(preset="kimi-eagle3")
+    try:
+        prompts = tmp_path / "p.jsonl"
+        write_prompts(prompts, 5)
+        config = write_config(tmp_path, [{"url": server.url, "concurrency": 4, "name": "emu-0"}],
+                              [write_source(tmp_path, prompts)], model=MODEL,
+                              sampling={"temperature": 0.0, "max_tokens": 10_000_000},
+                              hidden_states={"enabled": True, "expected_width": 21504})
+        result = run_regen("generate", "--config", str(config))
+        assert result.returncode == 1 and "TB" in result.stderr and "--force" in result.stderr
+    finally:
+        server.stop()
