@@ -40,7 +40,12 @@ export: setup
 card: setup
 	$(REGEN) card $(RUN)
 
-test: setup
+# The suite also verifies stored hidden states against a real model: torch (CPU) + transformers.
+$(VENV)/.verify: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[verify]"
+	touch $@
+
+test: setup $(VENV)/.verify
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 serve-local: setup

@@ -230,3 +230,52 @@ def test_information_routes_and_errors(server):
     assert status == 400 and "greedily" in err["error"]["message"]
     status, err = _post(server.url, "/generate", {"input_ids": [1] * 9000})
     assert status == 400 and "longer than the model's context length" in err["error"]["message"]
+
+
+def test_pipeline_stores_hidden_states_equal_to_an_independent_forward_pass(tmp_path, ray_cluster, server, ref):
+    """regen's real pipeline against the real model: every stored row equals a single cache-free forward pass."""
+    from pipeline.hidden_store import iter_hidden
+    from tests.helpers import run_regen, write_config, write_prompts, write_source
+
+    prompts = tmp_path / "p.jsonl"
+    write_prompts(prompts, 3)
+    config = write_config(tmp_path, [{"url": server.url, "concurrency": 1, "name": "smol"}],
+                          [write_source(tmp_path, prompts)], model="HuggingFaceTB/SmolLM2-135M-Instruct",
+                          sampling={"temperature": 0.0, "max_tokens": 10}, request_timeout_s=300,
+                          hidden_states={"enabled": True, "expected_width": H, "layers_note": "last layer, after the final norm"})
+    result = run_regen("generate", "--config", str(config), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    samples = list(iter_hidden(tmp_path / "out" / "t"))
+    assert len(samples) == 3
+    worst = 0.0
+    for sample in samples:
+        ids = [int(t) for t in sample.token_ids]
+        assert ids[:sample.n_prompt] == ref.chat_ids([{"role": "user", "content": _prompt_of(prompts, sample, ref)}])
+        expected, logits = ref.forward(ids)
+        stored = torch.from_numpy(sample.hidden.astype("float32")).to(torch.float64)
+        stats = _compare(stored, expected[:-1])  # the last generated token has no vector
+        worst = max(worst, stats["max_abs_diff"])
+        greedy = logits.argmax(-1)[sample.n_prompt - 1:-1].tolist()
+        assert greedy == ids[sample.n_prompt:], "the stored completion is the model's own greedy output"
+    print(f"\npipeline vs forward pass: max abs diff {worst:.4f} over {len(samples)} samples")
+
+
+def test_pipeline_refuses_a_server_whose_prefix_cache_drops_rows(tmp_path, ray_cluster, cached_server):
+    from tests.helpers import run_regen, write_config, write_prompts, write_source
+
+    prompts = tmp_path / "p.jsonl"
+    write_prompts(prompts, 2)
+    config = write_config(tmp_path, [{"url": cached_server.url, "concurrency": 1, "name": "smol"}],
+                          [write_source(tmp_path, prompts)], model="HuggingFaceTB/SmolLM2-135M-Instruct",
+                          hidden_states={"enabled": True, "expected_width": H})
+    result = run_regen("generate", "--config", str(config), timeout=600)
+    assert result.returncode == 1 and "--disable-radix-cache" in result.stderr
+
+
+def _prompt_of(prompts_file, sample, ref) -> str:
+    """The user prompt whose chat rendering starts this sample (the sample stores ids, the file text)."""
+    for line in prompts_file.read_text().splitlines():
+        text = json.loads(line)["prompt"]
+        if ref.chat_ids([{"role": "user", "content": text}]) == [int(t) for t in sample.token_ids[:sample.n_prompt]]:
+            return text
+    raise AssertionError("no prompt renders to the stored prompt ids")
