@@ -11,6 +11,8 @@ process id), the emulators, the regen runs.
   resume      88K-prompt run dir with 80K done: pending-set time, command start to first request
   memory      driver and actor RSS over a long run of 2K-token completions
   emulator    the emulator's own req/s under a raw aiohttp load generator
+  hidden      hidden-state ingest (JSON -> bf16 Parquet) MB/s per core, peak memory, bytes on disk
+  simulator   `regen simulate`'s predicted wall time against the actual emulated run
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import os
 import platform
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,8 +39,58 @@ from .bench_cases import (
 from .bench_env import REPO
 from .bench_scale import memory, resume
 
+def hidden_ingest(ctx: Ctx) -> Result:
+    """Hidden-state JSON -> bf16 Parquet per core against naive json and orjson + numpy, peak memory, disk."""
+    from . import bench_hidden
+
+    res = bench_hidden.run(repeats=1 if ctx.quick else 2, peak_tokens=1024 if ctx.quick else 4096)
+    methods, peak, disk = res["throughput"]["methods"], res["peak"], res["disk"]
+    ours, orjson_mb, naive_mb = (methods[k]["mb_per_s"] for k in ("regen", "orjson+numpy", "naive json+numpy"))
+    result = Result("hidden", notes=bench_hidden.table(res).splitlines())
+    result.rows += [
+        ("ingest MB/s per core: regen / orjson+numpy / naive", f"{ours:.0f} / {orjson_mb:.0f} / {naive_mb:.0f}",
+         ">= 200 MB/s", ours >= 200),
+        ("ingest vs orjson+numpy", f"{ours / orjson_mb:.2f}x", "", None),
+        ("bytes on disk vs ideal 2 x width x rows", f"{disk['ratio']:.4f}x", "<= 1.02x", disk["ratio"] <= 1.02),
+    ]
+    if peak:
+        result.rows.append(("peak memory beyond the body vs bf16 matrix (parse + write)",
+                            f"{peak['total_ratio']:.2f}x", "<= 3x", peak["total_ratio"] <= 3.0))
+    return result
+
+
+def simulator_accuracy(ctx: Ctx) -> Result:
+    """`regen simulate` on a sample at 20x time compression against the actual emulated run of all prompts."""
+    from .bench_env import emulators, write_config, write_prompts
+    from .simulate import simulate
+
+    n_prompts, tok_s, endpoints, concurrency = (240, 60.0, 2, 8) if ctx.quick else (600, 60.0, 4, 8)
+    folder = ctx.work / "simulator"
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts = write_prompts(folder / "prompts.jsonl", n_prompts)
+    os.environ.update(ctx.head.env())  # the simulated run joins the benchmark's Ray head too
+    with emulators(endpoints, tok_per_s=tok_s, capacity=concurrency) as fleet:
+        config = write_config(folder, [s.url for s in fleet], concurrency, prompts, max_tokens=48)
+        started = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "pipeline", "generate", "--config", str(config)],
+                             capture_output=True, text=True, env=os.environ.copy(), timeout=1800)
+        actual = time.monotonic() - started
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr[-2000:])
+    predicted = simulate(str(config), endpoints, tok_s, sample=n_prompts // 4, speedup=20.0, concurrency=concurrency)
+    ratio = predicted.wall_s / actual
+    res = Result("simulator")
+    res.rows += [("predicted / actual wall time of an emulated run", f"{ratio:.2f}x "
+                  f"({predicted.wall_s:.0f} s / {actual:.0f} s)", "within 10%", abs(ratio - 1) <= 0.10)]
+    res.notes += [f"{n_prompts} prompts, {endpoints} endpoints x {concurrency} at {tok_s:.0f} tok/s a request; "
+                  f"the prediction ran a quarter of them at 20x speed ({predicted.sample_wall_s:.0f} s).",
+                  predicted.table().replace("\n", " ")]
+    return res
+
+
 BENCHES = {"overhead": overhead, "saturation": saturation, "stragglers": stragglers, "resume": resume,
-           "memory": memory, "emulator": emulator_capacity}
+           "memory": memory, "emulator": emulator_capacity, "hidden": hidden_ingest,
+           "simulator": simulator_accuracy}
 
 
 def table(results: list[Result]) -> list[str]:

@@ -236,10 +236,6 @@ def write_card(run_dir: Path) -> Path:
 
 
 # --- CLI (wired as `regen card`) -------------------------------------------------------------------
-def add_card_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="a run directory (outputs/<run>)")
-
-
 def run_card(args: argparse.Namespace) -> int:
     path = write_card(Path(args.run_dir))
     print(f"wrote {path} and {path.parent / CARD_DIR}/*.png", file=sys.stderr)

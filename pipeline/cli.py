@@ -41,6 +41,12 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _card(args: argparse.Namespace) -> int:
+    from .card import run_card  # matplotlib is imported only for this command
+
+    return run_card(args)
+
+
 def _preflight(args: argparse.Namespace) -> int:
     from .fleet import run_preflight_command
 
@@ -92,26 +98,35 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config")
     validate.set_defaults(func=_validate)
 
-    from .card import add_card_arguments, run_card
     from .export import add_export_arguments, run_export
 
     export = sub.add_parser("export", help="training files from a run (SpecForge, speculators)",
                             description="Write a run's committed records in a training library's format, atomically.")
     add_export_arguments(export)
     export.set_defaults(func=run_export)
-    card = sub.add_parser("card", help="write the run's dataset card (README.md + histograms)")
-    add_card_arguments(card)
-    card.set_defaults(func=run_card)
+    card = sub.add_parser("card", help="write the run's dataset card (README.md + histograms)",
+                          description="Write RUN_DIR/README.md: model, sources, finish reasons, quality flags, "
+                                      "token statistics, endpoint shares, and PNG histograms in RUN_DIR/card/.")
+    card.add_argument("run_dir", help="a run directory (outputs/<run>)")
+    card.set_defaults(func=_card)
 
     for name, func, text in (("serve-local", _serve_local, "serve SmolLM2-135M with llama.cpp (one server)"),
-                             ("emulate", _emulate, "run the SGLang-faithful emulator")):
+                             ("emulate", _emulate, "run the SGLang-faithful emulator"),
+                             ("simulate", _simulate, "dry-run a config against N emulated endpoints; predict "
+                                                     "wall time, tokens and disk")):
         command = sub.add_parser(name, help=text, add_help=False)
         command.add_argument("rest", nargs=argparse.REMAINDER)
         command.set_defaults(func=func)
     return parser
 
 
-PASSTHROUGH = {"serve-local": _serve_local, "emulate": _emulate}  # these parse their own options
+def _simulate(args: argparse.Namespace) -> int:
+    from .simulate import main as simulate_main
+
+    return simulate_main(args.rest)
+
+
+PASSTHROUGH = {"serve-local": _serve_local, "emulate": _emulate, "simulate": _simulate}  # these parse their own options
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,6 +106,9 @@ class RunConfig(_Strict):
     endpoints_file_api_key_env: str | None = None
     # Prefix affinity: prompts whose first N characters agree go to the same endpoint (0: off).
     prefix_affinity_chars: int = Field(256, ge=0)
+    # At the tail of the run, an idle endpoint re-runs work held elsewhere for over twice the mean latency;
+    # the first answer is committed, the other dropped (costs a few duplicate requests, saves the tail).
+    hedge_tail: bool = True
     local_fleet: LocalFleet | None = None
     ray: RayOptions = RayOptions()
     hidden_states: HiddenStates = HiddenStates()

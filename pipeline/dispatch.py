@@ -56,6 +56,7 @@ class Slot:
     endpoint: Endpoint
     handle: ray.actor.ActorHandle
     assigned: dict[str, WorkItem] = field(default_factory=dict)
+    sent_at: dict[str, float] = field(default_factory=dict)
     state: str = "healthy"
     stats: dict = field(default_factory=dict)
     open_since: float | None = None
@@ -95,6 +96,8 @@ class Dispatcher:
         self.actor_restarts = 0
         self.requeued = 0
         self.fleet_changes: list[str] = []
+        self.hedged: set[str] = set()  # prompts re-run on an idle endpoint at the tail of the run
+        self.mean_latency: float | None = None  # moving average of a prompt's latency
 
     # --- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -137,13 +140,41 @@ class Dispatcher:
             ray.kill(slot.handle)
 
     def _call(self, slot: Slot, work: list[WorkItem]) -> None:
+        now = time.monotonic()
         for item in work:
             slot.assigned[item.prompt_id] = item
+            slot.sent_at[item.prompt_id] = now
         self.calls[slot.handle.exchange.remote(work, 0.5)] = slot.label
 
     def _take(self, slot: Slot, demand: int) -> list[WorkItem]:
+        """The actor's demand is its free slots plus one concurrency's worth of prefetch. Near the end of
+        the run the prefetch would strand work behind a slow endpoint, so there it gets free slots only,
+        and once the queue is empty an idle endpoint re-runs the oldest work held by others (hedging:
+        whichever answer comes first is committed, the late one is dropped)."""
+        if len(self.router) < sum(s.endpoint.concurrency for s in self.slots.values()):
+            demand = max(0, demand - slot.endpoint.concurrency)
         elsewhere = any(s.state == "healthy" for s in self.slots.values() if s is not slot and not s.draining)
-        return self.router.take(slot.label, demand, self.unfinished.__contains__, elsewhere)
+        batch = self.router.take(slot.label, demand, self.unfinished.__contains__, elsewhere)
+        if self.cfg.hedge_tail and len(batch) < demand and not len(self.router) and slot.state == "healthy":
+            batch += self._hedge(slot, demand - len(batch))
+        return batch
+
+    def _hedge(self, slot: Slot, n: int) -> list[WorkItem]:
+        """Stragglers: work held elsewhere for over twice the mean latency, oldest first, each re-run once."""
+        if self.mean_latency is None:
+            return []
+        cutoff = time.monotonic() - 2 * self.mean_latency
+        picked: list[WorkItem] = []
+        for other in self.slots.values():
+            if other is slot:
+                continue
+            for prompt_id, item in other.assigned.items():  # insertion order: oldest first
+                if len(picked) == n or other.sent_at.get(prompt_id, cutoff) > cutoff:
+                    break
+                if prompt_id in self.unfinished and prompt_id not in self.hedged and prompt_id not in slot.assigned:
+                    self.hedged.add(prompt_id)
+                    picked.append(item)
+        return picked
 
     # --- outcomes -----------------------------------------------------------------------------------
     def _absorb(self, slot: Slot, exchange: Exchange) -> None:
@@ -151,6 +182,10 @@ class Dispatcher:
         slot.open_since = (slot.open_since or time.monotonic()) if exchange.state in ("open", "fatal") else None
         for outcome in exchange.outcomes:
             item = slot.assigned.pop(outcome.prompt_id, None)
+            slot.sent_at.pop(outcome.prompt_id, None)
+            if outcome.kind == DONE:
+                latency = sum(c.latency_s for c in outcome.completions)
+                self.mean_latency = latency if self.mean_latency is None else 0.9 * self.mean_latency + 0.1 * latency
             if outcome.prompt_id not in self.unfinished:
                 continue  # a late answer for work already finished elsewhere
             attempts = self.attempts.get(outcome.prompt_id, 0) + outcome.attempts
@@ -179,6 +214,7 @@ class Dispatcher:
             if item.prompt_id in self.unfinished:
                 self._requeue(item)
         slot.assigned.clear()
+        slot.sent_at.clear()
 
     # --- fleet health and changes -------------------------------------------------------------------
     def _actor_lost(self, slot: Slot, exc: Exception) -> None:

@@ -15,26 +15,28 @@ from .work import Outcome, WorkItem
 
 
 class RecordBuilder:
-    """Turns an outcome into data rows (one per regenerated turn) or a failure row, from the prompt set
-    held in compact form (messages as orjson bytes)."""
+    """Turns an outcome into data rows (one per regenerated turn) or a failure row. The prompt set stays
+    an Arrow table: a prompt's messages become Python objects only when it is sent or recorded."""
 
     def __init__(self, prompts: pa.Table, cfg: RunConfig):
         self.index = {pid: i for i, pid in enumerate(prompts.column("prompt_id").to_pylist())}
         self.sources = prompts.column("source").to_pylist()
         self.references = prompts.column("reference").to_pylist()
-        self.messages, self.affinity = [], []
-        for messages in prompts.column("messages").to_pylist():
-            self.messages.append(orjson.dumps(messages))
-            self.affinity.append(affinity_key(messages, cfg.prefix_affinity_chars))
+        self.messages = prompts.column("messages").combine_chunks()
         self.fingerprint, self.temperature, self.mode = cfg.fingerprint(), cfg.sampling.temperature, cfg.mode
+        self.affinity_chars = cfg.prefix_affinity_chars
+
+    def messages_of(self, i: int) -> list[dict[str, str]]:
+        return self.messages[i].as_py()
 
     def work_item(self, prompt_id: str) -> WorkItem:
-        i = self.index[prompt_id]
-        return WorkItem(prompt_id, self.messages[i], seed_for(prompt_id, self.temperature), self.affinity[i])
+        messages = self.messages_of(self.index[prompt_id])
+        return WorkItem(prompt_id, orjson.dumps(messages), seed_for(prompt_id, self.temperature),
+                        affinity_key(messages, self.affinity_chars))
 
     def records(self, outcome: Outcome, attempts: int) -> list[dict[str, Any]]:
         i = self.index[outcome.prompt_id]
-        sent = histories(self.mode, orjson.loads(self.messages[i]), [c.content for c in outcome.completions])
+        sent = histories(self.mode, self.messages_of(i), [c.content for c in outcome.completions])
         seed = seed_for(outcome.prompt_id, self.temperature)
         rows = []
         for k, (messages, c) in enumerate(zip(sent, outcome.completions)):

@@ -344,5 +344,6 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
     finally:
         dispatcher.shutdown()
     progress.extra = {"requeued": dispatcher.requeued, "actor_restarts": dispatcher.actor_restarts,
-                      "dropped_duplicates": committer.dropped_duplicates}
+                      "hedged": len(dispatcher.hedged), "dropped_duplicates": committer.dropped_duplicates,
+                      "fleet_changes": dispatcher.fleet_changes}
     return "interrupted" if stop() else "complete"

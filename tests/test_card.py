@@ -1,7 +1,6 @@
 """The dataset card of a run with known contents."""
 from __future__ import annotations
 
-import argparse
 
 import pyarrow as pa
 import pytest
@@ -78,9 +77,9 @@ def test_reasoning_falls_back_to_a_labelled_word_count(tmp_path):
 
 def test_card_of_an_empty_run_and_the_cli(tmp_path, capsys):
     run = make_run(tmp_path / "run", "all_turns", [])
-    parser = argparse.ArgumentParser()
-    card.add_card_arguments(parser)
-    assert card.run_card(parser.parse_args([str(run)])) == 0
+    from pipeline.cli import main
+
+    assert main(["card", str(run)]) == 0
     assert "0 records (0 prompts) in 0 committed parts" in (run / "README.md").read_text()
     assert (run / "card" / "reasoning_length.png").exists()
     assert "README.md" in capsys.readouterr().err

@@ -152,3 +152,16 @@ def test_prefix_affinity_raises_the_cache_hit_rate(tmp_path, ray_cluster):
     print(f"\nrouting: cache hit rate {affinity_hits:.1%} with prefix affinity vs {plain_hits:.1%} least-loaded; "
           f"makespan {affinity_makespan:.1f}s vs {plain_makespan:.1f}s (incl. start-up)")
     assert affinity_hits > plain_hits + 0.10
+
+
+def test_simulate_runs_the_real_pipeline_on_a_sample_and_predicts(ray_cluster):
+    repo = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-m", "pipeline", "simulate", "configs/local.yaml", "--endpoints", "2",
+                             "--tok-s", "50", "--sample", "40", "--speedup", "10"],
+                            capture_output=True, text=True, cwd=repo, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sampled 40 of 112 prompts" in result.stdout
+    tokens = int(next(line for line in result.stdout.splitlines() if "predicted tokens" in line)
+                 .split()[2].replace(",", ""))
+    assert tokens > 112, "every prompt is predicted to produce tokens"
+    assert "predicted wall time" in result.stdout and "predicted disk" in result.stdout

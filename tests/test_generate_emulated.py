@@ -83,7 +83,8 @@ def test_refresh_sends_exactly_the_new_prompts(tmp_path, ray_cluster, emulator_f
     assert result.returncode == 0, result.stderr
     sent = [line for log in request_log_lines(emulator_fleet, skip=before) for line in log
             if not line["rid"].startswith(PROBE_RID_PREFIX)]  # the preflight's tiny probes are not prompts
-    assert sorted(line["messages"][-1]["content"] for line in sent) == sorted(r["prompt"] for r in added)
+    # Exactly the new prompts reach the servers (a prompt may be sent twice when the tail is hedged).
+    assert {line["messages"][-1]["content"] for line in sent} == {r["prompt"] for r in added}
     assert "5 added, 5 vanished" in result.stderr
     ids = committed_ids(run)
     assert len(ids) == len(set(ids)) == 35, "the 5 removed prompts keep their records"
@@ -111,7 +112,7 @@ def test_api_key_comes_from_the_environment_and_is_never_written(tmp_path, ray_c
     config = write_config(tmp_path, endpoints, [write_source(tmp_path, prompts)], model=MODEL)
     env = {k: v for k, v in os.environ.items() if k != "REGEN_TEST_SECRET"}
     missing = subprocess.run([sys.executable, "-m", "pipeline", "generate", "--config", str(config)],
-                             capture_output=True, text=True, env=env)
+                             capture_output=True, text=True, env=env, timeout=120)
     assert missing.returncode == 2 and "REGEN_TEST_SECRET" in missing.stderr
 
     secret = f"sk-regen-{uuid.uuid4().hex}"

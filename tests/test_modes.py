@@ -176,7 +176,8 @@ def test_a_stalled_stream_is_cancelled_and_retried_elsewhere(tmp_path, ray_clust
         prompts = tmp_path / "p.jsonl"
         write_prompts(prompts, 30)
         config = write_config(tmp_path, endpoints([stalled, healthy]), [write_source(tmp_path, prompts)], model=MODEL,
-                              stream=True, stall_timeout_s=0.5, sampling={"temperature": 0.0, "max_tokens": 16})
+                              stream=True, stall_timeout_s=0.5, sampling={"temperature": 0.0, "max_tokens": 16},
+                              hedge_tail=False)  # the stall itself must cancel and move the work
         result = run_regen("generate", "--config", str(config))
         assert result.returncode == 0, result.stderr
         run = tmp_path / "out" / "t"
