@@ -45,6 +45,7 @@ import orjson
 
 from . import hidden_kernel as hk
 from .errors import EndpointFatal, RegenError, StorageError, TerminalForPrompt
+from .hidden_store import HiddenMatrix
 
 TB = 1e12
 
@@ -72,7 +73,7 @@ class InsufficientStorage(StorageError):
 
 # --- parsing ----------------------------------------------------------------------------------------------
 @dataclass
-class GenerateResult:
+class GenerateResult(HiddenMatrix):
     text: str
     output_ids: list[int]
     meta: dict[str, Any]  # meta_info without hidden_states
@@ -80,14 +81,6 @@ class GenerateResult:
     n_prefill: int  # rows of element [0] (the prefill block)
     n_inexact: int = 0  # values that were not bf16-exact and were rounded to nearest even
     extra: dict[str, Any] = field(default_factory=dict)  # other top-level keys of the body
-
-    @property
-    def n_rows(self) -> int:
-        return int(self.hidden.shape[0])
-
-    @property
-    def width(self) -> int:
-        return int(self.hidden.shape[1])
 
 
 _KEY = re.compile(rb'"hidden_states"\s*:\s*')

@@ -92,38 +92,11 @@ def _specforge_write(torch, sample: HiddenSample, idx: int, out_dir: Path, kind:
     return path
 
 
-def _speculators_write(save_file, sample: HiddenSample, idx: int, out_dir: Path, n_layers: int) -> Path:
-    import torch  # safetensors' numpy API has no bf16 without ml_dtypes; torch keeps it exact when present
-    hs = sample.hidden.view(np.uint16).reshape(sample.n_rows, n_layers, sample.width // n_layers)
-    tensors = {"hidden_states": torch.from_numpy(np.ascontiguousarray(hs).view(np.int16)).view(torch.bfloat16),
-               "token_ids": torch.from_numpy(sample.token_ids.astype(np.int64))}
-    path = out_dir / f"hs_{idx}.safetensors"
-    tmp = path.with_name(f".tmp-{path.name}")
-    save_file(tensors, str(tmp), metadata={"prompt_id": sample.prompt_id, "turn_index": str(sample.turn_index),
-                                           "n_prompt": str(sample.n_prompt)})
-    os.replace(tmp, path)
-    return path
-
-
-def _speculators_writer():
-    """save_file over torch tensors if torch is present, else over numpy (ml_dtypes bf16)."""
-    try:
-        import torch  # noqa: F401
-        from safetensors.torch import save_file
-        return save_file, "torch"
-    except ImportError:
-        pass
-    try:
-        import ml_dtypes  # noqa: F401
-        from safetensors.numpy import save_file
-        return save_file, "numpy"
-    except ImportError:
-        raise ConfigError("--format speculators-hidden needs safetensors (and torch or ml_dtypes for bf16): "
-                          "pip install safetensors ml_dtypes") from None
-
-
-def _speculators_write_np(save_file, sample: HiddenSample, idx: int, out_dir: Path, n_layers: int) -> Path:
+def _speculators_write(sample: HiddenSample, idx: int, out_dir: Path, n_layers: int) -> Path:
+    """hs_{idx}.safetensors: bf16 through ml_dtypes and safetensors' numpy API (no torch needed)."""
     import ml_dtypes
+    from safetensors.numpy import save_file
+
     hs = sample.hidden.view(np.uint16).reshape(sample.n_rows, n_layers, sample.width // n_layers)
     tensors = {"hidden_states": np.ascontiguousarray(hs).view(ml_dtypes.bfloat16),
                "token_ids": sample.token_ids.astype(np.int64)}
@@ -144,7 +117,6 @@ def export_hidden(run_dir: str | Path | RunDir, fmt: str, out_dir: str | Path) -
     out.mkdir(parents=True, exist_ok=True)
     cfg = _run_hidden_config(rd)
     torch = _torch() if fmt == "specforge-offline" else None
-    save_file, backend = _speculators_writer() if fmt == "speculators-hidden" else (None, "")
     n = tokens = 0
     width = kind = n_layers = None
     index = []
@@ -156,10 +128,8 @@ def export_hidden(run_dir: str | Path | RunDir, fmt: str, out_dir: str | Path) -
             raise ValueError(f"sample {sample.prompt_id!r} has width {sample.width}, the others {width}")
         if fmt == "specforge-offline":
             path = _specforge_write(torch, sample, idx, out, kind)
-        elif backend == "torch":
-            path = _speculators_write(save_file, sample, idx, out, n_layers)
         else:
-            path = _speculators_write_np(save_file, sample, idx, out, n_layers)
+            path = _speculators_write(sample, idx, out, n_layers)
         index.append({"idx": idx, "file": str(path.relative_to(out)), "prompt_id": sample.prompt_id,
                       "turn_index": sample.turn_index, "tokens": len(sample.token_ids),
                       "n_prompt": sample.n_prompt, "n_rows": sample.n_rows})

@@ -170,14 +170,10 @@ def garbage_hidden_parts(run_dir: RunDir | Path, referenced: set[str] | None = N
     return garbage
 
 
-@dataclass
-class HiddenSample:
-    prompt_id: str
-    turn_index: int
-    token_ids: np.ndarray  # int32 [T]: prompt + completion
-    n_prompt: int
-    hidden: np.ndarray  # bf16 [T - 1, W] (ml_dtypes.bfloat16, or uint16 bit patterns without ml_dtypes)
-    loss_mask: np.ndarray  # uint8 [T]: 0 on the prompt, 1 on the completion
+class HiddenMatrix:
+    """Shape accessors of anything holding a `hidden` [rows, width] matrix."""
+
+    hidden: np.ndarray
 
     @property
     def n_rows(self) -> int:
@@ -186,6 +182,16 @@ class HiddenSample:
     @property
     def width(self) -> int:
         return int(self.hidden.shape[1])
+
+
+@dataclass
+class HiddenSample(HiddenMatrix):
+    prompt_id: str
+    turn_index: int
+    token_ids: np.ndarray  # int32 [T]: prompt + completion
+    n_prompt: int
+    hidden: np.ndarray  # bf16 [T - 1, W] (ml_dtypes.bfloat16, or uint16 bit patterns without ml_dtypes)
+    loss_mask: np.ndarray  # uint8 [T]: 0 on the prompt, 1 on the completion
 
 
 def _references(rd: RunDir) -> dict[str, list[tuple[int, str, int]]]:

@@ -48,73 +48,73 @@ async def _hang_forever() -> None:
     await asyncio.Event().wait()
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
+def _admit(st: ServerState, body: dict) -> str:
+    """The checks both generation routes share; returns the request's rid."""
+    if body.get("return_hidden_states") and not st.cfg.enable_return_hidden_states:
+        raise RequestInvalid(NOT_CONFIGURED_HIDDEN)
+    rid = body.get("rid") or uuid.uuid4().hex
+    if rid in st.running_rids:
+        raise RequestInvalid(f"Duplicate request ID detected: {rid}")
+    return rid
+
+
+def _refuse(st: ServerState, route: str, body: dict, error: RequestInvalid, respond) -> web.Response:
+    st.count(route, str(error.status))
+    rid = body.get("rid") if isinstance(body.get("rid"), str) else ""
+    st.log_request(route, rid, body, f"error:{error.status}", message=error.message)
+    return respond(error.status, error.message)
+
+
+def _prepare_chat(st: ServerState, body: dict) -> Generation:
+    validate_chat(body)
+    cfg = st.cfg
+    model = body.get("model")
+    if model not in (None, "default", cfg.served_model_name):
+        raise RequestInvalid(f"The model `{model}` does not exist. The served model name is "
+                             f"`{cfg.served_model_name}`.", cfg.unknown_model_status)
+    _, gen = chat_generation(body, cfg.context_length, cfg.default_max_tokens)
+    check_context(gen.prompt_tokens, chat_max_tokens(body), cfg.context_length)
+    return gen
+
+
+def _prepare_generate(st: ServerState, body: dict) -> Generation:
+    sp = validate_generate(body)
+    cfg = st.cfg
+    key, ids = generate_prompt(body)
+    if not ids:
+        raise RequestInvalid("The input is empty.")
+    mx = sp.get("max_new_tokens", 128)
+    check_context(len(ids), mx, cfg.context_length)
+    if mx is None:
+        mx = cfg.context_length - len(ids) - 1
+    return generate(key, ids, mx, float(sp.get("temperature") or 0.0), sp.get("sampling_seed"),
+                    ids[-1] == THINK_START_ID, bool(sp.get("ignore_eos")))
+
+
+async def _serve(request: web.Request, route: str, prepare, respond_error) -> web.StreamResponse:
+    """Both generation routes: parse, validate, admit (or refuse with the route's error body), then run."""
     st = request.app[STATE_KEY]
     st.enter()
     t0 = time.monotonic()
     body: dict = {}
-    rid = ""
     try:
         try:
             body = parse_json(await request.read())
-            validate_chat(body)
-            cfg = st.cfg
-            model = body.get("model")
-            if model not in (None, "default", cfg.served_model_name):
-                raise RequestInvalid(f"The model `{model}` does not exist. The served model name is "
-                                     f"`{cfg.served_model_name}`.", cfg.unknown_model_status)
-            _, gen = chat_generation(body, cfg.context_length, cfg.default_max_tokens)
-            check_context(gen.prompt_tokens, chat_max_tokens(body), cfg.context_length)
-            if body.get("return_hidden_states") and not cfg.enable_return_hidden_states:
-                raise RequestInvalid(NOT_CONFIGURED_HIDDEN)
-            rid = body.get("rid") or uuid.uuid4().hex
-            if rid in st.running_rids:
-                raise RequestInvalid(f"Duplicate request ID detected: {rid}")
+            gen = prepare(st, body)
+            rid = _admit(st, body)
         except RequestInvalid as e:
-            st.count(CHAT, str(e.status))
-            rid = rid or (body.get("rid") if isinstance(body.get("rid"), str) else "")
-            st.log_request(CHAT, rid, body, f"error:{e.status}", message=e.message)
-            return openai_error(e.status, e.message)
-        job = Job(CHAT, body, rid, gen, bool(body.get("stream")), t0)
-        return await _run(request, st, job)
+            return _refuse(st, route, body, e, respond_error)
+        return await _run(request, st, Job(route, body, rid, gen, bool(body.get("stream")), t0))
     finally:
         st.leave()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, CHAT, _prepare_chat, openai_error)
 
 
 async def generate_native(request: web.Request) -> web.StreamResponse:
-    st = request.app[STATE_KEY]
-    st.enter()
-    t0 = time.monotonic()
-    body: dict = {}
-    rid = ""
-    try:
-        try:
-            body = parse_json(await request.read())
-            sp = validate_generate(body)
-            cfg = st.cfg
-            key, ids = generate_prompt(body)
-            if not ids:
-                raise RequestInvalid("The input is empty.")
-            mx = sp.get("max_new_tokens", 128)
-            check_context(len(ids), mx, cfg.context_length)
-            if mx is None:
-                mx = cfg.context_length - len(ids) - 1
-            gen = generate(key, ids, mx, float(sp.get("temperature") or 0.0), sp.get("sampling_seed"),
-                           ids[-1] == THINK_START_ID, bool(sp.get("ignore_eos")))
-            if body.get("return_hidden_states") and not cfg.enable_return_hidden_states:
-                raise RequestInvalid(NOT_CONFIGURED_HIDDEN)
-            rid = body.get("rid") or uuid.uuid4().hex
-            if rid in st.running_rids:
-                raise RequestInvalid(f"Duplicate request ID detected: {rid}")
-        except RequestInvalid as e:
-            st.count(GENERATE, str(e.status))
-            rid = rid or (body.get("rid") if isinstance(body.get("rid"), str) else "")
-            st.log_request(GENERATE, rid, body, f"error:{e.status}", message=e.message)
-            return native_error(e.status, e.message)
-        job = Job(GENERATE, body, rid, gen, bool(body.get("stream")), t0)
-        return await _run(request, st, job)
-    finally:
-        st.leave()
+    return await _serve(request, GENERATE, _prepare_generate, native_error)
 
 
 async def _run(request: web.Request, st: ServerState, job: Job) -> web.StreamResponse:
