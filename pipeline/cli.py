@@ -113,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (("serve-local", _serve_local, "serve SmolLM2-135M with llama.cpp (one server)"),
                              ("emulate", _emulate, "run the SGLang-faithful emulator"),
                              ("simulate", _simulate, "dry-run a config against N emulated endpoints; predict "
-                                                     "wall time, tokens and disk")):
+                                                     "wall time, tokens and disk"),
+                             ("bench-endpoints", _bench_endpoints, "decode tok/s and speculative accept length "
+                                                                   "of each endpoint")):
         command = sub.add_parser(name, help=text, add_help=False)
         command.add_argument("rest", nargs=argparse.REMAINDER)
         command.set_defaults(func=func)
@@ -126,7 +128,14 @@ def _simulate(args: argparse.Namespace) -> int:
     return simulate_main(args.rest)
 
 
-PASSTHROUGH = {"serve-local": _serve_local, "emulate": _emulate, "simulate": _simulate}  # these parse their own options
+def _bench_endpoints(args: argparse.Namespace) -> int:
+    from .bench_endpoints import main as bench_main
+
+    return bench_main(args.rest)
+
+
+PASSTHROUGH = {"serve-local": _serve_local, "emulate": _emulate, "simulate": _simulate,
+               "bench-endpoints": _bench_endpoints}  # these parse their own options
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,46 @@
+"""`regen bench-endpoints` against emulated SGLang servers (with and without a speculative draft) and the
+local llama.cpp endpoints."""
+from __future__ import annotations
+
+from pipeline.emulator import start_emulator
+from tests.helpers import run_regen, write_config, write_prompts, write_source
+
+MODEL = "moonshotai/Kimi-K2.5"
+
+
+def test_bench_endpoints_reports_speed_and_accept_length(tmp_path):
+    draft = start_emulator(preset="kimi", tok_per_s=400, speculative_algorithm="EAGLE3", accept_length=3.0,
+                           enable_metrics=True)
+    plain = start_emulator(preset="kimi", tok_per_s=200)
+    try:
+        write_prompts(tmp_path / "p.jsonl", 1)
+        config = write_config(tmp_path, [{"url": draft.url, "name": "eagle3"}, {"url": plain.url, "name": "plain"}],
+                              [write_source(tmp_path, tmp_path / "p.jsonl")], model=MODEL)
+        result = run_regen("bench-endpoints", str(config), "--max-tokens", "40", "--concurrency", "4",
+                           "--baseline", "plain")
+        assert result.returncode == 0, result.stderr
+        out = result.stdout
+        eagle, rest = out.split("plain", 1)
+        assert eagle.count("\n  0 ") == 1 and len([l for l in eagle.splitlines() if l[:3].strip().isdigit()]) >= 5
+        accept = float(eagle.split("accept length ")[1].split()[0])
+        assert 2.0 <= accept <= 3.0, "completion_tokens / spec_verify_ct per request, with a 3.0 accept length"
+        assert "spec_accept_length" in eagle and "spec_accept_rate" in eagle, "the /metrics gauges were sampled"
+        assert "speculative" not in rest.split("speed-up")[0], "no accept figures without a draft"
+        ratio = float(out.split("eagle3")[-1].split("x one at a time")[0].split()[-1])
+        assert 1.5 < ratio < 2.5, f"400 vs 200 tok/s a request should show about 2x, got {ratio}"
+    finally:
+        draft.stop()
+        plain.stop()
+
+
+def test_bench_endpoints_on_the_local_llama_endpoints(tmp_path, llama_fleet):
+    endpoints = [{"url": e.url, "concurrency": e.concurrency, "name": e.name} for e in llama_fleet.endpoints()]
+    write_prompts(tmp_path / "p.jsonl", 1)
+    config = write_config(tmp_path, endpoints, [write_source(tmp_path, tmp_path / "p.jsonl")])
+    result = run_regen("bench-endpoints", str(config), "--max-tokens", "16", "--prompts", "5", "--concurrency", "2")
+    assert result.returncode == 0, result.stderr
+    for label in ("local-0", "local-1"):
+        section = result.stdout.split(label, 1)[1]
+        rate = float(section.split("one at a time: ")[1].split(" tok/s")[0])
+        assert rate > 0
+    assert "speculative" not in result.stdout
