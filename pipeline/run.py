@@ -231,7 +231,7 @@ def prepare_hidden_states(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir
         log.info("removed %d unreferenced hidden-state parts", len(garbage))
     if not cfg.hidden_states.enabled:
         return
-    chars = sum(len(m["content"]) for conv in prompts.column("messages").to_pylist()[:2000] for m in conv)
+    chars = sum(len(m["content"]) for conv in prompts.column("messages").slice(0, 2000).to_pylist() for m in conv)
     mean_prompt_tokens = chars / max(1, min(2000, prompts.num_rows)) / 4  # ~4 characters a token
     tokens = int(mean_prompt_tokens + cfg.sampling.max_tokens)
     fit = check_free_space(run_dir.path, estimate_bytes(len(pending), tokens, cfg.hidden_states.expected_width),
