@@ -1,7 +1,8 @@
 """Hidden parts on disk: writer, listing, garbage collection and the loader.
 
-Layout: `<run>/hidden/part-<tag>-<seq>-<uuid8>.parquet`, schema `schema.HIDDEN`, one sample per row and one
-row per row group (so a reader loads one sample at a time). `tag` names the writer (an actor), `seq`
+Layout: `<run>/hidden/part-<tag>-<seq>-<uuid8>.parquet`, schema `schema.HIDDEN`: a sample is a few
+consecutive rows of about CHUNK_BYTES, one row per row group (so the writer streams one chunk at a time and a
+reader loads one sample at a time). `tag` names the writer (an actor), `seq`
 counts its parts, and the random suffix keeps names unique across writers and restarts: many actors
 write into the same folder without coordinating. The `hidden` column is stored PLAIN, uncompressed,
 without dictionary or statistics, so a part is the bf16 bytes plus a few hundred bytes per sample.
@@ -30,6 +31,7 @@ from .store import PART_RE, TMP_PREFIX, RunDir, _fsync_dir, _storage_error
 
 HIDDEN_PART_RE = re.compile(r"^part-(?:([a-z0-9]{1,32})-)?(\d{6})-([0-9a-f]{8})\.parquet$")
 _HIDDEN_COL = "hidden"
+CHUNK_BYTES = 8 << 20  # a sample is stored in rows of about this size, so writing never holds it twice
 _OTHER_COLS = [f.name for f in schema.HIDDEN if f.name != _HIDDEN_COL]
 
 try:  # optional: a real bfloat16 dtype for users; uint16 bit patterns otherwise
@@ -99,23 +101,27 @@ class HiddenPartWriter:
                            "width": int(hidden.shape[1]), "dtype": "bf16"})
         self._mats.append(np.ascontiguousarray(hidden).view(np.uint16))
 
-    def _table(self) -> pa.Table:
-        cols = {name: [r[name] for r in self._rows] for name in _OTHER_COLS if name != "token_ids"}
-        token_ids = pa.array([r["token_ids"] for r in self._rows], type=pa.list_(pa.int32()))
-        # The hidden column without copying the matrices: one data buffer per sample is not possible in one
-        # array, so each sample is a one-element chunk over its own numpy buffer.
-        chunks = [pa.LargeBinaryArray.from_buffers(
-            pa.large_binary(), 1, [None, pa.py_buffer(np.array([0, m.nbytes], dtype=np.int64)), pa.py_buffer(m)])
-            for m in self._mats]
-        arrays = []
-        for field in schema.HIDDEN:
-            if field.name == _HIDDEN_COL:
-                arrays.append(pa.chunked_array(chunks, type=field.type))
-            elif field.name == "token_ids":
-                arrays.append(token_ids)
-            else:
-                arrays.append(pa.array(cols[field.name], type=field.type))
-        return pa.Table.from_arrays(arrays, schema=schema.HIDDEN)
+    def _table(self) -> tuple[pa.Table, list[int]]:
+        """The pending samples as rows of about CHUNK_BYTES each (one row group each), without copying the
+        matrices: every sample's `hidden` values are slices of its own numpy buffer. Returns the table and
+        each sample's first row."""
+        columns: dict[str, list] = {name: [] for name in schema.HIDDEN.names if name != _HIDDEN_COL}
+        pieces: list[pa.Array] = []
+        first_rows: list[int] = []
+        for meta, matrix in zip(self._rows, self._mats):
+            first_rows.append(len(columns["chunk"]))
+            step = max(1, CHUNK_BYTES // max(1, matrix.shape[1] * 2))
+            n_chunks = max(1, -(-matrix.shape[0] // step))
+            offsets = np.minimum(np.arange(n_chunks + 1, dtype=np.int64) * step, matrix.shape[0]) * matrix.shape[1] * 2
+            pieces.append(pa.LargeBinaryArray.from_buffers(
+                pa.large_binary(), n_chunks, [None, pa.py_buffer(offsets), pa.py_buffer(matrix)]))
+            for chunk in range(n_chunks):
+                for name in columns:
+                    value = {"chunk": chunk, "n_chunks": n_chunks}.get(name, meta.get(name))
+                    columns[name].append(value if name != "token_ids" or chunk == 0 else [])
+        arrays = [pa.chunked_array(pieces, type=f.type) if f.name == _HIDDEN_COL else pa.array(columns[f.name], f.type)
+                  for f in schema.HIDDEN]
+        return pa.Table.from_arrays(arrays, schema=schema.HIDDEN), first_rows
 
     def commit(self) -> tuple[str, dict[tuple[str, int], int]]:
         """Write the pending samples as one part; ("", {}) if nothing is pending."""
@@ -125,8 +131,9 @@ class HiddenPartWriter:
         folder.mkdir(parents=True, exist_ok=True)
         self.seq += 1
         name = f"part-{self.tag}-{self.seq:06d}-{uuid.uuid4().hex[:8]}.parquet"
-        _atomic_write_table(folder / name, self._table())
-        rows = {(r["prompt_id"], r["turn_index"]): i for i, r in enumerate(self._rows)}
+        table, first_rows = self._table()
+        _atomic_write_table(folder / name, table)
+        rows = {(r["prompt_id"], r["turn_index"]): first for r, first in zip(self._rows, first_rows)}
         self._rows, self._mats = [], []
         return name, rows
 
@@ -208,24 +215,24 @@ def _references(rd: RunDir) -> dict[str, list[tuple[int, str, int]]]:
 
 
 def read_sample(path: Path, row: int, pf: pq.ParquetFile | None = None) -> HiddenSample:
-    """Row `row` of one hidden part, reading only its row group."""
+    """The sample starting at row `row` of one hidden part, reading only its row groups (one per row)."""
     pf = pf or pq.ParquetFile(path)
-    md = pf.metadata
-    rg, first = 0, 0
-    while rg < md.num_row_groups and first + md.row_group(rg).num_rows <= row:
-        first += md.row_group(rg).num_rows
-        rg += 1
-    if rg >= md.num_row_groups:
+    if row >= pf.metadata.num_row_groups:
         raise IndexError(f"{path.name} has no row {row}")
-    table = pf.read_row_group(rg).slice(row - first, 1)
-    meta = {name: table.column(name)[0].as_py() for name in ("prompt_id", "turn_index", "n_prompt", "n_rows",
-                                                             "width", "dtype")}
-    if meta["dtype"] != "bf16":
-        raise ValueError(f"{path.name} row {row}: unknown dtype {meta['dtype']!r}")
-    blob = table.column(_HIDDEN_COL).chunk(0) if table.column(_HIDDEN_COL).num_chunks == 1 else \
-        table.column(_HIDDEN_COL).combine_chunks()
-    value = blob[0].as_buffer()
-    hidden = np.frombuffer(value, dtype=np.uint16).reshape(meta["n_rows"], meta["width"])
+    table = pf.read_row_group(row)
+    meta = {name: table.column(name)[0].as_py() for name in ("prompt_id", "turn_index", "chunk", "n_chunks",
+                                                             "n_prompt", "n_rows", "width", "dtype")}
+    if meta["dtype"] != "bf16" or meta["chunk"] != 0:
+        raise ValueError(f"{path.name} row {row}: not the first chunk of a bf16 sample")
+    hidden = np.empty((meta["n_rows"], meta["width"]), dtype=np.uint16)
+    flat, filled = hidden.reshape(-1).view(np.uint8), 0
+    for chunk in range(meta["n_chunks"]):
+        group = table if chunk == 0 else pf.read_row_group(row + chunk, columns=[_HIDDEN_COL])
+        value = np.frombuffer(group.column(_HIDDEN_COL)[0].as_buffer(), dtype=np.uint8)
+        flat[filled:filled + len(value)] = value
+        filled += len(value)
+    if filled != hidden.nbytes:
+        raise ValueError(f"{path.name} row {row}: {filled} bytes of hidden states for a {hidden.shape} matrix")
     if BF16 != np.uint16:
         hidden = hidden.view(BF16)
     token_ids = np.asarray(table.column("token_ids")[0].values.to_numpy(zero_copy_only=False), dtype=np.int32)

@@ -53,16 +53,20 @@ RECORDS = pa.schema(
     ]
 )
 
-# One row per sample in hidden/part-*.parquet, written by the endpoint actor before the data row that
-# references it. Row i of `hidden` (bf16, row-major [n_rows, width]) belongs to token i of `token_ids`
+# hidden/part-*.parquet, written by the endpoint actor before the data row that references it. A sample is
+# `n_chunks` consecutive rows (one row group each, so the Parquet writer never holds a whole 4K-token matrix
+# twice); `hidden_row` of the data row is its first row, which also holds `token_ids`. Concatenated, the
+# chunks' `hidden` bytes are bf16 row-major [n_rows, width]: row i belongs to token i of `token_ids`
 # (prompt + completion); the last generated token has no vector, so n_rows = len(token_ids) - 1.
 HIDDEN = pa.schema(
     [
         ("prompt_id", pa.string()),
         ("turn_index", pa.int32()),
-        ("token_ids", pa.list_(pa.int32())),
+        ("chunk", pa.int32()),
+        ("n_chunks", pa.int32()),
+        ("token_ids", pa.list_(pa.int32())),  # on chunk 0; empty on the others
         ("n_prompt", pa.int32()),
-        ("n_rows", pa.int32()),
+        ("n_rows", pa.int32()),  # of the whole sample
         ("width", pa.int32()),
         ("dtype", pa.string()),  # "bf16": little-endian bfloat16 bit patterns
         ("hidden", pa.large_binary()),

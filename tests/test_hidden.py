@@ -12,6 +12,7 @@ import pytest
 
 from pipeline import hidden as H
 from pipeline import hidden_kernel as hk
+from pipeline import hidden_store
 from pipeline import schema
 from pipeline.emulator.hidden import full_hidden_states, hidden_rows
 from pipeline.errors import EndpointFatal, StorageError, TerminalForPrompt
@@ -214,9 +215,25 @@ def test_writer_loader_roundtrip_and_garbage(tmp_path):
         assert got[0].hidden.dtype == ml_dtypes.bfloat16
     except ImportError:
         assert got[0].hidden.dtype == np.uint16
-    # the part matches the HIDDEN schema, one row group per sample
+    # the part matches the HIDDEN schema, one row group per chunk (here one chunk a sample)
     pf = pq.ParquetFile(rd.path / "hidden" / part_a)
     assert pf.schema_arrow.equals(schema.HIDDEN) and pf.metadata.num_row_groups == 3
+
+
+def test_a_sample_larger_than_a_chunk_spans_rows_and_reads_back_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(hidden_store, "CHUNK_BYTES", 64 * 2 * 5)  # five rows of width 64 a chunk
+    rd = RunDir(tmp_path / "run")
+    w = H.HiddenPartWriter(rd)
+    big, small = _sample("big", 0, 64, n_prompt=9, n_out=9, seed=1), _sample("small", 1, 64, n_prompt=2, n_out=2)
+    w.add(*big)
+    w.add(*small)
+    name, rows = w.commit()
+    pf = pq.ParquetFile(rd.path / "hidden" / name)
+    assert pf.metadata.num_row_groups == 4 + 1, "17 rows in chunks of 5, then a 3-row sample in one chunk"
+    assert rows == {("big", 0): 0, ("small", 1): 4}
+    for key, sample in (("big", big), ("small", small)):
+        got = hidden_store.read_sample(rd.path / "hidden" / name, rows[(key, sample[1])], pf)
+        assert np.array_equal(got.hidden.view(np.uint16), sample[4]) and np.array_equal(got.token_ids, sample[2])
 
 
 def test_writer_refuses_misaligned(tmp_path):
