@@ -54,6 +54,16 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *a)
 
 
+async def _decode(srv: Server, rid: str, ids: list[int], max_new: int, stops, ignore_eos: bool, hidden: bool):
+    """Greedy decoding of one request (both routes), with its rid marked running meanwhile."""
+    srv.running.add(rid)
+    try:
+        res = await srv.run(srv.engine.generate, ids, max_new, stops, ignore_eos, hidden)
+        return res, await srv.run(srv.engine.decode, res.output_ids)
+    finally:
+        srv.running.discard(rid)
+
+
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -120,12 +130,7 @@ async def generate(request: web.Request) -> web.Response:
     except RequestInvalid as e:
         return native_error(e.status, e.message)
     want = bool(body.get("return_hidden_states"))
-    srv.running.add(rid)
-    try:
-        res = await srv.run(srv.engine.generate, ids, mx, stops, bool(sp.get("ignore_eos")), want)
-        text = await srv.run(srv.engine.decode, res.output_ids)
-    finally:
-        srv.running.discard(rid)
+    res, text = await _decode(srv, rid, ids, mx, stops, bool(sp.get("ignore_eos")), want)
     meta = {"id": rid, "finish_reason": res.finish, "prompt_tokens": len(ids), "weight_version": "default",
             "total_retractions": 0, "completion_tokens": len(res.output_ids), "cached_tokens": res.cached,
             "e2e_latency": res.seconds}
@@ -173,12 +178,7 @@ async def chat_completions(request: web.Request) -> web.Response:
     except (ValueError, TypeError, KeyError) as e:     # a template that cannot render these messages
         return openai_error(400, f"Failed to apply the chat template: {e}")
     want = bool(body.get("return_hidden_states"))
-    srv.running.add(rid)
-    try:
-        res = await srv.run(srv.engine.generate, ids, mx, stops, bool(body.get("ignore_eos")), want)
-        text = await srv.run(srv.engine.decode, res.output_ids)
-    finally:
-        srv.running.discard(rid)
+    res, text = await _decode(srv, rid, ids, mx, stops, bool(body.get("ignore_eos")), want)
     stop = res.finish["type"] == "stop"
     choice: dict[str, Any] = {
         "index": 0, "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None},
