@@ -95,7 +95,7 @@ def _write(run: RunDir, hidden: np.ndarray, prompt: list[int], output: list[int]
     w = H.HiddenPartWriter(run, tag=tag)
     w.add("bench", 0, prompt + output, len(prompt), hidden)
     name, _ = w.commit()
-    return run.path / "hidden" / name
+    return Path(run.path / "hidden" / name)
 
 
 def _cpu() -> float:
@@ -144,7 +144,7 @@ def measure_disk(width: int, rows_per_sample: int, samples: int, tmp: Path) -> d
         w.add(f"s{i}", 0, ids, rows_per_sample // 2, (f32.view(np.uint32) >> np.uint32(16)).astype(np.uint16))
         ideal += 2 * width * rows_per_sample
     name, _ = w.commit()
-    size = (run.path / "hidden" / name).stat().st_size
+    size = (run.path / "hidden" / name).size()
     return {"samples": samples, "rows_per_sample": rows_per_sample, "width": width, "bytes": size,
             "ideal_bytes": ideal, "ratio": size / ideal}
 

@@ -98,7 +98,7 @@ def build_run_dir(config: Path, n_prompts: int, n_done: int, n_failed: int, part
             [{"prompt_id": ids[i], "source": "bench", "error_class": "terminal", "status": 400,
               "message": "context overflow", "endpoint": "e0", "attempts": 1, "config_fingerprint": cfg.fingerprint(),
               "created_at": now.as_py()} for i in failed[:k]], schema=schema.FAILURES))
-    return run.path
+    return Path(run.path)
 
 
 _LEDGER = """

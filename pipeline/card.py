@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pyarrow.parquet as pq
 
 from .errors import RegenError
 from .export import read_run_manifest
-from .store import RunDir, atomic_write
+from .store import RunDir
+from .storage import Location
 
 CARD_DIR = "card"
 DATA_GLOB = "data/part-*.parquet"  # part-* rather than *: never a temporary file of a running writer
@@ -91,8 +91,8 @@ class RunContents:
 def gather(run_dir: RunDir) -> RunContents:
     contents = RunContents()
     for part in RunDir.parts(run_dir.data):
-        present = set(pq.ParquetFile(part).schema_arrow.names)
-        for row in pq.read_table(part, columns=[c for c in CARD_COLUMNS if c in present]).to_pylist():
+        present = set(part.parquet_schema().names)
+        for row in part.read_parquet(columns=[c for c in CARD_COLUMNS if c in present]).to_pylist():
             contents.add(row)
     return contents
 
@@ -145,7 +145,7 @@ def write_histograms(run_dir: RunDir, contents: RunContents) -> list[Path]:
     except ImportError as exc:
         raise MissingDependency("regen card needs matplotlib for its histograms: pip install matplotlib") from exc
     folder = run_dir.path / CARD_DIR
-    folder.mkdir(exist_ok=True)
+    folder.mkdir()
     reasoning = contents.reasoning_tokens or contents.reasoning_words
     plots = [("completion_length.png", contents.completion_tokens, "completion length (tokens)"),
              ("reasoning_length.png", reasoning, reasoning_label(contents))]
@@ -163,7 +163,7 @@ def write_histograms(run_dir: RunDir, contents: RunContents) -> list[Path]:
         figure.savefig(buffer, format="png")
         plt.close(figure)
         path = folder / name
-        atomic_write(path, buffer.getvalue())
+        path.write_atomic(buffer.getvalue())
         written.append(path)
     return written
 
@@ -225,18 +225,18 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
     return "\n".join(lines)
 
 
-def write_card(run_dir: Path) -> Path:
-    run = RunDir(Path(run_dir))
+def write_card(run_dir: str | Path | Location) -> Location:
+    run = RunDir(run_dir)
     manifest = read_run_manifest(run)
     contents = gather(run)
     write_histograms(run, contents)
     path = run.path / "README.md"
-    atomic_write(path, render_card(run, manifest, contents).encode())
+    path.write_atomic(render_card(run, manifest, contents).encode())
     return path
 
 
 # --- CLI (wired as `regen card`) -------------------------------------------------------------------
 def run_card(args: argparse.Namespace) -> int:
-    path = write_card(Path(args.run_dir))
+    path = write_card(args.run_dir)
     print(f"wrote {path} and {path.parent / CARD_DIR}/*.png", file=sys.stderr)
     return 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from .errors import ConfigError, DriftError, RegenError, RunLocked
 
@@ -20,7 +19,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from .status import print_status
 
-    return print_status(Path(args.run_dir), as_json=args.json)
+    return print_status(args.run_dir, as_json=args.json)
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -84,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="progress of a run, counted from its ledger",
                             description="Counts from committed parts, so it is right during a run and after a crash.")
-    status.add_argument("run_dir")
+    status.add_argument("run_dir", help="a run directory (outputs/<run>, or an s3:// or gs:// URI)")
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(func=_status)
 

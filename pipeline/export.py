@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import orjson
-import pyarrow.parquet as pq
 
 from . import formats
 from .errors import ConfigError, StorageError
 from .store import TMP_PREFIX, RunDir, atomic_write, now_utc
+from .storage import Location
 
 FORMATS = ("specforge", "specforge-tokens", "speculators")
 TOKEN_FORMATS = ("specforge-tokens", "speculators")
@@ -111,7 +111,7 @@ def committed_part_records(run_dir: RunDir) -> Iterator[list[dict[str, Any]]]:
     """The records of each committed part, one part at a time (an all_turns conversation is never
     split across parts). Columns a part written by older code lacks read as None."""
     for part in RunDir.parts(run_dir.data):
-        yield pq.read_table(part).to_pylist()
+        yield part.read_parquet().to_pylist()
 
 
 def conversations_in(records: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
@@ -275,11 +275,11 @@ def _notes_and_settings(fmt: str, mode: str, per_turn: bool) -> tuple[list[str],
              "(including any source-written history) is masked out"], {})
 
 
-def export_run(run_dir: Path, fmt: str, out: Path, *, drop_truncated: bool = False, drop_flagged: bool = False,
+def export_run(run_dir: str | Path | Location, fmt: str, out: Path, *, drop_truncated: bool = False, drop_flagged: bool = False,
                sources: list[str] | None = None, per_turn: bool = False) -> ExportSummary:
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    run = RunDir(Path(run_dir))
+    run = RunDir(run_dir)
     manifest = read_run_manifest(run)
     generation = manifest.get("generation") or {}
     mode = generation.get("mode", "last_turn")
@@ -314,7 +314,7 @@ HIDDEN_FORMATS = ("specforge-offline", "speculators-hidden")  # pipeline/hidden_
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="a run directory (outputs/<run>)")
+    parser.add_argument("run_dir", help="a run directory (outputs/<run>, or an s3:// or gs:// URI)")
     parser.add_argument("--format", required=True, choices=FORMATS + HIDDEN_FORMATS, dest="format",
                         help="JSONL training rows, or hidden-state files: specforge-offline (one torch file per "
                              "sample; needs torch) and speculators-hidden (hs_{idx}.safetensors)")
@@ -328,17 +328,24 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep only records of this source (repeatable)")
 
 
+def local_out(out: str) -> Path:
+    """Exports are read by a trainer from local or shared disk; the run itself may be on an object store."""
+    if "://" in out:
+        raise ConfigError(f"--out {out}: exports are written to a local or shared path (copy them up afterwards)")
+    return Path(out)
+
+
 def run_export(args: argparse.Namespace) -> int:
     if args.format in HIDDEN_FORMATS:
         from .hidden_export import export_hidden
 
-        result = export_hidden(Path(args.run_dir), args.format, Path(args.out))
+        result = export_hidden(args.run_dir, args.format, local_out(args.out))
         for note in result.get("notes", []):
             print(f"regen: {note}", file=sys.stderr)
         print(f"regen: {args.format}: {result.get('samples', result.get('written', '?'))} samples in {args.out} "
               f"(manifest.json says which layers and which norm convention)", file=sys.stderr)
         return 0
-    summary = export_run(Path(args.run_dir), args.format, Path(args.out), drop_truncated=args.drop_truncated,
+    summary = export_run(args.run_dir, args.format, local_out(args.out), drop_truncated=args.drop_truncated,
                          drop_flagged=args.drop_flagged, sources=args.sources, per_turn=args.per_turn)
     print(summary.table(), file=sys.stderr)
     return 0

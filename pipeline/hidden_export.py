@@ -28,6 +28,7 @@ import orjson
 from .errors import ConfigError
 from .hidden_store import HiddenSample, iter_hidden
 from .store import RunDir, atomic_write
+from .storage import Location
 
 FORMATS = ("specforge-offline", "speculators-hidden")
 GROUP = 2000
@@ -108,11 +109,11 @@ def _speculators_write(sample: HiddenSample, idx: int, out_dir: Path, n_layers: 
     return path
 
 
-def export_hidden(run_dir: str | Path | RunDir, fmt: str, out_dir: str | Path) -> dict[str, Any]:
+def export_hidden(run_dir: str | Path | Location | RunDir, fmt: str, out_dir: str | Path) -> dict[str, Any]:
     """Write every committed hidden sample in `fmt`; returns the summary (also in out_dir/manifest.json)."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown hidden-state export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = _run_hidden_config(rd)

@@ -13,7 +13,6 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -30,7 +29,7 @@ THINK_END = "</think>"
 @dataclass(frozen=True)
 class HiddenRoute:
     expected_width: int
-    run_dir: str  # on the filesystem every actor's node sees
+    run_dir: str  # a path every actor's node sees, or an object-store URI (storage.Location.uri)
     thinking: bool | None
     max_in_memory: int = 2  # answers parsed or being written at once, per actor
 
@@ -93,7 +92,7 @@ class HiddenTurns:
         prompt_tokens, completion_tokens = int(meta["prompt_tokens"]), int(meta["completion_tokens"])
         align(prompt_tokens, completion_tokens, result.n_prefill, result.n_rows)
         finish = (meta.get("finish_reason") or {}).get("type", "unknown")
-        writer = HiddenPartWriter(Path(self.route.run_dir), tag=self.tag)
+        writer = HiddenPartWriter(self.route.run_dir, tag=self.tag)
         writer.add(prompt_id, turn_index, list(ids) + list(result.output_ids), len(ids), result.hidden)
         part, rows = writer.commit()
         content, reasoning = split_reasoning(result.text, self.route.thinking)

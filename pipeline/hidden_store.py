@@ -7,27 +7,27 @@ counts its parts, and the random suffix keeps names unique across writers and re
 write into the same folder without coordinating. The `hidden` column is stored PLAIN, uncompressed,
 without dictionary or statistics, so a part is the bf16 bytes plus a few hundred bytes per sample.
 
-Commit order: an actor commits its hidden part (atomic rename) before the data row that references it
+Commit order: an actor commits its hidden part (atomically: storage.py) before the data row that references it
 (`hidden_part` = the part's file name, `hidden_row` = the row). A crash in between leaves a hidden part
 that no data row references; `garbage_hidden_parts` lists those (and killed writers' temporary files)
 for deletion on resume, while no writer is running.
 """
 from __future__ import annotations
 
-import os
 import re
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from os import PathLike
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import schema
-from .store import PART_RE, TMP_PREFIX, RunDir, _fsync_dir, _storage_error
+from .store import PART_RE, TMP_PREFIX, RunDir
+from .storage import Location
 
 HIDDEN_PART_RE = re.compile(r"^part-(?:([a-z0-9]{1,32})-)?(\d{6})-([0-9a-f]{8})\.parquet$")
 _HIDDEN_COL = "hidden"
@@ -42,20 +42,20 @@ except ImportError:  # pragma: no cover - depends on the environment
     BF16 = np.dtype(np.uint16)
 
 
-def hidden_dir(run_dir: RunDir | Path) -> Path:
+RunLike = RunDir | Location | PathLike[str] | str
+
+
+def hidden_dir(run_dir: RunLike) -> Location:
     return _run_dir(run_dir).path / "hidden"
 
 
-def _run_dir(run_dir: RunDir | Path | str) -> RunDir:
-    return run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+def _run_dir(run_dir: RunLike) -> RunDir:
+    return run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
 
 
-def hidden_parts(run_dir: RunDir | Path) -> list[Path]:
+def hidden_parts(run_dir: RunLike) -> list[Location]:
     """Committed hidden parts (any writer), sorted by name."""
-    folder = hidden_dir(run_dir)
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if HIDDEN_PART_RE.match(p.name) or PART_RE.match(p.name))
+    return sorted(p for p in hidden_dir(run_dir).iterdir() if HIDDEN_PART_RE.match(p.name) or PART_RE.match(p.name))
 
 
 def _sanitize_tag(tag: str | None) -> str:
@@ -72,7 +72,7 @@ class HiddenPartWriter:
     Cap what is buffered with `pending_bytes` (the actor's bound on answers held at once).
     """
 
-    def __init__(self, run_dir: RunDir | Path, tag: str | None = None):
+    def __init__(self, run_dir: RunLike, tag: str | None = None):
         self.run_dir = _run_dir(run_dir)
         self.tag = _sanitize_tag(tag)
         self.seq = 0
@@ -128,53 +128,37 @@ class HiddenPartWriter:
         if not self._rows:
             return "", {}
         folder = hidden_dir(self.run_dir)
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir()
         self.seq += 1
         name = f"part-{self.tag}-{self.seq:06d}-{uuid.uuid4().hex[:8]}.parquet"
         table, first_rows = self._table()
-        _atomic_write_table(folder / name, table)
+        # streamed by the Parquet writer: the encoded part is never held in memory next to the matrices
+        (folder / name).write_parquet_atomic(
+            table, row_group_size=1, compression={c: ("none" if c == _HIDDEN_COL else "zstd") for c in schema.HIDDEN.names},
+            use_dictionary=_OTHER_COLS, write_statistics=_OTHER_COLS)
         rows = {(r["prompt_id"], r["turn_index"]): first for r, first in zip(self._rows, first_rows)}
         self._rows, self._mats = [], []
         return name, rows
 
 
-def _atomic_write_table(path: Path, table: pa.Table) -> None:
-    """store.atomic_write's protocol (hidden temp name, fsync, rename, fsync the folder), but the Parquet
-    writer streams into the temp file: the encoded part is never held in memory next to the matrices."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")
-    try:
-        pq.write_table(table, tmp, row_group_size=1, compression={c: ("none" if c == _HIDDEN_COL else "zstd")
-                       for c in schema.HIDDEN.names}, use_dictionary=_OTHER_COLS, write_statistics=_OTHER_COLS)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise _storage_error(exc, path) from exc
-
-
-def referenced_hidden_parts(run_dir: RunDir | Path) -> set[str]:
+def referenced_hidden_parts(run_dir: RunLike) -> set[str]:
     """Hidden part names referenced by committed data rows (reads only the `hidden_part` column)."""
     rd = _run_dir(run_dir)
     names: set[str] = set()
     for part in rd.parts(rd.data):
-        if "hidden_part" not in pq.read_schema(part).names:
+        if "hidden_part" not in part.parquet_schema().names:
             continue
-        names.update(n for n in pq.read_table(part, columns=["hidden_part"]).column(0).to_pylist() if n)
+        names.update(n for n in part.read_parquet(columns=["hidden_part"]).column(0).to_pylist() if n)
     return names
 
 
-def garbage_hidden_parts(run_dir: RunDir | Path, referenced: set[str] | None = None) -> list[Path]:
+def garbage_hidden_parts(run_dir: RunLike, referenced: set[str] | None = None) -> list[Location]:
     """Hidden parts no committed data row references, plus temporary files of killed writers. Call on resume
     before any writer starts (a part committed a moment ago whose data row is still pending looks the same)."""
     if referenced is None:
         referenced = referenced_hidden_parts(run_dir)
-    folder = hidden_dir(run_dir)
     garbage = [p for p in hidden_parts(run_dir) if p.name not in referenced]
-    if folder.is_dir():
-        garbage += sorted(p for p in folder.iterdir() if p.name.startswith(TMP_PREFIX))
-    return garbage
+    return garbage + sorted(p for p in hidden_dir(run_dir).iterdir() if p.name.startswith(TMP_PREFIX))
 
 
 class HiddenMatrix:
@@ -205,18 +189,19 @@ def _references(rd: RunDir) -> dict[str, list[tuple[int, str, int]]]:
     by_part: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
     cols = ["prompt_id", "turn_index", "hidden_part", "hidden_row"]
     for part in rd.parts(rd.data):
-        if "hidden_part" not in pq.read_schema(part).names:
+        if "hidden_part" not in part.parquet_schema().names:
             continue
-        t = pq.read_table(part, columns=cols).to_pydict()
+        t = part.read_parquet(columns=cols).to_pydict()
         for pid, turn, hp, row in zip(t["prompt_id"], t["turn_index"], t["hidden_part"], t["hidden_row"]):
             if hp is not None and row is not None:
                 by_part[hp].append((int(row), pid, int(turn or 0)))
     return by_part
 
 
-def read_sample(path: Path, row: int, pf: pq.ParquetFile | None = None) -> HiddenSample:
+def read_sample(path: Location | PathLike[str] | str, row: int, pf: pq.ParquetFile | None = None) -> HiddenSample:
     """The sample starting at row `row` of one hidden part, reading only its row groups (one per row)."""
-    pf = pf or pq.ParquetFile(path)
+    path = Location.at(path)
+    pf = pf or path.parquet_file()
     if row >= pf.metadata.num_row_groups:
         raise IndexError(f"{path.name} has no row {row}")
     table = pf.read_row_group(row)
@@ -242,7 +227,7 @@ def read_sample(path: Path, row: int, pf: pq.ParquetFile | None = None) -> Hidde
                         loss_mask)
 
 
-def iter_hidden(run_dir: RunDir | Path) -> Iterator[HiddenSample]:
+def iter_hidden(run_dir: RunLike) -> Iterator[HiddenSample]:
     """Every hidden sample referenced by a committed data row, one part and one sample at a time, in part
     name order then row order. Unreferenced (garbage) parts and rows are skipped."""
     rd = _run_dir(run_dir)
@@ -251,7 +236,7 @@ def iter_hidden(run_dir: RunDir | Path) -> Iterator[HiddenSample]:
         path = folder / name
         if not path.exists():
             raise FileNotFoundError(f"committed data rows reference {path}, which is missing")
-        pf = pq.ParquetFile(path)
+        pf = path.parquet_file()
         for row, pid, turn in sorted(set(refs)):
             sample = read_sample(path, row, pf)
             if (sample.prompt_id, sample.turn_index) != (pid, turn):

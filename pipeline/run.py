@@ -131,7 +131,7 @@ def setup_logging(run_dir: RunDir) -> None:
     root.setLevel(logging.INFO)
     for handler in list(root.handlers):
         root.removeHandler(handler)
-    file_handler = logging.FileHandler(run_dir.logs / "regen.log")
+    file_handler = logging.FileHandler(run_dir.local_logs() / "regen.log")
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter("regen: %(message)s"))
@@ -172,8 +172,14 @@ def generate(opts: GenerateOptions) -> int:
         if lock.previous_holder:
             log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
         log.info("run directory %s", run_dir.path)
-        prompts = materialise(cfg, run_dir, opts.refresh_prompts)
-        return dispatch_pending(cfg, opts, run_dir, prompts)
+        try:
+            prompts = materialise(cfg, run_dir, opts.refresh_prompts)
+            return dispatch_pending(cfg, opts, run_dir, prompts)
+        finally:
+            try:
+                run_dir.publish_logs()
+            except StorageError as exc:
+                log.warning("logs not uploaded (%s); they stay in %s", exc, run_dir.local_logs())
 
 
 def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts: pa.Table) -> int:
@@ -226,7 +232,7 @@ def prepare_hidden_states(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir
 
     garbage = garbage_hidden_parts(run_dir)
     for part in garbage:
-        part.unlink(missing_ok=True)
+        part.unlink()
     if garbage:
         log.info("removed %d unreferenced hidden-state parts", len(garbage))
     if not cfg.hidden_states.enabled:
@@ -234,8 +240,12 @@ def prepare_hidden_states(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir
     chars = sum(len(m["content"]) for conv in prompts.column("messages").slice(0, 2000).to_pylist() for m in conv)
     mean_prompt_tokens = chars / max(1, min(2000, prompts.num_rows)) / 4  # ~4 characters a token
     tokens = int(mean_prompt_tokens + cfg.sampling.max_tokens)
-    fit = check_free_space(run_dir.path, estimate_bytes(len(pending), tokens, cfg.hidden_states.expected_width),
-                           force=opts.force)
+    needed = estimate_bytes(len(pending), tokens, cfg.hidden_states.expected_width)
+    if not run_dir.path.local:
+        log.info("hidden states need about %.2f TB on %s (an object store: no capacity check)", needed / 1e12,
+                 run_dir.path)
+        return
+    fit = check_free_space(run_dir.path, needed, force=opts.force)
     log.info("%s (about %d tokens a sample)%s", fit["message"], tokens, "" if fit["fits"] else ": forced")
 
 
@@ -257,7 +267,7 @@ def local_fleet(cfg: RunConfig, run_dir: RunDir):
     from .localfleet import LocalFleetProcesses
 
     log.info("starting %d local llama.cpp servers", cfg.local_fleet.servers)
-    with LocalFleetProcesses(cfg.local_fleet, run_dir.logs):
+    with LocalFleetProcesses(cfg.local_fleet, run_dir.local_logs()):
         yield
 
 
@@ -337,7 +347,7 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
 
     dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
                             make_actor_factory(cfg, client_settings(cfg, weight_version), cfg.api_key,
-                                               str(run_dir.path.absolute())),
+                                               run_dir.path.uri),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None)
     try:
         dispatcher.run()

@@ -39,7 +39,7 @@ def run_state(run_dir: RunDir, counts: dict[str, Any]) -> str:
     return "stopped" if last in (None, "running") else last  # "running" with no lock holder: it was killed
 
 
-def print_status(path: Path, as_json: bool = False) -> int:
+def print_status(path: str | Path, as_json: bool = False) -> int:
     run_dir = RunDir(path)
     if not run_dir.exists():
         print(f"regen: error: {path} is not a run directory (no run.json)", file=sys.stderr)

@@ -16,6 +16,11 @@ import pytest
 from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
+# Test credentials for the local S3 server (moto), set before the Ray head starts so that its workers (the
+# endpoint actors that write hidden-state parts) inherit them, as they would a node's real credentials.
+for _key, _value in {"AWS_ACCESS_KEY_ID": "regen-test", "AWS_SECRET_ACCESS_KEY": "regen-test",
+                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    os.environ.setdefault(_key, _value)
 
 
 @pytest.fixture(scope="session")
@@ -84,3 +89,34 @@ def emulator_fleet(tmp_path_factory):
     yield servers
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def object_store(tmp_path_factory):
+    """A real S3 HTTP server on 127.0.0.1 (moto's server, in its own process) with one bucket. Yields the
+    URI of a fresh prefix maker: object_store("name") -> s3://regen-test/name?endpoint_override=..."""
+    pytest.importorskip("moto")
+    import time
+    import urllib.request
+
+    import pyarrow.fs as pafs
+
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=2)
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("the moto S3 server did not start")
+            time.sleep(0.2)
+    options = f"endpoint_override=127.0.0.1:{port}&scheme=http"
+    pafs.FileSystem.from_uri(f"s3://regen-test/?{options}&allow_bucket_creation=true")[0].create_dir("regen-test")
+    yield lambda prefix: f"s3://regen-test/{prefix}?{options}"
+    proc.kill()
+    proc.wait()
+    log.close()

@@ -1,6 +1,7 @@
 """The dataset card of a run with known contents."""
 from __future__ import annotations
 
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -40,7 +41,7 @@ def known_run(path):
 
 def test_card_numbers(tmp_path):
     run = known_run(tmp_path / "run")
-    path = card.write_card(run)
+    path = Path(card.write_card(run))
     text = path.read_text()
     assert path == run / "README.md"
     assert "data_files: data/part-*.parquet" in text
@@ -69,7 +70,7 @@ def test_reasoning_falls_back_to_a_labelled_word_count(tmp_path):
     records = [record("a", 0, USER, "x", reasoning="one two three"),
                record("b", 0, USER, "y", reasoning="one two three four five")]
     run = make_run(tmp_path / "run", "last_turn", [records])
-    text = card.write_card(run).read_text()
+    text = Path(card.write_card(run)).read_text()
     assert "| reasoning (words, where no reasoning_tokens) | 2 | 4.0 |" in text
     assert "| reasoning (tokens) | 0 | - |" in text
     assert card.reasoning_label(card.gather(RunDir(run))).startswith("reasoning length (words")

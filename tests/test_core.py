@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -170,7 +171,7 @@ def test_cleanup_removes_only_temporary_files(tmp_path):
     committer = Committer(run, done=set(), flush_records=1, flush_interval_s=60)
     committer.add_records([record("a")])
     committer.flush()
-    (run.data / ".tmp-part-000002-deadbeef.parquet.1234").write_bytes(b"torn")
+    Path(run.data / ".tmp-part-000002-deadbeef.parquet.1234").write_bytes(b"torn")
     removed = run.cleanup_temp()
     assert [p.name for p in removed] == [".tmp-part-000002-deadbeef.parquet.1234"]
     assert run.committed_ids() == {"a"}

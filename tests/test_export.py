@@ -239,7 +239,7 @@ def test_uncommitted_temporary_parts_are_ignored(tmp_path):
     run = make_run(tmp_path / "run", "last_turn", [last_turn_records()])
     stray = pa.Table.from_pylist([record("in-flight", 0, [{"role": "user", "content": "q"}], "partial")],
                                  schema=schema.RECORDS)
-    data = RunDir(run).data
+    data = Path(RunDir(run).data)
     (data / ".tmp-part-000002-deadbeef.parquet.0a1b2c3d").write_bytes(table_bytes(stray))
     (data / ".tmp-part-000003-deadbeef.parquet").write_bytes(table_bytes(stray))
     for fmt in export.FORMATS:
@@ -321,7 +321,7 @@ def test_validator_rejects_what_specforge_rejects():
 def test_datasets_loads_the_run_offline(tmp_path):
     run = make_run(tmp_path / "run", "all_turns",
                    [all_turns_conversation("c1", 2), all_turns_conversation("c2", 3) + last_turn_records()[:1]])
-    (RunDir(run).data / ".tmp-part-000009-deadbeef.parquet.0a1b2c3d").write_bytes(b"torn")
+    Path(RunDir(run).data / ".tmp-part-000009-deadbeef.parquet.0a1b2c3d").write_bytes(b"torn")
     script = ("import datasets, sys\n"
               "ds = datasets.load_dataset('parquet', data_files=sys.argv[1] + '/data/part-*.parquet', split='train')\n"
               "print(ds.num_rows, sorted(set(ds['prompt_id'])), ds.features['messages'])\n")

@@ -1,0 +1,162 @@
+"""A run directory on an object store (S3, served for real over HTTP on 127.0.0.1 by moto): whole-object
+commits, the ledger as the listing of committed parts, a lease as the run lock, and a SIGKILL mid-upload."""
+from __future__ import annotations
+
+import collections
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import orjson
+import pytest
+
+from pipeline.emulator import start_emulator
+from pipeline.emulator.hidden import hidden_rows
+from pipeline.errors import ConfigError, RunLocked
+from pipeline.hidden_store import hidden_parts, iter_hidden
+from pipeline.runlock import RunLock
+from pipeline.storage import FAULT_KILL_BEFORE_RENAME, Location
+from pipeline.store import RunDir
+from tests.helpers import run_regen, write_config, write_prompts, write_source
+
+MODEL = "moonshotai/Kimi-K2.5"
+WIDTH = 3 * 32
+
+
+def run_dir_at(uri: str, name: str = "t") -> RunDir:
+    return RunDir(Location.at(uri) / name)
+
+
+def ledger_rows(run: RunDir) -> list[dict]:
+    return [row for part in run.parts(run.data) for row in part.read_parquet().to_pylist()]
+
+
+def test_a_run_on_s3_commits_whole_objects_survives_a_kill_mid_upload_and_resumes_exactly_once(
+        tmp_path, ray_cluster, object_store):
+    server = start_emulator(preset="kimi-eagle3", hidden_width=32, tok_per_s=400)
+    try:
+        prompts = tmp_path / "p.jsonl"
+        write_prompts(prompts, 40)
+        out = object_store("e2e")
+        config = write_config(tmp_path, [{"url": server.url, "concurrency": 4, "name": "emu-0"}],
+                              [write_source(tmp_path, prompts)], model=MODEL, thinking=True, output_dir=out,
+                              sampling={"temperature": 0.0, "max_tokens": 24}, flush_records=4,
+                              hidden_states={"enabled": True, "expected_width": WIDTH})
+        run = run_dir_at(out)
+
+        # SIGKILL after the third data part's bytes are uploaded, before the upload is completed
+        killed = run_regen("generate", "--config", str(config), env={FAULT_KILL_BEFORE_RENAME: "3"})
+        assert killed.returncode == -9, killed.stderr
+        parts = run.parts(run.data)
+        assert len(parts) == 2, "the part whose upload never completed is not in the listing"
+        assert len(ledger_rows(run)) == 8, "every listed part is whole and readable"
+
+        resumed = run_regen("generate", "--config", str(config))
+        assert resumed.returncode == 0, resumed.stderr
+        assert "took over a stale lock" in resumed.stderr, "the dead driver's lease is taken over at once"
+        rows = ledger_rows(run)
+        ids = [r["prompt_id"] for r in rows]
+        assert len(ids) == 40 and len(set(ids)) == 40, "nothing lost, nothing doubled"
+        assert set(ids) == set(run.load_prompt_set().column("prompt_id").to_pylist())
+        assert {p.name for p in hidden_parts(run)} == {r["hidden_part"] for r in rows}, "no orphan hidden part"
+
+        by_key = {(r["prompt_id"], r["turn_index"]): r for r in rows}
+        samples = list(iter_hidden(run))
+        assert len(samples) == 40
+        for sample in samples:
+            row = by_key[(sample.prompt_id, sample.turn_index)]
+            tokens = row["prompt_token_ids"] + row["output_token_ids"]
+            expected = hidden_rows(tokens[:-1], range(len(tokens) - 1), WIDTH).astype(np.float32)
+            assert np.array_equal(sample.hidden.view(np.uint16), (expected.view(np.uint32) >> 16).astype(np.uint16))
+        assert not run.path.local and (run.logs / "regen.log").exists(), "the session's log is uploaded"
+
+        status = run_regen("status", run.path.uri, "--json")
+        assert status.returncode == 0, status.stderr
+        report = orjson.loads(status.stdout)
+        assert (report["state"], report["done"], report["pending"]) == ("complete", 40, 0)
+
+        exported = tmp_path / "sf.jsonl"
+        export = run_regen("export", run.path.uri, "--format", "specforge", "--out", str(exported))
+        assert export.returncode == 0, export.stderr
+        counts = orjson.loads((tmp_path / "sf.jsonl.manifest.json").read_bytes())["counts"]
+        assert counts["records_read"] == 40 and counts["records_exported"] + sum(counts["dropped"].values()) == 40
+        assert len(exported.read_text().splitlines()) == counts["records_exported"]
+        bad_out = run_regen("export", run.path.uri, "--format", "specforge", "--out", out + "/x.jsonl")
+        assert bad_out.returncode == 2 and "--out" in bad_out.stderr
+
+        again = run_regen("generate", "--config", str(config))
+        assert again.returncode == 0 and "is complete" in again.stderr
+        assert collections.Counter(r["prompt_id"] for r in ledger_rows(run)).most_common(1)[0][1] == 1
+    finally:
+        server.stop()
+
+
+def test_the_lease_refuses_a_live_driver_and_takes_over_a_dead_one(object_store):
+    run = run_dir_at(object_store("lease-live"))
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from pipeline.store import RunDir, RunLock
+        lock = RunLock(RunDir({run.path.uri!r})).acquire()
+        print("locked", flush=True)
+        time.sleep(120)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunLocked) as err:
+            RunLock(run, settle_s=0).acquire()
+        assert f"pid {holder.pid}" in str(err.value) and "lease expires in" in str(err.value)
+        assert RunLock(run).is_held(), "regen status sees the run as running"
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = RunLock(run, settle_s=0).acquire()  # same host, holder dead: no need to wait for the expiry
+    assert lock.previous_holder["pid"] == holder.pid
+    lock.release()
+    assert not (run.path / "lock.json").exists() and not RunLock(run).is_held()
+
+
+def test_a_lease_from_another_host_binds_until_it_expires(object_store):
+    run = run_dir_at(object_store("lease-remote"))
+    run.path.mkdir()
+    foreign = {"pid": 4242, "host": "gpu-node-7", "owner": "f" * 32, "since": "2026-11-29T00:00:00+00:00"}
+    (run.path / "lock.json").write_atomic(orjson.dumps({**foreign, "expires": time.time() + 30}))
+    with pytest.raises(RunLocked) as err:
+        RunLock(run, settle_s=0).acquire()
+    assert "gpu-node-7" in str(err.value) and "pid 4242" in str(err.value)
+    (run.path / "lock.json").write_atomic(orjson.dumps({**foreign, "expires": time.time() - 1}))
+    lock = RunLock(run, settle_s=0).acquire()
+    assert lock.previous_holder["host"] == "gpu-node-7"
+    lock.release()
+
+
+def test_the_lease_is_renewed_and_a_holder_that_loses_it_stops(object_store):
+    run = run_dir_at(object_store("lease-renew"))
+    lost = threading.Event()
+    lock = RunLock(run, on_lost=lost.set, lease_s=3, renew_s=0.2, settle_s=0).acquire()
+    first = lock.holder()["expires"]
+    time.sleep(0.8)
+    assert lock.holder()["expires"] > first, "the holder keeps its lease alive"
+    usurper = {"pid": 1, "host": "elsewhere", "owner": "u" * 32, "since": "x", "expires": time.time() + 60}
+    (run.path / "lock.json").write_atomic(orjson.dumps(usurper))
+    assert lost.wait(5), "a holder that finds another's lease stops"
+    lock.release()
+    assert lock.holder()["owner"] == "u" * 32, "release never deletes another driver's lease"
+
+
+def test_locations_parse_and_travel_without_their_filesystem(object_store, tmp_path):
+    with pytest.raises(ConfigError, match="credentials"):
+        Location.at("s3://AKIAKEY:secret@bucket/outputs")
+    with pytest.raises(ConfigError, match="s3://"):
+        Location.at("ftp://host/outputs")
+    assert Location.at(f"file://{tmp_path}/x") == Location.at(tmp_path / "x")
+    remote = Location.at(object_store("travel")) / "run"
+    remote.mkdir()
+    (remote / "a.json").write_atomic(b"{}")
+    blob = pickle.dumps(remote)
+    assert b"pyarrow" not in blob, "only the URI travels; each process opens the store with its own credentials"
+    copy = pickle.loads(blob)
+    assert copy == remote and copy.names() == ["a.json"] and str(copy) == "s3://regen-test/travel/run"
