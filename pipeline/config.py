@@ -129,6 +129,17 @@ class RunConfig(_Strict):
     flush_records: int = Field(512, ge=1)
     status_interval_s: float = Field(2.0, gt=0.0)
 
+    @field_validator("output_dir")
+    @classmethod
+    def _output_location(cls, output_dir: str) -> str:
+        from .storage import check_uri
+
+        try:
+            check_uri(output_dir)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return output_dir
+
     @model_validator(mode="after")
     def _fleet(self) -> "RunConfig":
         if not self.endpoints and self.local_fleet is None and self.endpoints_file is None:

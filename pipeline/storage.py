@@ -48,6 +48,21 @@ def _filesystem(scheme: str, netloc: str, query: str) -> pafs.FileSystem:
         raise ConfigError(f"output location {scheme}://{netloc}: pyarrow cannot open it ({exc})") from exc
 
 
+def check_uri(text: str) -> urllib.parse.SplitResult:
+    """A local path, file://, or an object store we support, without credentials. No network."""
+    parts = urllib.parse.urlsplit(text)
+    if len(parts.scheme) > 1 and parts.scheme != "file":
+        if parts.scheme not in OBJECT_STORES:
+            raise ConfigError(f"{text}: a run directory is a local path, file://, or one of "
+                              f"{', '.join(s + '://' for s in OBJECT_STORES)}")
+        if parts.username or parts.password:
+            raise ConfigError(f"{parts.scheme}://…@{parts.hostname}: credentials in a URI would be written to "
+                              "run.json and the logs; set them in the environment (e.g. AWS_ACCESS_KEY_ID)")
+        if not parts.netloc:
+            raise ConfigError(f"{text}: no bucket named")
+    return parts
+
+
 @dataclass(frozen=True)
 class Location:
     """A file or folder on a pyarrow filesystem. `uri` rebuilds it anywhere (a Ray actor on another node);
@@ -63,17 +78,11 @@ class Location:
         if isinstance(where, Location):
             return where
         text = os.fspath(where)
-        parts = urllib.parse.urlsplit(text)
+        parts = check_uri(text)
         if len(parts.scheme) <= 1:  # no scheme (or a Windows drive letter): a local path
             return cls(os.path.abspath(text))
         if parts.scheme == "file":
             return cls(os.path.abspath(urllib.parse.unquote(parts.path)))
-        if parts.scheme not in OBJECT_STORES:
-            raise ConfigError(f"{text}: a run directory is a local path, file://, or one of "
-                              f"{', '.join(s + '://' for s in OBJECT_STORES)}")
-        if parts.username or parts.password:
-            raise ConfigError(f"{parts.scheme}://…@{parts.hostname}: credentials in a URI would be written to "
-                              "run.json and the logs; set them in the environment (e.g. AWS_ACCESS_KEY_ID)")
         _filesystem(parts.scheme, parts.netloc, parts.query)
         return cls(f"{parts.netloc}{parts.path}".rstrip("/"), parts.scheme, parts.query)
 

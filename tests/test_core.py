@@ -41,6 +41,12 @@ def test_unknown_key_names_the_key_and_the_file(tmp_path):
     assert "sampling.max_tokns" in str(err.value) and str(path) in str(err.value)
 
 
+def test_an_unusable_output_location_is_refused_at_load(tmp_path):
+    for where, says in [("ftp://host/out", "s3://"), ("s3://KEY:SECRET@bucket/out", "credentials")]:
+        with pytest.raises(ConfigError) as err:
+            load_config(write(tmp_path, BASE + f"output_dir: {where}\n"))
+        assert "output_dir" in str(err.value) and says in str(err.value) and "SECRET" not in str(err.value)
+    assert load_config(write(tmp_path, BASE + "output_dir: s3://bucket/regen\n")).output_dir == "s3://bucket/regen"
 def test_unknown_endpoint_key_and_missing_key_are_named(tmp_path):
     text = BASE.replace("concurrency: 2", "concurency: 2").replace("model: m\n", "")
     with pytest.raises(ConfigError) as err:
