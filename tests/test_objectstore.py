@@ -88,6 +88,11 @@ def test_a_run_on_s3_commits_whole_objects_survives_a_kill_mid_upload_and_resume
         bad_out = run_regen("export", run.path.uri, "--format", "specforge", "--out", out + "/x.jsonl")
         assert bad_out.returncode == 2 and "--out" in bad_out.stderr
 
+        card = run_regen("card", run.path.uri)
+        assert card.returncode == 0, card.stderr
+        assert "40 records" in (run.path / "README.md").read_bytes().decode()
+        assert (run.path / "card" / "completion_length.png").size() > 0
+
         again = run_regen("generate", "--config", str(config))
         assert again.returncode == 0 and "is complete" in again.stderr
         assert collections.Counter(r["prompt_id"] for r in ledger_rows(run)).most_common(1)[0][1] == 1
