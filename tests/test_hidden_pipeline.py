@@ -5,20 +5,14 @@ from __future__ import annotations
 
 import collections
 
-import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.emulator import start_emulator
-from pipeline.emulator.hidden import hidden_rows
 from pipeline.hidden_store import hidden_parts, iter_hidden
-from tests.helpers import data_parts, run_regen, sigkill, start_regen, wait_for, write_config, write_prompts, write_source
+from tests.helpers import assert_emulated_hidden_states, data_parts, run_regen, sigkill, start_regen, wait_for, write_config, write_prompts, write_source
 
 MODEL = "moonshotai/Kimi-K2.5"
 WIDTH = 3 * 32  # EAGLE-3: three auxiliary layers of a 32-wide toy model
-
-
-def as_bf16_bits(values: np.ndarray) -> np.ndarray:
-    return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
 def test_hidden_states_are_aligned_stored_and_referenced(tmp_path, ray_cluster):
@@ -41,17 +35,7 @@ def test_hidden_states_are_aligned_stored_and_referenced(tmp_path, ray_cluster):
         assert len(rows) == 40 and all(r["hidden_part"] and r["hidden_row"] is not None for r in rows)
         referenced = {r["hidden_part"] for r in rows}
         assert {p.name for p in hidden_parts(run)} == referenced, "unreferenced parts are removed on resume"
-        by_key = {(r["prompt_id"], r["turn_index"]): r for r in rows}
-        samples = list(iter_hidden(run))
-        assert len(samples) == 40
-        for sample in samples:
-            row = by_key[(sample.prompt_id, sample.turn_index)]
-            tokens = row["prompt_token_ids"] + row["output_token_ids"]
-            assert list(sample.token_ids) == tokens and sample.n_prompt == row["prompt_tokens"]
-            assert sample.hidden.shape == (len(tokens) - 1, WIDTH), "row i belongs to token i; the last has none"
-            expected = as_bf16_bits(hidden_rows(tokens[:-1], range(len(tokens) - 1), WIDTH))
-            assert np.array_equal(sample.hidden.view(np.uint16), expected)
-            assert list(sample.loss_mask) == [0] * row["prompt_tokens"] + [1] * row["completion_tokens"]
+        assert_emulated_hidden_states(rows, list(iter_hidden(run)), WIDTH)
         assert collections.Counter(r["finish_reason"] for r in rows).keys() <= {"stop", "length"}
         assert any(r["reasoning_content"] for r in rows), "Kimi's reasoning is split out of /generate's text"
 

@@ -10,18 +10,16 @@ import textwrap
 import threading
 import time
 
-import numpy as np
 import orjson
 import pytest
 
 from pipeline.emulator import start_emulator
-from pipeline.emulator.hidden import hidden_rows
 from pipeline.errors import ConfigError, RunLocked
 from pipeline.hidden_store import hidden_parts, iter_hidden
 from pipeline.runlock import RunLock
 from pipeline.storage import FAULT_KILL_BEFORE_RENAME, Location
 from pipeline.store import RunDir
-from tests.helpers import run_regen, write_config, write_prompts, write_source
+from tests.helpers import assert_emulated_hidden_states, run_regen, write_config, write_prompts, write_source
 
 MODEL = "moonshotai/Kimi-K2.5"
 WIDTH = 3 * 32
@@ -64,14 +62,7 @@ def test_a_run_on_s3_commits_whole_objects_survives_a_kill_mid_upload_and_resume
         assert set(ids) == set(run.load_prompt_set().column("prompt_id").to_pylist())
         assert {p.name for p in hidden_parts(run)} == {r["hidden_part"] for r in rows}, "no orphan hidden part"
 
-        by_key = {(r["prompt_id"], r["turn_index"]): r for r in rows}
-        samples = list(iter_hidden(run))
-        assert len(samples) == 40
-        for sample in samples:
-            row = by_key[(sample.prompt_id, sample.turn_index)]
-            tokens = row["prompt_token_ids"] + row["output_token_ids"]
-            expected = hidden_rows(tokens[:-1], range(len(tokens) - 1), WIDTH).astype(np.float32)
-            assert np.array_equal(sample.hidden.view(np.uint16), (expected.view(np.uint32) >> 16).astype(np.uint16))
+        assert_emulated_hidden_states(rows, list(iter_hidden(run)), WIDTH)
         assert not run.path.local and (run.logs / "regen.log").exists(), "the session's log is uploaded"
 
         status = run_regen("status", run.path.uri, "--json")
