@@ -106,6 +106,10 @@ class RunConfig(_Strict):
     endpoints_file_api_key_env: str | None = None
     # Prefix affinity: prompts whose first N characters agree go to the same endpoint (0: off).
     prefix_affinity_chars: int = Field(256, ge=0)
+    # The affinity's load-balance bound (SGLang router's two thresholds, on queued prompts): an endpoint asking for
+    # work takes from a queue longer than its own by more than both, before its own.
+    balance_abs_threshold: int = Field(32, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1.0)
     # At the tail of the run, an idle endpoint re-runs work held elsewhere for over twice the mean latency;
     # the first answer is committed, the other dropped (costs a few duplicate requests, saves the tail).
     hedge_tail: bool = True

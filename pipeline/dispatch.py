@@ -84,7 +84,8 @@ class Dispatcher:
         fleet_watch: Callable[[], list[Endpoint] | None] | None = None,
     ):
         self.cfg = cfg
-        self.router = Router(affinity=cfg.prefix_affinity_chars > 0)
+        self.router = Router(affinity=cfg.prefix_affinity_chars > 0, balance_abs=cfg.balance_abs_threshold,
+                             balance_rel=cfg.balance_rel_threshold)
         self.attempts: dict[str, int] = {}
         self.unfinished = {item.prompt_id for item in items}
         self.on_outcome, self.on_tick, self.should_stop = on_outcome, on_tick, should_stop

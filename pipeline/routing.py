@@ -5,9 +5,12 @@ template) land on the same server. Each prompt has an affinity key, a hash of it
 rendezvous hashing maps the key to a home endpoint, so the mapping moves little when endpoints come and go.
 Each endpoint has its own queue of homed prompts.
 
-The load-balance bound is work stealing, the pull-model form of "when an endpoint is behind, new work goes to
-the least loaded": an endpoint that asks for work and whose own queue is empty takes from the longest other
-queue. Nobody idles while work is queued anywhere, and affinity holds wherever it costs nothing.
+The load-balance bound is the pull-model form of SGLang router's rule "when an endpoint is behind by more than
+an absolute and a relative threshold, new work goes to the least loaded". Load is an endpoint's backlog (its
+homed queue; in-flight work is capped by its concurrency anyway). When an endpoint asks for work and the longest
+queue exceeds its own by more than `balance_abs` prompts and `balance_rel` times, it takes from that queue first.
+Below the thresholds it takes its own, and with its own queue empty it steals from the longest: nobody idles
+while work is queued anywhere, and affinity holds wherever it costs nothing.
 
 Retries and returned work go to a shared queue, served first, and avoid the endpoint that just failed them
 while another endpoint is healthy.
@@ -43,6 +46,8 @@ def home_of(key: int, labels: Iterable[str]) -> str | None:
 @dataclass
 class Router:
     affinity: bool = True
+    balance_abs: int = 32  # SGLang router's balance_abs_threshold, counted in queued prompts
+    balance_rel: float = 1.5  # and its balance_rel_threshold
     shared: deque[WorkItem] = field(default_factory=deque)  # retries first, and everything without affinity
     homed: dict[str, deque[WorkItem]] = field(default_factory=dict)
     avoid: dict[str, str] = field(default_factory=dict)  # prompt_id -> the endpoint it last failed at
@@ -87,6 +92,13 @@ class Router:
                 batch.append(item)
         self.shared.extendleft(reversed(skipped))
         own = self.homed.get(label)
+        while len(batch) < n:
+            behind = self._behind(len(own or ()))
+            if behind is None:
+                break
+            item = behind.pop()  # from the tail: the endpoint behind keeps the work it is about to take
+            if is_open(item.prompt_id):
+                batch.append(item)
         while own and len(batch) < n:
             item = own.popleft()
             if is_open(item.prompt_id):
@@ -95,7 +107,14 @@ class Router:
             victim = max((q for q in self.homed.values() if q), key=len, default=None)
             if victim is None:
                 break
-            item = victim.pop()  # from the tail: the victim keeps the work it is about to take
+            item = victim.pop()
             if is_open(item.prompt_id):
                 batch.append(item)
         return batch
+
+    def _behind(self, own_load: int) -> deque[WorkItem] | None:
+        """The longest queue, if it exceeds `own_load` by both thresholds."""
+        longest = max(self.homed.values(), key=len, default=None)
+        if longest and len(longest) - own_load > self.balance_abs and len(longest) > self.balance_rel * own_load:
+            return longest
+        return None
