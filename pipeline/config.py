@@ -26,8 +26,11 @@ class Endpoint(_Strict):
     # Name of an environment variable holding the API key; the key itself never enters the config.
     api_key_env: str | None = None
     name: str | None = None
-    # Pin this endpoint's actor to a node: Ray resources, e.g. {"node:10.0.0.7": 0.01} (default: spread).
+    # Pin this endpoint's actor to a node (default: spread over the nodes): Ray resources, e.g.
+    # {"node:10.0.0.7": 0.01} or a custom resource from `ray start --resources`, and/or node labels from
+    # `ray start --labels rack=b`, e.g. {"rack": "b"}.
     ray_resources: dict[str, float] = Field(default_factory=dict)
+    ray_labels: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("url")
     @classmethod

@@ -277,7 +277,8 @@ def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callab
                        run_dir: str):
     """Actors are spread round-robin over the cluster's live nodes (Ray's SPREAD leaves zero-CPU actors on
     one node); an endpoint may pin its actor instead through Ray resources (e.g. `{"node:10.0.0.7": 0.01}`,
-    or a custom resource given to `ray start --resources`). A replacement actor goes to a node still alive."""
+    or a custom resource given to `ray start --resources`) or node labels (`ray start --labels rack=b`).
+    A replacement actor goes to a node still alive."""
     remote_worker = ray.remote(EndpointWorker)
     generation = itertools.count()
     hidden = cfg.hidden_states
@@ -288,8 +289,8 @@ def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callab
         n = next(generation)
         # Named, so an operator (or a test) can find the actor of an endpoint in the cluster.
         name = f"{cfg.run_name}:{os.getpid()}:{e.label}:{n}"
-        if e.ray_resources:
-            placement = {"resources": dict(e.ray_resources)}
+        if e.ray_resources or e.ray_labels:
+            placement = {"resources": dict(e.ray_resources), "label_selector": dict(e.ray_labels)}
         else:
             nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
             placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(nodes[n % len(nodes)], soft=False)}

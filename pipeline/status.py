@@ -61,6 +61,7 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
         print(f"  last session: {session.get('done', 0)} records, {session.get('tok_s', 0)} tok/s, "
               f"{session.get('elapsed_s', 0)}s (status of {report['last_update']})")
     for label, stats in report["endpoints"].items():
-        print(f"  {label:<28} {stats.get('state', '?'):<8} in flight {stats.get('in_flight', 0):>4}  "
+        print(f"  {label:<28} {stats.get('state', '?'):<8} on {stats.get('node', '?'):<15} "
+              f"in flight {stats.get('in_flight', 0):>4}  "
               f"{stats.get('tok_s', 0):>8} tok/s  errors {stats.get('errors', {})}")
     return 0

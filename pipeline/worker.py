@@ -65,6 +65,7 @@ class EndpointWorker:
         self.requests = 0
         self.completion_tokens = 0
         self.started = time.monotonic()
+        self.node = _node_address()
         self._tasks: list[asyncio.Task] = []
         self._probe: asyncio.Task | None = None
 
@@ -104,6 +105,7 @@ class EndpointWorker:
         elapsed = max(1e-9, time.monotonic() - self.started)
         return {
             "state": self.state,
+            "node": self.node,
             "in_flight": self.in_flight,
             "requests": self.requests,
             "completion_tokens": self.completion_tokens,
@@ -242,3 +244,10 @@ class EndpointWorker:
         for task in self._tasks:
             task.cancel()
         await self.client.close()
+
+
+def _node_address() -> str:
+    """The address of the Ray node this actor runs on (shown per endpoint in status.json)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "local"

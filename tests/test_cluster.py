@@ -49,7 +49,8 @@ def two_node_cluster(tmp_path):
                     "--include-dashboard=false", f"--temp-dir={head_dir}", *common], check=True, capture_output=True,
                    env=env)
     subprocess.run([ray_bin, "start", f"--address=127.0.0.2:{port}", "--node-ip-address=127.0.0.3",
-                    f"--temp-dir={worker_dir}", *common], check=True, capture_output=True, env=env)
+                    "--labels=regen-rack=b", f"--temp-dir={worker_dir}", *common], check=True, capture_output=True,
+                   env=env)
     yield {"env": {"RAY_ADDRESS": f"127.0.0.2:{port}", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"},
            "worker_dir": worker_dir}
     stop_cluster(worker_dir)
@@ -75,6 +76,28 @@ def test_losing_a_worker_node_moves_its_work_to_the_survivors(tmp_path, two_node
         assert status_of(run)["actor_restarts"] >= 1, "the lost node held endpoint actors"
         ids = committed_ids(run)
         assert len(ids) == len(set(ids)) == 200
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_actors_are_pinned_by_resource_or_label_and_the_rest_spread(tmp_path, two_node_cluster):
+    servers = [start_emulator(preset="kimi", tok_per_s=50) for _ in range(4)]
+    try:
+        prompts = tmp_path / "p.jsonl"
+        write_prompts(prompts, 160)
+        pins = [{"name": "on-head", "ray_resources": {"node:127.0.0.2": 0.01}},
+                {"name": "on-rack-b", "ray_labels": {"regen-rack": "b"}}, {"name": "free-0"}, {"name": "free-1"}]
+        config = write_config(tmp_path, [{"url": s.url, "concurrency": 4, **pin} for s, pin in zip(servers, pins)],
+                              [write_source(tmp_path, prompts)], model=MODEL,
+                              sampling={"temperature": 0.0, "max_tokens": 8}, status_interval_s=0.2)
+        result = run_regen("generate", "--config", str(config), env=two_node_cluster["env"])
+        assert result.returncode == 0, result.stderr
+        endpoints = status_of(tmp_path / "out" / "t")["endpoints"]
+        assert all(stats.get("requests", 0) > 0 for stats in endpoints.values()), endpoints
+        nodes = {label: stats["node"] for label, stats in endpoints.items()}
+        assert nodes["on-head"] == "127.0.0.2" and nodes["on-rack-b"] == "127.0.0.3"
+        assert {nodes["free-0"], nodes["free-1"]} == {"127.0.0.2", "127.0.0.3"}, "unpinned actors spread"
     finally:
         for server in servers:
             server.stop()
