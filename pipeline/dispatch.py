@@ -61,6 +61,9 @@ class Slot:
     stats: dict = field(default_factory=dict)
     open_since: float | None = None
     draining: bool = False  # removed from the fleet: finishes its work, takes no more
+    created_at: float = field(default_factory=time.monotonic)  # of the current actor
+    answered: bool = False  # the current actor has answered once: Ray placed it and it runs
+    warned_unplaced: bool = False
 
     @property
     def label(self) -> str:
@@ -68,6 +71,7 @@ class Slot:
 
 
 ActorFactory = Callable[[Endpoint, bool], ray.actor.ActorHandle]
+ACTOR_START_WARN_S = 60.0
 
 
 class Dispatcher:
@@ -103,7 +107,7 @@ class Dispatcher:
     # --- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
         for slot in self.slots.values():
-            self._call(slot, self._take(slot, 2 * slot.endpoint.concurrency))
+            self._call(slot, [], wait_s=0.0)  # work goes only to an actor that answered: one Ray placed
         while self.unfinished and not self.should_stop():
             refs = list(self.calls)
             ready, rest = ray.wait(refs, num_returns=1, timeout=0.2)
@@ -124,6 +128,7 @@ class Dispatcher:
         except RayActorError as exc:
             self._actor_lost(slot, exc)
             return
+        slot.answered = True
         self._absorb(slot, exchange)
         if slot.label not in self.slots:
             return
@@ -140,12 +145,12 @@ class Dispatcher:
         for slot in self.slots.values():
             ray.kill(slot.handle)
 
-    def _call(self, slot: Slot, work: list[WorkItem]) -> None:
+    def _call(self, slot: Slot, work: list[WorkItem], wait_s: float = 0.5) -> None:
         now = time.monotonic()
         for item in work:
             slot.assigned[item.prompt_id] = item
             slot.sent_at[item.prompt_id] = now
-        self.calls[slot.handle.exchange.remote(work, 0.5)] = slot.label
+        self.calls[slot.handle.exchange.remote(work, wait_s)] = slot.label
 
     def _take(self, slot: Slot, demand: int) -> list[WorkItem]:
         """The actor's demand is its free slots plus one concurrency's worth of prefetch. Near the end of
@@ -224,7 +229,8 @@ class Dispatcher:
         self._return_assigned(slot)
         self.actor_restarts += 1
         slot.handle = self.actor_factory(slot.endpoint, False)
-        self._call(slot, [])
+        slot.created_at, slot.answered, slot.warned_unplaced = time.monotonic(), False, False
+        self._call(slot, [], wait_s=0.0)
 
     def _drop(self, slot: Slot, why: str) -> None:
         level = logging.INFO if slot.draining else logging.ERROR
@@ -263,7 +269,17 @@ class Dispatcher:
     def _check_fleet(self) -> None:
         if not self.slots:
             raise RunFatal("every endpoint left the fleet (endpoint-fatal errors); see the log above")
-        opened = [s.open_since for s in self.slots.values()]
+        now = time.monotonic()
+        for slot in self.slots.values():
+            if not slot.answered and now - slot.created_at > ACTOR_START_WARN_S and not slot.warned_unplaced:
+                slot.warned_unplaced = True
+                pins = {k: v for k, v in (("resources", slot.endpoint.ray_resources),
+                                          ("labels", slot.endpoint.ray_labels)) if v}
+                log.warning("endpoint %s: its actor has not started after %.0f s; Ray cannot place it%s",
+                            slot.label, now - slot.created_at,
+                            f" (does a live node have {pins}?)" if pins else " (is the cluster out of CPUs?)")
+        # an actor Ray never placed counts as down since it was created
+        opened = [s.open_since if s.answered else s.created_at for s in self.slots.values()]
         if all(t is not None for t in opened):
             down_for = time.monotonic() - max(opened)
             if down_for > self.cfg.dead_fleet_deadline_s:

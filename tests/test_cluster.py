@@ -103,6 +103,24 @@ def test_actors_are_pinned_by_resource_or_label_and_the_rest_spread(tmp_path, tw
             server.stop()
 
 
+def test_an_actor_ray_cannot_place_gets_no_work_and_the_run_completes(tmp_path, ray_cluster):
+    servers = [start_emulator(preset="kimi", tok_per_s=400) for _ in range(2)]
+    try:
+        prompts = tmp_path / "p.jsonl"
+        write_prompts(prompts, 40)
+        endpoints = [{"url": servers[0].url, "concurrency": 4, "name": "placed"},
+                     {"url": servers[1].url, "concurrency": 4, "name": "nowhere", "ray_labels": {"rack": "none"}}]
+        config = write_config(tmp_path, endpoints, [write_source(tmp_path, prompts)], model=MODEL, hedge_tail=False,
+                              sampling={"temperature": 0.0, "max_tokens": 8})
+        result = run_regen("generate", "--config", str(config), timeout=120)
+        assert result.returncode == 0, result.stderr
+        rows = rows_of(tmp_path / "out" / "t")
+        assert len(rows) == 40 and {r["endpoint"] for r in rows} == {"placed"}
+    finally:
+        for server in servers:
+            server.stop()
+
+
 def test_endpoints_file_adds_and_drains_endpoints_live(tmp_path, ray_cluster):
     first = start_emulator(preset="kimi", tok_per_s=40)
     second = start_emulator(preset="kimi", tok_per_s=40)
