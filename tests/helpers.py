@@ -1,6 +1,7 @@
 """Small helpers shared by the tests: configs, prompt files, running the real `regen` command."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -136,3 +137,22 @@ def assert_emulated_hidden_states(rows: list[dict], samples: list, width: int) -
         f32 = hidden_rows(tokens[:-1], range(len(tokens) - 1), width).astype(np.float32)
         assert np.array_equal(sample.hidden.view(np.uint16), (f32.view(np.uint32) >> 16).astype(np.uint16))
         assert list(sample.loss_mask) == [0] * row["prompt_tokens"] + [1] * row["completion_tokens"]
+
+
+@contextlib.contextmanager
+def emulators(n: int, **options: Any):
+    """n SGLang emulators for one test, stopped afterwards."""
+    from pipeline.emulator import start_emulator
+
+    servers = [start_emulator(**options) for _ in range(n)]
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def prompt_source(tmp: Path, n: int) -> Path:
+    """A source spec of n distinct short prompts."""
+    write_prompts(tmp / "p.jsonl", n)
+    return write_source(tmp, tmp / "p.jsonl")

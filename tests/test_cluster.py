@@ -17,7 +17,8 @@ import pytest
 from pipeline.emulator import start_emulator
 from tests.conftest import stop_cluster
 from tests.helpers import (
-    committed_ids, data_parts, free_port, run_regen, start_regen, wait_for, write_config, write_prompts, write_source,
+    committed_ids, data_parts, emulators, free_port, prompt_source, run_regen, start_regen, wait_for, write_config,
+    write_prompts, write_source,
 )
 
 MODEL = "moonshotai/Kimi-K2.5"
@@ -60,13 +61,10 @@ def two_node_cluster(tmp_path):
 
 
 def test_losing_a_worker_node_moves_its_work_to_the_survivors(tmp_path, two_node_cluster):
-    servers = [start_emulator(preset="kimi", tok_per_s=40) for _ in range(4)]
-    try:
-        prompts = tmp_path / "p.jsonl"
-        write_prompts(prompts, 200)
+    with emulators(4, preset="kimi", tok_per_s=40) as servers:
         config = write_config(tmp_path, [{"url": s.url, "concurrency": 8, "name": f"emu-{i}"}
                                          for i, s in enumerate(servers)],
-                              [write_source(tmp_path, prompts)], model=MODEL,
+                              [prompt_source(tmp_path, 200)], model=MODEL,
                               sampling={"temperature": 0.0, "max_tokens": 16}, flush_records=10, status_interval_s=0.2)
         run = tmp_path / "out" / "t"
         proc = start_regen("generate", "--config", str(config), env=two_node_cluster["env"], log=tmp_path / "log")
@@ -76,49 +74,34 @@ def test_losing_a_worker_node_moves_its_work_to_the_survivors(tmp_path, two_node
         assert status_of(run)["actor_restarts"] >= 1, "the lost node held endpoint actors"
         ids = committed_ids(run)
         assert len(ids) == len(set(ids)) == 200
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def test_actors_are_pinned_by_resource_or_label_and_the_rest_spread(tmp_path, two_node_cluster):
-    servers = [start_emulator(preset="kimi", tok_per_s=50) for _ in range(4)]
-    try:
-        prompts = tmp_path / "p.jsonl"
-        write_prompts(prompts, 160)
-        pins = [{"name": "on-head", "ray_resources": {"node:127.0.0.2": 0.01}},
-                {"name": "on-rack-b", "ray_labels": {"regen-rack": "b"}}, {"name": "free-0"}, {"name": "free-1"}]
+    pins = [{"name": "on-head", "ray_resources": {"node:127.0.0.2": 0.01}},
+            {"name": "on-rack-b", "ray_labels": {"regen-rack": "b"}}, {"name": "free-0"}, {"name": "free-1"}]
+    with emulators(4, preset="kimi", tok_per_s=50) as servers:
         config = write_config(tmp_path, [{"url": s.url, "concurrency": 4, **pin} for s, pin in zip(servers, pins)],
-                              [write_source(tmp_path, prompts)], model=MODEL,
+                              [prompt_source(tmp_path, 160)], model=MODEL,
                               sampling={"temperature": 0.0, "max_tokens": 8}, status_interval_s=0.2)
         result = run_regen("generate", "--config", str(config), env=two_node_cluster["env"])
-        assert result.returncode == 0, result.stderr
-        endpoints = status_of(tmp_path / "out" / "t")["endpoints"]
-        assert all(stats.get("requests", 0) > 0 for stats in endpoints.values()), endpoints
-        nodes = {label: stats["node"] for label, stats in endpoints.items()}
-        assert nodes["on-head"] == "127.0.0.2" and nodes["on-rack-b"] == "127.0.0.3"
-        assert {nodes["free-0"], nodes["free-1"]} == {"127.0.0.2", "127.0.0.3"}, "unpinned actors spread"
-    finally:
-        for server in servers:
-            server.stop()
+    assert result.returncode == 0, result.stderr
+    endpoints = status_of(tmp_path / "out" / "t")["endpoints"]
+    assert all(stats.get("requests", 0) > 0 for stats in endpoints.values()), endpoints
+    nodes = {label: stats["node"] for label, stats in endpoints.items()}
+    assert nodes["on-head"] == "127.0.0.2" and nodes["on-rack-b"] == "127.0.0.3"
+    assert {nodes["free-0"], nodes["free-1"]} == {"127.0.0.2", "127.0.0.3"}, "unpinned actors spread"
 
 
 def test_an_actor_ray_cannot_place_gets_no_work_and_the_run_completes(tmp_path, ray_cluster):
-    servers = [start_emulator(preset="kimi", tok_per_s=400) for _ in range(2)]
-    try:
-        prompts = tmp_path / "p.jsonl"
-        write_prompts(prompts, 40)
+    with emulators(2, preset="kimi", tok_per_s=400) as servers:
         endpoints = [{"url": servers[0].url, "concurrency": 4, "name": "placed"},
                      {"url": servers[1].url, "concurrency": 4, "name": "nowhere", "ray_labels": {"rack": "none"}}]
-        config = write_config(tmp_path, endpoints, [write_source(tmp_path, prompts)], model=MODEL, hedge_tail=False,
+        config = write_config(tmp_path, endpoints, [prompt_source(tmp_path, 40)], model=MODEL, hedge_tail=False,
                               sampling={"temperature": 0.0, "max_tokens": 8})
         result = run_regen("generate", "--config", str(config), timeout=120)
-        assert result.returncode == 0, result.stderr
-        rows = rows_of(tmp_path / "out" / "t")
-        assert len(rows) == 40 and {r["endpoint"] for r in rows} == {"placed"}
-    finally:
-        for server in servers:
-            server.stop()
+    assert result.returncode == 0, result.stderr
+    rows = rows_of(tmp_path / "out" / "t")
+    assert len(rows) == 40 and {r["endpoint"] for r in rows} == {"placed"}
 
 
 def test_endpoints_file_adds_and_drains_endpoints_live(tmp_path, ray_cluster):
