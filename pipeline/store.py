@@ -6,7 +6,7 @@ Layout of `outputs/<run>/`:
     rejects/            invalid inputs with their reason, one file per materialisation
     data/part-*.parquet committed records
     failures/part-*.parquet  terminal failures with the server's message
-    hidden/             hidden-state parts (later)
+    hidden/             hidden-state parts, written by the endpoint actors
     status.json         progress, rewritten atomically
     logs/
 The run directory is a local or shared POSIX path or an object-store URI (see storage.py for what an
