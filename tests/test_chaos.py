@@ -2,6 +2,7 @@
 a dying Ray actor, a dead fleet, and the driver SIGKILLed at random moments. Real processes throughout."""
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -13,6 +14,7 @@ import pytest
 
 from pipeline.emulator import make_config, start_emulator
 from pipeline.emulator.model import expected_chat
+from pipeline.store import RunDir
 from tests.helpers import (
     all_prompt_ids, committed_ids, data_parts, run_regen, sigkill, start_regen, temp_files, wait_for, write_config,
     write_prompts, write_source,
@@ -34,17 +36,18 @@ def status_of(run: Path) -> dict:
 
 
 class PartWatcher(threading.Thread):
-    """Reads every committed part, over and over, while the run goes on: none may ever be unreadable."""
+    """Reads every committed part, over and over, while the run goes on: none may ever be unreadable.
+    `run` is a run directory's path or URI (an object store too)."""
 
-    def __init__(self, run: Path):
+    def __init__(self, run: Path | str):
         super().__init__(daemon=True)
-        self.run_path, self.stop, self.reads, self.errors = run, threading.Event(), 0, []
+        self.run_dir, self.stop, self.reads, self.errors = RunDir(run), threading.Event(), 0, []
 
     def run(self) -> None:
         while not self.stop.is_set():
-            for part in data_parts(self.run_path):
+            for part in self.run_dir.parts(self.run_dir.data):
                 try:
-                    pq.read_table(part, columns=["prompt_id"])
+                    part.read_parquet(columns=["prompt_id"])
                     self.reads += 1
                 except FileNotFoundError:
                     pass
@@ -69,6 +72,41 @@ class Flapper(threading.Thread):
             self.server.start()
 
 
+@contextlib.contextmanager
+def chaos(servers: list, run: Path | str):
+    """While the body runs, servers[0] is SIGKILLed and restarted every few seconds and every committed part
+    is read over and over; afterwards everything stops. Yields (watcher, flapper)."""
+    watcher, flapper = PartWatcher(run), Flapper(servers[0])
+    watcher.start()
+    flapper.start()
+    try:
+        yield watcher, flapper
+    finally:
+        flapper.stop.set()
+        watcher.stop.set()
+        flapper.join()
+        watcher.join()
+        for server in servers:
+            server.stop()
+
+
+def kill_the_driver_then_finish(config: Path, logs: Path, seed: int, window: tuple[float, float],
+                                after_kill=lambda: None) -> int:
+    """Start `regen generate` and SIGKILL it at a random moment in `window`, three times; then run it to the end.
+    Returns how many of the three were killed mid-run."""
+    rng, kills = random.Random(seed), 0
+    for attempt in range(3):
+        proc = start_regen("generate", "--config", str(config), log=logs / f"run{attempt}.log")
+        time.sleep(rng.uniform(*window))
+        if proc.poll() is None:
+            sigkill(proc)
+            kills += 1
+        after_kill()
+    result = run_regen("generate", "--config", str(config), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return kills
+
+
 def test_chaos_exactly_once(tmp_path, ray_cluster):
     servers = [
         start_emulator(preset="kimi", tok_per_s=120),  # killed and restarted every few seconds
@@ -78,33 +116,14 @@ def test_chaos_exactly_once(tmp_path, ray_cluster):
         start_emulator(preset="kimi", tok_per_s=120),
     ]
     run = tmp_path / "out" / "t"
-    watcher, flapper = PartWatcher(run), Flapper(servers[0])
-    try:
+    with chaos(servers, run) as (watcher, flapper):
         prompts = tmp_path / "p.jsonl"
         write_prompts(prompts, 2000)
         config = write_config(tmp_path, endpoints(servers), [write_source(tmp_path, prompts)], model=MODEL,
                               sampling={"temperature": 0.0, "max_tokens": 24}, request_timeout_s=3,
                               max_attempts=10, flush_records=50, flush_interval_s=0.5, dead_fleet_deadline_s=60)
-        watcher.start()
-        flapper.start()
-        rng = random.Random(11)
-        kills = 0
-        for attempt in range(3):
-            proc = start_regen("generate", "--config", str(config), log=tmp_path / f"run{attempt}.log")
-            time.sleep(rng.uniform(4.0, 7.0))
-            if proc.poll() is None:
-                sigkill(proc)
-                kills += 1
-            committed_ids(run)  # every committed part readable after every kill
-        result = run_regen("generate", "--config", str(config), timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-    finally:
-        flapper.stop.set()
-        watcher.stop.set()
-        flapper.join()
-        watcher.join()
-        for server in servers:
-            server.stop()
+        # every committed part is readable after every kill
+        kills = kill_the_driver_then_finish(config, tmp_path, 11, (4.0, 7.0), after_kill=lambda: committed_ids(run))
 
     ids = committed_ids(run)
     assert kills == 3, "the driver must have been killed three times mid-run"

@@ -19,7 +19,10 @@ from pipeline.hidden_store import hidden_parts, iter_hidden
 from pipeline.runlock import RunLock
 from pipeline.storage import FAULT_KILL_BEFORE_RENAME, Location
 from pipeline.store import RunDir
-from tests.helpers import assert_emulated_hidden_states, run_regen, write_config, write_prompts, write_source
+from tests.helpers import (
+    assert_emulated_hidden_states, run_regen, write_config, write_prompts, write_source,
+)
+from tests.test_chaos import chaos, kill_the_driver_then_finish
 
 MODEL = "moonshotai/Kimi-K2.5"
 WIDTH = 3 * 32
@@ -89,6 +92,33 @@ def test_a_run_on_s3_commits_whole_objects_survives_a_kill_mid_upload_and_resume
         assert collections.Counter(r["prompt_id"] for r in ledger_rows(run)).most_common(1)[0][1] == 1
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_chaos_on_s3_three_driver_kills_a_flapping_and_a_faulty_endpoint_exactly_once(
+        tmp_path, ray_cluster, object_store):
+    servers = [start_emulator(preset="kimi", tok_per_s=40),  # killed and restarted every few seconds
+               start_emulator(preset="kimi", tok_per_s=40, fault_seed=5, fault_500=0.05, fault_503=0.03,
+                              fault_hang=0.01, fault_reset=0.01),
+               start_emulator(preset="kimi", tok_per_s=40)]
+    out = object_store("chaos")
+    run = run_dir_at(out)
+    with chaos(servers, run.path.uri) as (watcher, flapper):
+        prompts = tmp_path / "p.jsonl"
+        write_prompts(prompts, 600)
+        config = write_config(tmp_path, [{"url": s.url, "concurrency": 8, "name": f"emu-{i}"}
+                                         for i, s in enumerate(servers)],
+                              [write_source(tmp_path, prompts)], model=MODEL, output_dir=out,
+                              sampling={"temperature": 0.0, "max_tokens": 24}, request_timeout_s=3, max_attempts=10,
+                              flush_records=25, flush_interval_s=0.5, dead_fleet_deadline_s=60)
+        kills = kill_the_driver_then_finish(config, tmp_path, 5, (4.0, 6.0))
+    ids = [r["prompt_id"] for r in ledger_rows(run)]
+    assert kills == 3, "the driver must have been killed three times mid-run"
+    assert len(ids) == len(set(ids)) == 600, "lost or duplicated prompts"
+    assert not watcher.errors, watcher.errors[:3]
+    assert watcher.reads > 0
+    print(f"\ns3 chaos: 600 prompts, driver kills {kills}, endpoint kills {flapper.kills}, lost 0, duplicated 0, "
+          f"part reads during the run {watcher.reads}")
 
 
 def test_the_lease_refuses_a_live_driver_and_takes_over_a_dead_one(object_store):
