@@ -131,20 +131,13 @@ class Location:
     def exists(self) -> bool:
         return self.fs.get_file_info(self.path).type != pafs.FileType.NotFound
 
-    def is_dir(self) -> bool:
-        return self.fs.get_file_info(self.path).type == pafs.FileType.Directory
-
     def iterdir(self) -> list["Location"]:
         """The folder's entries (none if it does not exist)."""
         infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
         return [Location(info.path, self.scheme, self.query, self.fs) for info in infos]
 
-    def names(self) -> list[str]:
-        return sorted(entry.name for entry in self.iterdir())
-
     def read_bytes(self) -> bytes:
-        if not self.exists():  # one exception type for every backend
-            raise FileNotFoundError(str(self))
+        """Raises FileNotFoundError on every backend when the file is missing (pyarrow maps it so)."""
         with self.fs.open_input_stream(self.path) as handle:
             return handle.read()
 

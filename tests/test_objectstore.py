@@ -185,4 +185,4 @@ def test_locations_parse_and_travel_without_their_filesystem(object_store, tmp_p
     blob = pickle.dumps(remote)
     assert b"pyarrow" not in blob, "only the URI travels; each process opens the store with its own credentials"
     copy = pickle.loads(blob)
-    assert copy == remote and copy.names() == ["a.json"] and str(copy) == "s3://regen-test/travel/run"
+    assert copy == remote and [entry.name for entry in copy.iterdir()] == ["a.json"] and str(copy) == "s3://regen-test/travel/run"
