@@ -91,6 +91,12 @@ def _usage_fields(usage: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def output_token_ids(choice: dict[str, Any]) -> list[int] | None:
+    """SGLang names the output ids `response_token_ids` from 0.5.18 on, `token_ids` in 0.5.17."""
+    ids = choice.get("response_token_ids")
+    return ids if ids is not None else choice.get("token_ids")
+
+
 def parse_chat(body: dict[str, Any], latency_s: float, request_id: str) -> Completion:
     choice = body["choices"][0]
     message = choice.get("message") or {}
@@ -103,7 +109,7 @@ def parse_chat(body: dict[str, Any], latency_s: float, request_id: str) -> Compl
         latency_s=latency_s,
         request_id=request_id,
         prompt_token_ids=choice.get("prompt_token_ids"),
-        output_token_ids=choice.get("token_ids"),
+        output_token_ids=output_token_ids(choice),
         **_usage_fields(body.get("usage") or {}),
     )
 

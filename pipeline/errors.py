@@ -70,4 +70,11 @@ class PreflightError(RunFatal):
 
 
 class StorageError(RunFatal):
-    """The run directory cannot be written (full disk, read-only, permissions)."""
+    """The run directory cannot be written (full disk, read-only, permissions). `maybe_committed`: the failure
+    came after the rename (or the upload's completion), so the file may be committed: look before retrying."""
+
+    maybe_committed: bool = False
+
+
+class PartExists(StorageError):
+    """A commit would replace an existing part: committed files are never replaced."""

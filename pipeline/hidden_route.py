@@ -10,6 +10,7 @@ Reasoning is split at `</think>` here, since /generate returns the raw text.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ class HiddenTurns:
     def __init__(self, client: EndpointClient, route: HiddenRoute, tag: str):
         self.client, self.route, self.tag = client, route, tag
         self.slots = asyncio.Semaphore(route.max_in_memory)
+        self.part_counter = itertools.count(1)  # one per actor: with the sample's ids, part names never repeat
 
     async def turn(self, prompt_id: str, turn_index: int, messages: list[dict[str, str]],
                    seed: int | None) -> Completion:
@@ -92,7 +94,7 @@ class HiddenTurns:
         prompt_tokens, completion_tokens = int(meta["prompt_tokens"]), int(meta["completion_tokens"])
         align(prompt_tokens, completion_tokens, result.n_prefill, result.n_rows)
         finish = (meta.get("finish_reason") or {}).get("type", "unknown")
-        writer = HiddenPartWriter(self.route.run_dir, tag=self.tag)
+        writer = HiddenPartWriter(self.route.run_dir, tag=self.tag, counter=self.part_counter)
         writer.add(prompt_id, turn_index, list(ids) + list(result.output_ids), len(ids), result.hidden)
         part, rows = writer.commit()
         content, reasoning = split_reasoning(result.text, self.route.thinking)

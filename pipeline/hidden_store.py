@@ -1,11 +1,14 @@
 """Hidden parts on disk: writer, listing, garbage collection and the loader.
 
-Layout: `<run>/hidden/part-<tag>-<seq>-<uuid8>.parquet`, schema `schema.HIDDEN`: a sample is a few
+Layout: `<run>/hidden/part-<tag>-<prompt>-<turn>-<seq>.parquet`, schema `schema.HIDDEN`: a sample is a few
 consecutive rows of about CHUNK_BYTES, one row per row group (so the writer streams one chunk at a time and a
-reader loads one sample at a time). `tag` names the writer (an actor), `seq`
-counts its parts, and the random suffix keeps names unique across writers and restarts: many actors
-write into the same folder without coordinating. The `hidden` column is stored PLAIN, uncompressed,
-without dictionary or statistics, so a part is the bf16 bytes plus a few hundred bytes per sample.
+reader loads one sample at a time). Names are unique by construction: `tag` names the writer (an endpoint's
+actor), `prompt` and `turn` its first sample, and `seq` counts the actor's parts. Every commit is exclusive
+(storage: it never replaces a file), so an actor restarted with its counter back at 1, retrying a sample it
+wrote before, finds the name taken and moves to the next `seq`. Many actors write into the same folder
+without coordinating. (Parts of runs written before this scheme, `part-<tag>-<seq>-<uuid8>`, still read.)
+The `hidden` column is stored PLAIN, uncompressed, without dictionary or statistics, so a part is the bf16
+bytes plus a few hundred bytes per sample.
 
 Commit order: an actor commits its hidden part (atomically: storage.py) before the data row that references it
 (`hidden_part` = the part's file name, `hidden_row` = the row). A crash in between leaves a hidden part
@@ -14,6 +17,7 @@ for deletion on resume, while no writer is running.
 """
 from __future__ import annotations
 
+import itertools
 import re
 import uuid
 from collections import defaultdict
@@ -26,10 +30,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import schema
+from .errors import PartExists
 from .store import PART_RE, TMP_PREFIX, RunDir
 from .storage import Location
 
-HIDDEN_PART_RE = re.compile(r"^part-(?:([a-z0-9]{1,32})-)?(\d{6})-([0-9a-f]{8})\.parquet$")
+HIDDEN_PART_RE = re.compile(r"^part-([a-z0-9]{1,32})-([a-z0-9]{1,32})-(\d+)-(\d{6,})\.parquet$")
+LEGACY_HIDDEN_PART_RE = re.compile(r"^part-(?:([a-z0-9]{1,32})-)?(\d{6})-([0-9a-f]{8})\.parquet$")
+_MAX_NAME_TRIES = 1000  # names taken by earlier incarnations of the same actor (each a retried sample)
 _HIDDEN_COL = "hidden"
 CHUNK_BYTES = 8 << 20  # a sample is stored in rows of about this size, so writing never holds it twice
 _OTHER_COLS = [f.name for f in schema.HIDDEN if f.name != _HIDDEN_COL]
@@ -55,12 +62,16 @@ def _run_dir(run_dir: RunLike) -> RunDir:
 
 def hidden_parts(run_dir: RunLike) -> list[Location]:
     """Committed hidden parts (any writer), sorted by name."""
-    return sorted(p for p in hidden_dir(run_dir).iterdir() if HIDDEN_PART_RE.match(p.name) or PART_RE.match(p.name))
+    return sorted(p for p in hidden_dir(run_dir).iterdir()
+                  if HIDDEN_PART_RE.match(p.name) or LEGACY_HIDDEN_PART_RE.match(p.name) or PART_RE.match(p.name))
+
+
+def _name_field(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())[:32]
 
 
 def _sanitize_tag(tag: str | None) -> str:
-    clean = re.sub(r"[^a-z0-9]", "", (tag or "").lower())[:32]
-    return clean or uuid.uuid4().hex[:6]
+    return _name_field(tag or "") or uuid.uuid4().hex[:6]
 
 
 class HiddenPartWriter:
@@ -72,10 +83,11 @@ class HiddenPartWriter:
     Cap what is buffered with `pending_bytes` (the actor's bound on answers held at once).
     """
 
-    def __init__(self, run_dir: RunLike, tag: str | None = None):
+    def __init__(self, run_dir: RunLike, tag: str | None = None, counter: Iterator[int] | None = None):
+        """`counter`: the actor's part counter, shared by all the writers one actor makes."""
         self.run_dir = _run_dir(run_dir)
         self.tag = _sanitize_tag(tag)
-        self.seq = 0
+        self.counter = counter if counter is not None else itertools.count(1)
         self._rows: list[dict] = []
         self._mats: list[np.ndarray] = []
 
@@ -129,13 +141,21 @@ class HiddenPartWriter:
             return "", {}
         folder = hidden_dir(self.run_dir)
         folder.mkdir()
-        self.seq += 1
-        name = f"part-{self.tag}-{self.seq:06d}-{uuid.uuid4().hex[:8]}.parquet"
+        first = self._rows[0]
+        stem = f"part-{self.tag}-{_name_field(first['prompt_id']) or 'x'}-{first['turn_index']}"
         table, first_rows = self._table()
-        # streamed by the Parquet writer: the encoded part is never held in memory next to the matrices
-        (folder / name).write_parquet_atomic(
-            table, row_group_size=1, compression={c: ("none" if c == _HIDDEN_COL else "zstd") for c in schema.HIDDEN.names},
-            use_dictionary=_OTHER_COLS, write_statistics=_OTHER_COLS)
+        for _ in range(_MAX_NAME_TRIES):
+            name = f"{stem}-{next(self.counter):06d}.parquet"
+            try:  # streamed by the Parquet writer: the encoded part is never held in memory next to the matrices
+                (folder / name).write_parquet_atomic(
+                    table, exclusive=True, row_group_size=1,
+                    compression={c: ("none" if c == _HIDDEN_COL else "zstd") for c in schema.HIDDEN.names},
+                    use_dictionary=_OTHER_COLS, write_statistics=_OTHER_COLS)
+                break
+            except PartExists:
+                continue  # written by an earlier incarnation of this actor (a retried sample): the next seq
+        else:
+            raise PartExists(f"{folder}/{stem}-*: {_MAX_NAME_TRIES} names taken")
         rows = {(r["prompt_id"], r["turn_index"]): first for r, first in zip(self._rows, first_rows)}
         self._rows, self._mats = [], []
         return name, rows

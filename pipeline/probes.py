@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import RunConfig
-from .endpoints import EndpointClient, _error_message, classify
+from .endpoints import EndpointClient, _error_message, classify, output_token_ids
 from .errors import EndpointDown, EndpointFatal, Retryable
 
 INFO_TIMEOUT_S = 5.0  # each information endpoint
@@ -211,6 +211,9 @@ async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
                             "temperature": 0.0, "rid": probe_rid()}
     if cfg.template_kwargs():
         body["chat_template_kwargs"] = cfg.template_kwargs()
+    wants_ids = cfg.return_token_ids and not cfg.stream  # what the run's requests will ask for
+    if wants_ids:
+        body.update(return_token_ids=True, return_prompt_token_ids=True)
     try:
         status, answer = await client.post_json("/v1/chat/completions", body, timeout_s=timeout_s)
     except EndpointDown as exc:
@@ -225,10 +228,18 @@ async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
             found.other.append(f"a tiny chat generation was refused ({status}: {error.message})")
         return
     try:
-        message = answer["choices"][0].get("message") or {}
+        choice = answer["choices"][0]
+        message = choice.get("message") or {}
     except (KeyError, IndexError, TypeError, AttributeError):
         found.other.append("a tiny chat generation returned an unreadable answer (no choices[0].message)")
         return
+    if wants_ids and not output_token_ids(choice):
+        version = (f"SGLang {report.sglang_version}" if report.sglang_version
+                   else "SGLang of unknown version" if report.sglang else "not an SGLang server")
+        found.other.append(
+            f"returns no output token ids ({version}; the run asks for them with return_token_ids): SGLang "
+            "returns them from 0.5.17 on (choices[0].response_token_ids from 0.5.18). Upgrade the server, or set "
+            "`return_token_ids: false` to run without exact token ids")
     if report.weight_version is None and isinstance(answer.get("metadata"), dict):
         report.weight_version = answer["metadata"].get("weight_version") or None
     if cfg.template_kwargs().get("thinking") and not message.get("reasoning_content"):

@@ -272,16 +272,25 @@ def local_fleet(cfg: RunConfig, run_dir: RunDir):
 
 
 def init_ray(address: str | None) -> None:
+    """Join the cluster at `address` (`auto`: the local head), or start an embedded one on loopback."""
     import os
 
-    import ray
+    if address is not None or "RAY_ADDRESS" in os.environ:
+        import ray  # joining a real cluster keeps Ray's own address choice (secure it with Ray's token auth)
 
-    if ray.is_initialized():
+        if not ray.is_initialized():
+            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
         return
-    if address is None and "RAY_ADDRESS" not in os.environ:
-        # An embedded single-machine cluster: keep Ray on the loopback interface.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    # An embedded single-machine cluster must not listen on the network: an unauthenticated Ray head runs
+    # anyone's code. Ray binds its GCS, raylet and workers to 127.0.0.1 only when it takes the node's address
+    # to be the loopback one, which this switch (read when Ray is first imported) makes it do.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # in case Ray was imported before the switch was set
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, logging_level=logging.WARNING)
 
 
 def pin_weight_version(run_dir: RunDir, reports) -> str | None:

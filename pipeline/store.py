@@ -31,7 +31,8 @@ import pyarrow.parquet as pq
 
 from . import schema
 from .runlock import RunLock  # noqa: F401  (the run's lock lives with its directory)
-from .storage import FAULT_KILL_BEFORE_RENAME, TMP_PREFIX, Location  # noqa: F401
+from .errors import PartExists, StorageError
+from .storage import FAULT_KILL_BEFORE_RENAME, TMP_PREFIX, Location, committed_part  # noqa: F401
 
 PART_RE = re.compile(r"^part-(\d{6})-[0-9a-f]{8}\.parquet$")
 
@@ -137,11 +138,16 @@ class RunDir:
     def parts(folder: Location) -> list[Location]:
         return sorted(p for p in folder.iterdir() if PART_RE.match(p.name))
 
-    def write_part(self, folder: Location, table: pa.Table) -> Location:
+    def next_part(self, folder: Location) -> Location:
+        """The name the next part of `folder` gets (one committer per folder)."""
         existing = self.parts(folder)
         seq = int(PART_RE.match(existing[-1].name).group(1)) + 1 if existing else 1
-        path = folder / f"part-{seq:06d}-{uuid.uuid4().hex[:8]}.parquet"
-        path.write_atomic(table_bytes(table), fault_point=True)
+        return folder / f"part-{seq:06d}-{uuid.uuid4().hex[:8]}.parquet"
+
+    def write_part(self, folder: Location, table: pa.Table, path: Location | None = None) -> Location:
+        """Commit `table` as a new part (never replacing one: PartExists)."""
+        path = path or self.next_part(folder)
+        path.write_atomic(table_bytes(table), fault_point=True, exclusive=True)
         return path
 
     def ids_in(self, folder: Location) -> set[str]:
@@ -227,6 +233,8 @@ class Committer:
         self.committed = 0
         self.committed_failures = 0
         self._oldest = time.monotonic()
+        # kind -> (part, its prompt ids, its rows) of a commit whose outcome is not known yet
+        self._unsettled: dict[str, tuple[Location, frozenset[str], int]] = {}
 
     def _accept(self, prompt_id: str) -> bool:
         if prompt_id in self.done or prompt_id in self.buffered:
@@ -261,20 +269,50 @@ class Committer:
             self.flush()
 
     def flush(self) -> None:
-        """Commit the buffer. Each part's rows leave the buffer only once that part is renamed, so a
-        failed write (full disk) keeps them buffered and never commits them twice."""
-        if self.records:
-            self.run_dir.write_part(self.run_dir.data, pa.Table.from_pylist(self.records, schema=schema.RECORDS))
-            self.committed += len(self.records)
-            self._settle(self.records)
-            self.records = []
-        if self.failures:
-            self.run_dir.write_part(self.run_dir.failures, pa.Table.from_pylist(self.failures, schema=schema.FAILURES))
-            self.committed_failures += len(self.failures)
-            self._settle(self.failures)
-            self.failures = []
+        """Commit the buffer: records, then failures, each as one part."""
+        self._commit("records")
+        self._commit("failures")
 
-    def _settle(self, rows: list[dict[str, Any]]) -> None:
-        ids = {row["prompt_id"] for row in rows}
+    def _commit(self, kind: str) -> None:
+        """Rows leave the buffer only once their part is known to be committed. A commit whose outcome is
+        unknown (an error after the rename, or a second signal in the middle) is remembered and resolved
+        by looking at the store before anything else is written, so a buffer is never committed twice."""
+        folder, part_schema = ((self.run_dir.data, schema.RECORDS) if kind == "records"
+                               else (self.run_dir.failures, schema.FAILURES))
+        unsettled = self._unsettled.get(kind)
+        if unsettled is not None:
+            path, ids, n_rows = unsettled
+            if committed_part(path, n_rows):  # raises StorageError if it cannot look: still unknown
+                self._settle(kind, ids, n_rows)
+            self._unsettled.pop(kind, None)
+        rows = getattr(self, kind)
+        if not rows:
+            return
+        path = self.run_dir.next_part(folder)
+        ids = frozenset(row["prompt_id"] for row in rows)
+        self._unsettled[kind] = (path, ids, len(rows))
+        try:
+            self.run_dir.write_part(folder, pa.Table.from_pylist(rows, schema=part_schema), path)
+        except PartExists:
+            self._unsettled.pop(kind, None)  # that name was never ours: nothing of this buffer was committed
+            raise
+        except StorageError as exc:
+            if not exc.maybe_committed:  # failed before the rename: certainly nothing committed
+                self._unsettled.pop(kind, None)
+            elif committed_part(path, len(rows)):  # failed after it: look
+                self._settle(kind, ids, len(rows))
+                self._unsettled.pop(kind, None)
+            raise
+        self._settle(kind, ids, len(rows))
+        self._unsettled.pop(kind, None)
+
+    def _settle(self, kind: str, ids: frozenset[str], n_rows: int) -> None:
+        """Idempotent, so that a settle interrupted by a signal can simply be done again."""
+        if not ids <= self.done:
+            if kind == "records":
+                self.committed += n_rows
+            else:
+                self.committed_failures += n_rows
         self.done |= ids
         self.buffered -= ids
+        setattr(self, kind, [row for row in getattr(self, kind) if row["prompt_id"] not in ids])

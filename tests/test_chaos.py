@@ -185,8 +185,10 @@ def test_dead_fleet_stops_after_the_deadline_and_resumes(tmp_path, ray_cluster):
         prompts = tmp_path / "p.jsonl"
         write_prompts(prompts, 80)
         config = write_config(tmp_path, endpoints(servers, concurrency=4), [write_source(tmp_path, prompts)],
-                              model=MODEL, sampling={"temperature": 0.0, "max_tokens": 16}, dead_fleet_deadline_s=3,
-                              flush_records=8)
+                              model=MODEL, sampling={"temperature": 0.0, "max_tokens": 16},
+                              # longer than a Ray actor's start on a loaded 2-core machine (an actor that has not
+                              # answered yet counts as down)
+                              dead_fleet_deadline_s=10, flush_records=8)
         run = tmp_path / "out" / "t"
         proc = start_regen("generate", "--config", str(config), log=tmp_path / "log")
         wait_for(lambda: len(committed_ids(run)) >= 8, 60, what="first records")

@@ -232,12 +232,14 @@ def test_generate_shape_and_token_ids(fresh):
     req = chat("ids please", max_tokens=40, return_token_ids=True, return_prompt_token_ids=True)
     c = jcall(fresh.url, "/v1/chat/completions", req)[1]["choices"][0]
     assert c["prompt_token_ids"] == encode(render_chat(req["messages"]))
-    assert c["token_ids"] == expected_chat(req, MAIN_CFG)["output_ids"]
-    assert (c["token_ids"][-1] == EOS_ID) == (c["finish_reason"] == "stop")
+    # SGLang 0.5.18+ (the emulator's default, 0.5.23) answers in response_token_ids, as its protocol model has it
+    assert "token_ids" not in c
+    assert c["response_token_ids"] == expected_chat(req, MAIN_CFG)["output_ids"]
+    assert (c["response_token_ids"][-1] == EOS_ID) == (c["finish_reason"] == "stop")
     # /generate on the rendered template answers what the chat endpoint answers
     g = jcall(fresh.url, "/generate", {"text": render_chat(req["messages"]),
                                        "sampling_params": {"max_new_tokens": 40}})[1]
-    assert g["output_ids"] == c["token_ids"]
+    assert g["output_ids"] == c["response_token_ids"]
     s = call(fresh.url, "/generate", {"text": "count", "stream": True, "sampling_params": {"max_new_tokens": 5}})
     ev = sse_events(s[2])
     assert ev[-1] == "[DONE]" and ev[-2]["meta_info"]["finish_reason"] is not None
@@ -361,7 +363,7 @@ def test_hidden_states_layout_and_prefix_cache(fresh):
     ch = c["choices"][0]
     n_prompt, n_out = c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]
     assert np.array_equal(np.asarray(ch["hidden_states"], dtype=np.float32),
-                          hidden_vector(ch["token_ids"][-2], n_prompt + n_out - 2, 7168))
+                          hidden_vector(ch["response_token_ids"][-2], n_prompt + n_out - 2, 7168))
     st, stats = jcall(fresh.url, "/admin/stats")
     assert stats["cache_hits"] >= 1 and 0 < stats["cache_hit_rate"] < 1
 

@@ -18,6 +18,9 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.llama
 
 
+NO_IDS = {"return_token_ids": False}  # llama.cpp returns no token ids: the preflight refuses a run asking for them
+
+
 def llama_endpoints(fleet) -> list[dict]:
     return [{"url": e.url, "concurrency": e.concurrency, "name": e.name} for e in fleet.endpoints()]
 
@@ -27,7 +30,7 @@ def sample_specs() -> list[Path]:
 
 
 def test_full_run_on_local_endpoints(tmp_path, ray_cluster, llama_fleet):
-    config = write_config(tmp_path, llama_endpoints(llama_fleet), sample_specs(),
+    config = write_config(tmp_path, llama_endpoints(llama_fleet), sample_specs(), **NO_IDS,
                           sampling={"temperature": 0.7, "max_tokens": 12})
     result = run_regen("generate", "--config", str(config))
     assert result.returncode == 0, result.stderr
@@ -57,7 +60,7 @@ def test_full_run_on_local_endpoints(tmp_path, ray_cluster, llama_fleet):
 def test_sigkill_three_times_then_resume_exactly_once(tmp_path, ray_cluster, llama_fleet):
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 300)
-    config = write_config(tmp_path, llama_endpoints(llama_fleet), [write_source(tmp_path, prompts)],
+    config = write_config(tmp_path, llama_endpoints(llama_fleet), [write_source(tmp_path, prompts)], **NO_IDS,
                           sampling={"temperature": 0.0, "max_tokens": 4}, flush_records=12, flush_interval_s=0.5)
     run = tmp_path / "out" / "t"
 
@@ -99,7 +102,7 @@ def test_prompt_longer_than_context_is_a_terminal_failure(tmp_path, ray_cluster,
     rows = write_prompts(prompts, 3)
     long_prompt = {"prompt": "Summarise this: " + " ".join(["lorem ipsum dolor sit amet"] * 300)}
     prompts.write_text(prompts.read_text() + __import__("json").dumps(long_prompt) + "\n")
-    config = write_config(tmp_path, llama_endpoints(llama_fleet), [write_source(tmp_path, prompts)])
+    config = write_config(tmp_path, llama_endpoints(llama_fleet), [write_source(tmp_path, prompts)], **NO_IDS)
     result = run_regen("generate", "--config", str(config))
     assert result.returncode == 0, result.stderr
     run = tmp_path / "out" / "t"

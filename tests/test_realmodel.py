@@ -211,12 +211,12 @@ def test_chat_route_returns_the_templated_prompt_ids(server, ref):
     choice = ans["choices"][0]
     assert choice["prompt_token_ids"] == ref.chat_ids(MESSAGES)
     assert ans["usage"]["prompt_tokens"] == len(choice["prompt_token_ids"])
-    assert len(choice["token_ids"]) == ans["usage"]["completion_tokens"]
-    assert choice["message"]["content"] == ref.tok.decode(choice["token_ids"], skip_special_tokens=True)
+    assert len(choice["response_token_ids"]) == ans["usage"]["completion_tokens"]  # SGLang 0.5.18+'s field
+    assert choice["message"]["content"] == ref.tok.decode(choice["response_token_ids"], skip_special_tokens=True)
     # /generate on the server's own prompt ids decodes the same tokens
     status, gen = _post(server.url, "/generate", {"input_ids": choice["prompt_token_ids"],
                                                   "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
-    assert status == 200 and gen["output_ids"] == choice["token_ids"]
+    assert status == 200 and gen["output_ids"] == choice["response_token_ids"]
 
 
 def test_information_routes_and_errors(server):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,6 +151,25 @@ class EmulatorConfig:
             "skip_tokenizer_init": False,
             "random_seed": self.fault_seed,
         }
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """"0.5.23" -> (0, 5, 23); a suffix such as "rc1" or ".post1" is ignored."""
+    numbers = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        numbers.append(int(digits or 0))
+    return tuple(numbers)
+
+
+def output_ids_field(sglang_version: str) -> str | None:
+    """Where the chat route puts the output ids asked for with return_token_ids, as SGLang's own
+    ChatCompletionResponseChoice has it: `response_token_ids` from 0.5.18, `token_ids` in 0.5.17; before
+    0.5.17 there is no return_token_ids (the field is ignored, like any unknown field)."""
+    version = version_tuple(sglang_version)
+    if version >= (0, 5, 18):
+        return "response_token_ids"
+    return "token_ids" if version >= (0, 5, 17) else None
 
 
 def _bool_fields() -> set[str]:

@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from .config import output_ids_field
 from .process import EmulatorProcess
 from .protocol import (
     RequestInvalid,
@@ -37,6 +38,8 @@ from .protocol import (
     parse_json,
 )
 from .server import free_port
+
+SGLANG_VERSION = "0.5.23"  # the version this server reports and whose response fields it uses
 
 ENGINE_KEY: web.AppKey[Any] = web.AppKey("realmodel_engine", object)
 SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -189,7 +192,7 @@ async def chat_completions(request: web.Request) -> web.Response:
     if body.get("return_prompt_token_ids"):
         choice["prompt_token_ids"] = ids
     if body.get("return_token_ids"):
-        choice["token_ids"] = res.output_ids
+        choice[output_ids_field(SGLANG_VERSION)] = res.output_ids
     n_out = len(res.output_ids)
     return json_response({
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": srv.args.served_model_name,
@@ -230,7 +233,7 @@ async def server_info(request: web.Request) -> web.Response:
         "stream_interval": 1, "skip_tokenizer_init": False, "hidden_size": e.hidden_size,
         "max_total_num_tokens": e.context_length,
         "internal_states": [{"last_gen_throughput": e.last_throughput, "avg_spec_accept_length": None}],
-        "version": "0.5.23", "realmodel": True})
+        "version": SGLANG_VERSION, "realmodel": True})
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -11,6 +11,7 @@ import orjson
 from aiohttp import web
 
 from . import hidden as hs
+from .config import output_ids_field
 from .model import THINK_START_ID, Generation, chat_generation, chat_max_tokens, generate, generate_prompt, \
     native_finish
 from .protocol import (NOT_CONFIGURED_HIDDEN, RequestInvalid, chat_body, chat_usage, check_context, chunk_bytes,
@@ -193,8 +194,9 @@ def _chat_extras(st: ServerState, job: Job, finish_meta: bool) -> dict:
         extra["hidden_states"] = hs.last_hidden_state(gen.prompt_ids, gen.output_ids, cfg.effective_hidden_width)
     if body.get("return_prompt_token_ids"):
         extra["prompt_token_ids"] = gen.prompt_ids
-    if body.get("return_token_ids"):
-        extra["token_ids"] = gen.output_ids
+    ids_field = output_ids_field(cfg.sglang_version)
+    if body.get("return_token_ids") and ids_field:
+        extra[ids_field] = gen.output_ids
     if finish_meta and body.get("return_meta_info"):
         extra["meta_info"] = meta_info(job.rid, gen, job.cached, _native_finish(gen),
                                        time.monotonic() - job.t0, cfg)
