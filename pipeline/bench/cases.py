@@ -14,7 +14,7 @@ from pathlib import Path
 
 import orjson
 
-from .bench_env import (
+from .env import (
     MODEL,
     REPO,
     RayHead,

@@ -8,7 +8,7 @@ endpoint) each take the next prompt from a queue:
 The request carries the same fields regen sends. Prints one JSON line: first request and last answer times
 (time.time()), ok/error counts and the completion tokens.
 
-    python -m pipeline.bench_clients --mode pool --urls http://127.0.0.1:30000 --prompts p.jsonl
+    python -m pipeline.bench.clients --mode pool --urls http://127.0.0.1:30000 --prompts p.jsonl
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ async def run(urls: list[str], prompts: list[str], concurrency: int, max_tokens:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.bench_clients", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pipeline.bench.clients", description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=("pool", "shard"), default="pool")
     p.add_argument("--urls", required=True, help="comma-separated endpoint root URLs")
     p.add_argument("--prompts", required=True, help="JSONL of {'prompt': ...}")

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import orjson
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "moonshotai/Kimi-K2.5"  # the emulator's default served model
 
 
@@ -141,7 +141,7 @@ class RayHead:
 @contextmanager
 def emulators(n: int, logs: Path | None = None, per: list[dict] | None = None, **options: Any) -> Iterator[list]:
     """n SGLang emulators (Kimi preset); `per[i]` overrides options of the i-th."""
-    from .emulator import start_emulator
+    from ..emulator import start_emulator
 
     servers = []
     try:
@@ -226,8 +226,8 @@ def committed(run: Path) -> tuple[int, float | None]:
 
 
 def run_client(args: list[str], timeout: float = 900) -> dict:
-    """A baseline client (pipeline.bench_clients) in its own process; returns its JSON line."""
-    out = subprocess.run([sys.executable, "-m", "pipeline.bench_clients", *args], capture_output=True, text=True,
+    """A baseline client (pipeline.bench.clients) in its own process; returns its JSON line."""
+    out = subprocess.run([sys.executable, "-m", "pipeline.bench.clients", *args], capture_output=True, text=True,
                          cwd=REPO, timeout=timeout, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"baseline client failed:\n{out.stderr[-3000:]}")

@@ -1,10 +1,10 @@
-"""Benchmark: JSON hidden states -> bf16 Parquet (`python -m pipeline.bench_hidden`).
+"""Benchmark: JSON hidden states -> bf16 Parquet (`python -m pipeline.bench.hidden`).
 
 Three ingest paths over the same /generate bodies (values from the emulator's bf16-exact hidden-vector
 function), each timed on one core, parse + write of one hidden part:
   naive     json.loads + numpy.array (float32) + >> 16
   orjson    orjson.loads + numpy.array (float32) + >> 16
-  regen     pipeline.hidden.parse_generate_response (byte-level kernel) -- the pipeline's path
+  regen     pipeline.hidden.parse.parse_generate_response (byte-level kernel) -- the pipeline's path
 Then, in a subprocess each (so ru_maxrss is its own), the peak memory of parsing + writing one 4K-token
 answer at width 21504 with the regen path, beyond the body itself, against the bf16 matrix; and the
 bytes on disk against the ideal 2 x width x rows.
@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 import orjson
 
-from . import hidden as H
-from . import hidden_kernel as hk
-from .emulator.hidden import hidden_rows
-from .store import RunDir
+from ..emulator.hidden import hidden_rows
+from ..hidden import parse as H
+from ..hidden import kernel as hk
+from ..store.rundir import RunDir
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_body(prompt_ids: list[int], output_ids: list[int], width: int, chunk: int = 128) -> bytes:
@@ -204,7 +204,7 @@ def measure_peak(width: int, tokens: int, tmp: Path) -> dict[str, Any]:
     body_path = tmp / "peak-body.json"
     body_path.write_bytes(body)
     del body
-    code = ("import json, sys; from pipeline.bench_hidden import _peak_child; "
+    code = ("import json, sys; from pipeline.bench.hidden import _peak_child; "
             "print(json.dumps(_peak_child(sys.argv[1], int(sys.argv[2]), sys.argv[3])))")
     proc = subprocess.run([sys.executable, "-c", code, str(body_path), str(width), str(tmp / "peak")],
                           capture_output=True, text=True, cwd=str(REPO), check=True)
@@ -250,7 +250,7 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.bench_hidden", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.bench.hidden", description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=21504)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--completion-tokens", type=int, default=257)

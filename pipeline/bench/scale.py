@@ -12,9 +12,9 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from . import schema
-from .bench_cases import Ctx, Result, fmt
-from .bench_env import (
+from ..store import schema
+from .cases import Ctx, Result, fmt
+from .env import (
     REPO,
     RssSampler,
     emulators,
@@ -47,9 +47,9 @@ def _token_ids(rng: np.random.Generator, n: int, mean: int) -> pa.Array:
 def build_run_dir(config: Path, n_prompts: int, n_done: int, n_failed: int, part_rows: int = 512) -> Path:
     """A run directory written by regen's own store code: the manifest of `config`, a prompt set of n_prompts
     (~2 KB user messages), n_done records (~4 KB content, token ids) in parts of `part_rows`, n_failed failures."""
-    from .config import load_config
-    from .run import manifest_for
-    from .store import RunDir, now_utc
+    from ..core.config import load_config
+    from ..run import manifest_for
+    from ..store.rundir import RunDir, now_utc
 
     cfg = load_config(config)
     run = RunDir(Path(cfg.output_dir) / cfg.run_name)
@@ -105,7 +105,7 @@ _LEDGER = """
 import sys, time, orjson
 t0 = time.perf_counter()
 import pyarrow.parquet as pq
-from pipeline.store import RunDir
+from pipeline.store.rundir import RunDir
 t1 = time.perf_counter()
 run = RunDir(__import__('pathlib').Path(sys.argv[1]))
 committed = run.committed_ids()

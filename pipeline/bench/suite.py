@@ -28,7 +28,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .bench_cases import (
+from .cases import (
     Ctx,
     Result,
     emulator_capacity,
@@ -36,12 +36,12 @@ from .bench_cases import (
     saturation,
     stragglers,
 )
-from .bench_env import REPO
-from .bench_scale import memory, resume
+from .env import REPO
+from .scale import memory, resume
 
 def hidden_ingest(ctx: Ctx) -> Result:
     """Hidden-state JSON -> bf16 Parquet per core against naive json and orjson + numpy, peak memory, disk."""
-    from . import bench_hidden
+    from . import hidden as bench_hidden
 
     res = bench_hidden.run(repeats=1 if ctx.quick else 2, peak_tokens=1024 if ctx.quick else 4096)
     methods, peak, disk = res["throughput"]["methods"], res["peak"], res["disk"]
@@ -61,8 +61,8 @@ def hidden_ingest(ctx: Ctx) -> Result:
 
 def simulator_accuracy(ctx: Ctx) -> Result:
     """`regen simulate` on a sample at 20x time compression against the actual emulated run of all prompts."""
-    from .bench_env import emulators, write_config, write_prompts
-    from .simulate import simulate
+    from ..tools.simulate import simulate
+    from .env import emulators, write_config, write_prompts
 
     n_prompts, tok_s, endpoints, concurrency = (240, 60.0, 2, 8) if ctx.quick else (600, 60.0, 4, 8)
     folder = ctx.work / "simulator"

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, SecretMissing
+from .uri import check_uri
 
 
 class _Strict(BaseModel):
@@ -139,8 +140,6 @@ class RunConfig(_Strict):
     @field_validator("output_dir")
     @classmethod
     def _output_location(cls, output_dir: str) -> str:
-        from .storage import check_uri
-
         try:
             check_uri(output_dir)
         except ConfigError as exc:

@@ -1,7 +1,17 @@
-"""The units of work that pass between the driver and the endpoint actors. Pure data."""
+"""The units of work that pass between the driver and the endpoint actors. Pure data, plus the routing key a
+work item carries (`affinity_key`, computed where records are built and read by dispatch/routing.py)."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+
+
+def affinity_key(messages: list[dict[str, str]], prefix_chars: int) -> int:
+    """A hash of the first `prefix_chars` characters of the conversation as sent (0: no affinity)."""
+    if prefix_chars <= 0:
+        return 0
+    text = "\x1f".join(f"{m['role']}\x1e{m['content']}" for m in messages)[:prefix_chars]
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
 @dataclass
@@ -27,7 +37,7 @@ class WorkItem:
     prompt_id: str
     messages_json: bytes  # orjson of the conversation; decoded only by the endpoint worker
     seed: int | None
-    affinity: int = 0  # prefix-affinity key (routing.py); 0: none
+    affinity: int = 0  # prefix-affinity key (affinity_key; dispatch/routing.py); 0: none
 
 
 # What became of one work item at one endpoint.

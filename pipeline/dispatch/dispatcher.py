@@ -22,12 +22,12 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .config import Endpoint, RunConfig
-from .endpoints import ClientSettings
-from .errors import RunFatal
-from .hidden_route import HiddenRoute
+from ..core.config import Endpoint, RunConfig
+from ..core.errors import RunFatal
+from ..core.work import DONE, RETRY, TERMINAL, Exchange, Outcome, WorkItem
+from ..endpoints.client import ClientSettings
+from ..hidden.capture import HiddenRoute
 from .routing import Router
-from .work import DONE, RETRY, TERMINAL, Exchange, Outcome, WorkItem
 from .worker import EndpointWorker
 
 log = logging.getLogger("regen.dispatch")

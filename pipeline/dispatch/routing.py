@@ -22,15 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .work import WorkItem
-
-
-def affinity_key(messages: list[dict[str, str]], prefix_chars: int) -> int:
-    """A hash of the first `prefix_chars` characters of the conversation as sent (0: no affinity)."""
-    if prefix_chars <= 0:
-        return 0
-    text = "\x1f".join(f"{m['role']}\x1e{m['content']}" for m in messages)[:prefix_chars]
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+from ..core.work import WorkItem
 
 
 def home_of(key: int, labels: Iterable[str]) -> str | None:

@@ -16,12 +16,12 @@ from collections import Counter
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
-from .config import RunConfig
-from .conversation import turn_history, user_turns
-from .endpoints import ClientSettings, EndpointClient
-from .hidden_route import HiddenRoute, HiddenTurns
-from .errors import EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt
-from .work import DONE, ENDPOINT_FATAL, RETRY, RETURNED, TERMINAL, Completion, Exchange, Outcome, WorkItem
+from ..core.config import RunConfig
+from ..core.errors import EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt
+from ..core.work import DONE, ENDPOINT_FATAL, RETRY, RETURNED, TERMINAL, Completion, Exchange, Outcome, WorkItem
+from ..endpoints.client import ClientSettings, EndpointClient
+from ..hidden.capture import HiddenRoute, HiddenTurns
+from ..prompts.conversation import turn_history, user_turns
 
 
 class _Failed(Exception):
@@ -228,7 +228,7 @@ class EndpointWorker:
         """A restarted server may come back with other flags, another model or other weights."""
         if self.readmission is None:
             return True
-        from .fleet import check_endpoint, fleet_problems
+        from ..endpoints.preflight import check_endpoint, fleet_problems
 
         report = await check_endpoint(self.client, self.readmission)
         expected = self.client.settings.expected_weight_version

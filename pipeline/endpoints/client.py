@@ -15,8 +15,8 @@ import aiohttp
 import openai
 import orjson
 
-from .work import Completion
-from .errors import EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt
+from ..core.work import Completion
+from ..core.errors import EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 

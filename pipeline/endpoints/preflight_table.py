@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .config import RunConfig
-    from .fleet import EndpointReport
+    from ..core.config import RunConfig
+    from .probes import EndpointReport
 
 HEADER = ("endpoint", "status", "model", "weights", "context", "parser", "hidden", "radix cache", "server")
 

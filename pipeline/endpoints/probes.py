@@ -16,9 +16,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import RunConfig
-from .endpoints import EndpointClient, _error_message, classify
-from .errors import EndpointDown, EndpointFatal, Retryable
+from ..core.config import RunConfig
+from .client import EndpointClient, _error_message, classify
+from ..core.errors import EndpointDown, EndpointFatal, Retryable
 
 INFO_TIMEOUT_S = 5.0  # each information endpoint
 PROBE_TIMEOUT_S = 30.0  # each tiny generation (8 chat tokens, 4 /generate tokens)

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from .errors import RegenError
-from .export import read_run_manifest
-from .store import RunDir
-from .storage import Location
+from ..core.errors import RegenError
+from ..store.rundir import RunDir
+from ..store.storage import Location
+from .jsonl import read_run_manifest
 
 CARD_DIR = "card"
 DATA_GLOB = "data/part-*.parquet"  # part-* rather than *: never a temporary file of a running writer

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from .errors import ConfigError
-from .hidden_store import HiddenSample, iter_hidden
-from .store import RunDir, atomic_write
-from .storage import Location
+from ..core.errors import ConfigError
+from ..hidden.parts import HiddenSample, iter_hidden
+from ..store.rundir import RunDir, atomic_write
+from ..store.storage import Location
 
 FORMATS = ("specforge-offline", "speculators-hidden")
 GROUP = 2000

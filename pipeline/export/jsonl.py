@@ -23,10 +23,10 @@ from typing import Any, Iterator
 
 import orjson
 
+from ..core.errors import ConfigError, StorageError
+from ..store.rundir import TMP_PREFIX, RunDir, atomic_write, now_utc
+from ..store.storage import Location
 from . import formats
-from .errors import ConfigError, StorageError
-from .store import TMP_PREFIX, RunDir, atomic_write, now_utc
-from .storage import Location
 
 FORMATS = ("specforge", "specforge-tokens", "speculators")
 TOKEN_FORMATS = ("specforge-tokens", "speculators")
@@ -337,7 +337,7 @@ def local_out(out: str) -> Path:
 
 def run_export(args: argparse.Namespace) -> int:
     if args.format in HIDDEN_FORMATS:
-        from .hidden_export import export_hidden
+        from .hidden import export_hidden
 
         result = export_hidden(args.run_dir, args.format, local_out(args.out))
         for note in result.get("notes", []):

@@ -17,11 +17,11 @@ from typing import Any
 
 import orjson
 
-from .endpoints import EndpointClient, _error_message, classify
-from .errors import Retryable
-from .hidden import align, parse_generate_response
-from .hidden_store import HiddenPartWriter
-from .work import Completion
+from ..endpoints.client import EndpointClient, _error_message, classify
+from ..core.errors import Retryable
+from .parse import align, parse_generate_response
+from .parts import HiddenPartWriter
+from ..core.work import Completion
 
 THINK_END = "</think>"
 

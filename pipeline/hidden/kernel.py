@@ -1,4 +1,4 @@
-"""The byte-level kernel behind `pipeline.hidden`: JSON rows of floats -> bf16 bit patterns.
+"""The byte-level kernel behind `hidden/parse.py`: JSON rows of floats -> bf16 bit patterns.
 
 `parse_rows(buf, pos, width, out) -> RowsResult` parses a comma-separated sequence of flat JSON arrays
 `[n,...,n],[n,...,n],...` that ends with the closing `]` of the enclosing array, starting at `buf[pos]`

@@ -43,9 +43,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from . import hidden_kernel as hk
-from .errors import EndpointFatal, RegenError, StorageError, TerminalForPrompt
-from .hidden_store import HiddenMatrix
+from ..core.errors import EndpointFatal, RegenError, StorageError, TerminalForPrompt
+from . import kernel as hk
+from .parts import HiddenMatrix
 
 TB = 1e12
 
@@ -291,7 +291,7 @@ def check_free_space(path: str | Path, needed_bytes: int, force: bool) -> dict[s
 
 
 # The storage half of the API, re-exported (hidden_store imports nothing from this module).
-from .hidden_store import (
+from .parts import (
     HiddenPartWriter,
     HiddenSample,
     garbage_hidden_parts,

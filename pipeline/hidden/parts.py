@@ -25,9 +25,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import schema
-from .store import PART_RE, TMP_PREFIX, RunDir
-from .storage import Location
+from ..store import schema
+from ..store.rundir import PART_RE, TMP_PREFIX, RunDir
+from ..store.storage import Location
 
 HIDDEN_PART_RE = re.compile(r"^part-(?:([a-z0-9]{1,32})-)?(\d{6})-([0-9a-f]{8})\.parquet$")
 _HIDDEN_COL = "hidden"

@@ -12,8 +12,8 @@ from typing import Any, Iterable, Mapping
 
 import orjson
 
-from pipeline.errors import ConfigError
-from pipeline.sources import (
+from ..core.errors import ConfigError
+from .sources import (
     RAW_MAX_CHARS, InvalidRecord, Reject, RejectCode, SourceSpec, read_records, source_ref, to_messages,
 )
 

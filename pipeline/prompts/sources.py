@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import orjson
 import yaml
 
-from pipeline.errors import ConfigError
+from ..core.errors import ConfigError
 
 KINDS = ("jsonl", "parquet", "hf")
 FORMATS = ("sharegpt", "openai", "alpaca", "prompt")

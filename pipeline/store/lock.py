@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import filelock
 
-from .errors import RunLocked, StorageError
+from ..core.errors import RunLocked, StorageError
 from .storage import Location
 
 log = logging.getLogger("regen")

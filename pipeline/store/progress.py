@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .store import RunDir, now_utc
+from .rundir import RunDir, now_utc
 
 
 @dataclass

@@ -6,12 +6,11 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from .config import RunConfig
-from .conversation import histories, seed_for
+from ..core.config import RunConfig
+from ..core.work import Outcome, WorkItem, affinity_key
+from ..prompts.conversation import histories, seed_for
 from .quality import quality_flags
-from .routing import affinity_key
-from .store import now_utc
-from .work import Outcome, WorkItem
+from .rundir import now_utc
 
 
 class RecordBuilder:

@@ -30,7 +30,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from . import schema
-from .runlock import RunLock  # noqa: F401  (the run's lock lives with its directory)
+from .lock import RunLock  # noqa: F401  (the run's lock lives with its directory)
 from .storage import FAULT_KILL_BEFORE_RENAME, TMP_PREFIX, Location  # noqa: F401
 
 PART_RE = re.compile(r"^part-(\d{6})-[0-9a-f]{8}\.parquet$")

@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from .store import RunDir, RunLock
+from .rundir import RunDir, RunLock
 
 
 def ledger_counts(run_dir: RunDir) -> dict[str, Any]:

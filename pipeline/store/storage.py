@@ -29,14 +29,14 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from .errors import ConfigError, StorageError
+from ..core.errors import ConfigError, StorageError
+from ..core.uri import check_uri
 
 TMP_PREFIX = ".tmp-"
 # Test-only fault injection: SIGKILL this process after a part's bytes are written and before they are
 # committed (the rename, or the upload's completion), on the Nth part.
 FAULT_KILL_BEFORE_RENAME = "REGEN_FAULT_KILL_BEFORE_RENAME"
 _parts_committed = 0
-OBJECT_STORES = ("s3", "gs", "gcs")  # pyarrow names their objects bucket/key
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,21 +46,6 @@ def _filesystem(scheme: str, netloc: str, query: str) -> pafs.FileSystem:
         return pafs.FileSystem.from_uri(uri)[0]
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
         raise ConfigError(f"output location {scheme}://{netloc}: pyarrow cannot open it ({exc})") from exc
-
-
-def check_uri(text: str) -> urllib.parse.SplitResult:
-    """A local path, file://, or an object store we support, without credentials. No network."""
-    parts = urllib.parse.urlsplit(text)
-    if len(parts.scheme) > 1 and parts.scheme != "file":
-        if parts.scheme not in OBJECT_STORES:
-            raise ConfigError(f"{text}: a run directory is a local path, file://, or one of "
-                              f"{', '.join(s + '://' for s in OBJECT_STORES)}")
-        if parts.username or parts.password:
-            raise ConfigError(f"{parts.scheme}://…@{parts.hostname}: credentials in a URI would be written to "
-                              "run.json and the logs; set them in the environment (e.g. AWS_ACCESS_KEY_ID)")
-        if not parts.netloc:
-            raise ConfigError(f"{text}: no bucket named")
-    return parts
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import Endpoint, load_config
-from .dispatch import client_settings
-from .endpoints import EndpointClient, _error_message, classify
-from .errors import RegenError
-from .hidden_route import prompt_ids
+from ..core.config import Endpoint, load_config
+from ..core.errors import RegenError
+from ..dispatch.dispatcher import client_settings
+from ..endpoints.client import EndpointClient, _error_message, classify
+from ..hidden.capture import prompt_ids
 
 PROMPTS = [
     "Explain how a refrigerator moves heat out of its inside, step by step, for a curious teenager.",
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config)
     with contextlib.ExitStack() as stack:
         if cfg.local_fleet is not None:  # the local default: start (or reuse) its llama.cpp servers
-            from .localfleet import LocalFleetProcesses
+            from ..endpoints.localfleet import LocalFleetProcesses
 
             logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="regen-bench-endpoints-")))
             stack.enter_context(LocalFleetProcesses(cfg.local_fleet, logs))

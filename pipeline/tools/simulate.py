@@ -24,9 +24,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from .config import load_config
-from .hidden import estimate_bytes
-from .run import build_prompts
+from ..core.config import load_config
+from ..hidden.parse import estimate_bytes
+from ..run import build_prompts
 
 
 @dataclass
@@ -61,7 +61,7 @@ def write_sample(cfg_path: str, sample: int, work: Path) -> tuple[Path, int, obj
 
 def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, speedup: float = 20.0,
              concurrency: int | None = None, mean_completion_tokens: float | None = None) -> Prediction:
-    from .emulator import start_emulator
+    from ..emulator import start_emulator
 
     with tempfile.TemporaryDirectory(prefix="regen-simulate-") as tmp:
         work = Path(tmp)
