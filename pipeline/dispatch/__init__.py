@@ -1,2 +1,2 @@
 """Ray dispatch: the driver's dispatcher, one async endpoint worker per endpoint, routing and requeue.
-Imports hidden, endpoints, prompts and core (never store: only the driver commits, in run.py)."""
+May import hidden, endpoints, store, prompts and core (not export, its sibling); only run.py commits."""

@@ -1,8 +1,9 @@
 """Which endpoint gets which prompt. Pure: no Ray, no HTTP.
 
 Prefix affinity: SGLang's prefix cache saves prefill when requests sharing a prefix (a system prompt, a
-template) land on the same server. Each prompt has an affinity key, a hash of its first N characters, and
-rendezvous hashing maps the key to a home endpoint, so the mapping moves little when endpoints come and go.
+template) land on the same server. Each prompt has an affinity key, a hash of its first N characters
+(core/work.py), and rendezvous hashing maps the key to a home endpoint, so the mapping moves little when endpoints
+come and go.
 Each endpoint has its own queue of homed prompts.
 
 The load-balance bound is the pull-model form of SGLang router's rule "when an endpoint is behind by more than

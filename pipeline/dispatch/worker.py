@@ -1,4 +1,4 @@
-"""The endpoint worker: one per endpoint, run inside a Ray actor (see dispatch.py) or directly in tests.
+"""The endpoint worker: one per endpoint, run inside a Ray actor (see dispatcher.py) or directly in tests.
 
 It keeps `concurrency` long-lived worker coroutines busy (long-lived workers reuse their connection;
 `gather` + a semaphore makes the connection pool scan its idle sockets on every request). The driver

@@ -310,7 +310,7 @@ def export_run(run_dir: str | Path | Location, fmt: str, out: Path, *, drop_trun
 
 
 # --- CLI (wired as `regen export`) -----------------------------------------------------------------
-HIDDEN_FORMATS = ("specforge-offline", "speculators-hidden")  # pipeline/hidden_export.py
+HIDDEN_FORMATS = ("specforge-offline", "speculators-hidden")  # export/hidden.py
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:

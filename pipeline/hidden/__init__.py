@@ -1,2 +1,2 @@
 """Hidden states: the /generate request that captures them, byte-level parsing (and its C kernel), alignment,
-and the hidden parts on disk. Imports endpoints, store and core."""
+and the hidden parts on disk. May import endpoints, store, prompts and core."""

@@ -18,7 +18,7 @@ conversion is exact; a value that is not bf16-exact is rounded to nearest even a
 
 Memory: `parse_generate_response` never builds Python floats. It cuts the `hidden_states` array out of
 the body, parses the rest (text, ids, meta_info) with orjson, and converts the numbers with a compiled
-kernel (pipeline/hidden_kernel.py) straight into one uint16 buffer, sized from the bytes per row of the
+kernel (hidden/kernel.py) straight into one uint16 buffer, sized from the bytes per row of the
 first 16 rows (over-estimated; pages never written are never resident). Only if that estimate falls short
 are further chunks of `chunk_rows` rows appended and joined at the end. So the working set besides the
 body is about one bf16 matrix (2x in the rare short-estimate case).
@@ -30,7 +30,7 @@ align(prompt_tokens, completion_tokens, n_prefill, n_rows) -> None
 estimate_bytes(n_prompts, tokens_per_sample, width) -> int
 check_free_space(path, needed_bytes, force) -> dict
 HiddenPartWriter, hidden_parts, referenced_hidden_parts, garbage_hidden_parts, iter_hidden, HiddenSample
-    (pipeline/hidden_store.py), export_hidden (pipeline/hidden_export.py)
+    (hidden/parts.py), export_hidden (export/hidden.py)
 """
 from __future__ import annotations
 
@@ -290,7 +290,7 @@ def check_free_space(path: str | Path, needed_bytes: int, force: bool) -> dict[s
     return {"needed_bytes": int(needed_bytes), "free_bytes": int(free), "fits": fits, "message": message}
 
 
-# The storage half of the API, re-exported (hidden_store imports nothing from this module).
+# The storage half of the API, re-exported (parts.py imports nothing from this module).
 from .parts import (
     HiddenPartWriter,
     HiddenSample,

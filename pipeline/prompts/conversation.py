@@ -33,6 +33,7 @@ def histories(mode: str, messages: Sequence[dict[str, str]], replies: Sequence[s
 
 
 def seed_for(prompt_id: str, temperature: float) -> int | None:
-    """At temperature > 0 the seed is derived from the prompt, so a rerun can reproduce a record.
+    """At temperature > 0 the seed is derived from the prompt, so a rerun sends the same seed (SGLang reproduces
+    the record from it only when launched with --enable-deterministic-inference).
     Turn k of an all_turns conversation uses seed + k."""
     return int(prompt_id[:8], 16) & 0x7FFFFFFF if temperature > 0 else None
