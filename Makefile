@@ -13,7 +13,7 @@ help:
 	@echo "make status       progress of RUN=$(RUN)"
 	@echo "make export       RUN's records as FORMAT=specforge|specforge-tokens|speculators training files"
 	@echo "make card         RUN's dataset card"
-	@echo "make test         the test suite"
+	@echo "make test         the import-layer contract (lint-imports), then the test suite"
 	@echo "make serve-local  serve SmolLM2-135M on 127.0.0.1:18181 (llama.cpp)"
 
 setup: $(VENV)/.installed
@@ -45,7 +45,9 @@ $(VENV)/.verify: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[verify]"
 	touch $@
 
+# The layering contract ([tool.importlinter] in pyproject.toml) first: a stage importing a later one fails here.
 test: setup $(VENV)/.verify
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 serve-local: setup

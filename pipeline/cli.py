@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from .errors import ConfigError, DriftError, RegenError, RunLocked
+from .core.errors import ConfigError, DriftError, RegenError, RunLocked
 
 EXIT_CODES = {ConfigError: 2, DriftError: 3, RunLocked: 4}
 
@@ -17,14 +17,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .status import print_status
+    from .store.status import print_status
 
     return print_status(args.run_dir, as_json=args.json)
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .sources import load_source_spec
+    from .core.config import load_config
+    from .prompts.sources import load_source_spec
 
     cfg = load_config(args.config)
     for ref in cfg.sources:
@@ -41,19 +41,19 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _card(args: argparse.Namespace) -> int:
-    from .card import run_card  # matplotlib is imported only for this command
+    from .export.card import run_card  # matplotlib is imported only for this command
 
     return run_card(args)
 
 
 def _preflight(args: argparse.Namespace) -> int:
-    from .fleet import run_preflight_command
+    from .endpoints.preflight import run_preflight_command
 
     return run_preflight_command(args.config)
 
 
 def _serve_local(args: argparse.Namespace) -> int:
-    from .localfleet import main as serve_main
+    from .endpoints.localfleet import main as serve_main
 
     return serve_main(args.rest)
 
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config")
     validate.set_defaults(func=_validate)
 
-    from .export import add_export_arguments, run_export
+    from .export.jsonl import add_export_arguments, run_export
 
     export = sub.add_parser("export", help="training files from a run (SpecForge, speculators)",
                             description="Write a run's committed records in a training library's format, atomically.")
@@ -122,13 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .simulate import main as simulate_main
+    from .tools.simulate import main as simulate_main
 
     return simulate_main(args.rest)
 
 
 def _bench_endpoints(args: argparse.Namespace) -> int:
-    from .bench_endpoints import main as bench_main
+    from .tools.bench_endpoints import main as bench_main
 
     return bench_main(args.rest)
 

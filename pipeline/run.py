@@ -15,14 +15,15 @@ from typing import Any
 
 import pyarrow as pa
 
-from . import __version__, schema
-from .config import RunConfig, flat_diff, load_config
-from .errors import ConfigError, DriftError, StorageError
-from .prompts import PromptSet, build_prompt_set
-from .sources import load_source_spec
-from .store import Committer, RunDir, RunLock, now_utc, resolve_run_dir
-from .records import RecordBuilder
-from .work import DONE, Outcome
+from . import __version__
+from .store import schema
+from .core.config import RunConfig, flat_diff, load_config
+from .core.errors import ConfigError, DriftError, StorageError
+from .prompts.prompt_set import PromptSet, build_prompt_set
+from .prompts.sources import load_source_spec
+from .store.rundir import Committer, RunDir, RunLock, now_utc, resolve_run_dir
+from .store.records import RecordBuilder
+from .core.work import DONE, Outcome
 
 log = logging.getLogger("regen")
 
@@ -183,7 +184,7 @@ def generate(opts: GenerateOptions) -> int:
 
 
 def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts: pa.Table) -> int:
-    from .progress import Progress
+    from .store.progress import Progress
 
     all_ids = prompts.column("prompt_id").to_pylist()
     committed = run_dir.committed_ids()
@@ -227,8 +228,8 @@ def prepare_hidden_states(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir
                           pending: list[str]) -> None:
     """Remove hidden parts no committed row references (left by a kill or a retried request), then check
     that the pending work's hidden states fit on the disk."""
-    from .hidden import check_free_space, estimate_bytes
-    from .hidden_store import garbage_hidden_parts
+    from .hidden.parse import check_free_space, estimate_bytes
+    from .hidden.parts import garbage_hidden_parts
 
     garbage = garbage_hidden_parts(run_dir)
     for part in garbage:
@@ -264,7 +265,7 @@ def local_fleet(cfg: RunConfig, run_dir: RunDir):
     if cfg.local_fleet is None:
         yield
         return
-    from .localfleet import LocalFleetProcesses
+    from .endpoints.localfleet import LocalFleetProcesses
 
     log.info("starting %d local llama.cpp servers", cfg.local_fleet.servers)
     with LocalFleetProcesses(cfg.local_fleet, run_dir.local_logs()):
@@ -295,7 +296,7 @@ def init_ray(address: str | None) -> None:
 
 def pin_weight_version(run_dir: RunDir, reports) -> str | None:
     """The run is pinned to the weight version the fleet reports; a resume against other weights is drift."""
-    from .fleet import pinned_weight_version
+    from .endpoints.preflight import pinned_weight_version
 
     version = pinned_weight_version(reports)
     if version is None:
@@ -332,8 +333,8 @@ class EndpointsFileWatch:
 
 def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,
                  progress, stop) -> str:
-    from .dispatch import Dispatcher, client_settings, make_actor_factory
-    from .fleet import preflight
+    from .dispatch.dispatcher import Dispatcher, client_settings, make_actor_factory
+    from .endpoints.preflight import preflight
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
     weight_version = pin_weight_version(run_dir, preflight(cfg, api_keys))

@@ -69,8 +69,8 @@ def stop_cluster(temp_dir: Path) -> None:
 def llama_fleet(tmp_path_factory):
     """Two llama.cpp servers (SmolLM2-135M) on 127.0.0.1, each with 4 slots of 512 tokens."""
     pytest.importorskip("xllamacpp")
-    from pipeline.config import LocalFleet
-    from pipeline.localfleet import LocalFleetProcesses
+    from pipeline.core.config import LocalFleet
+    from pipeline.endpoints.localfleet import LocalFleetProcesses
 
     fleet = LocalFleet(servers=2, base_port=free_port(), slots=4, ctx_per_slot=512, threads=1)
     # base_port + 1 must be free too

@@ -6,9 +6,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from pipeline import card, schema
-from pipeline.export import NotARunDirectory
-from pipeline.store import RunDir, atomic_write, table_bytes
+from pipeline.export import card
+from pipeline.export.jsonl import NotARunDirectory
+from pipeline.store import schema
+from pipeline.store.rundir import RunDir, atomic_write, table_bytes
 from tests.test_export import make_run, record
 
 USER = [{"role": "user", "content": "q"}]

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.emulator import make_config, start_emulator
 from pipeline.emulator.model import expected_chat
-from pipeline.store import RunDir
+from pipeline.store.rundir import RunDir
 from tests.helpers import (
     all_prompt_ids, committed_ids, data_parts, run_regen, sigkill, start_regen, temp_files, wait_for, write_config,
     write_prompts, write_source,
@@ -146,7 +146,7 @@ def test_chaos_exactly_once(tmp_path, ray_cluster):
 def test_a_dying_actor_has_its_work_requeued(tmp_path, ray_cluster):
     import ray
 
-    from pipeline.dispatch import ACTOR_NAMESPACE
+    from pipeline.dispatch.dispatcher import ACTOR_NAMESPACE
 
     slow = start_emulator(preset="kimi", tok_per_s=15)
     try:

@@ -11,13 +11,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import schema
-from pipeline.config import flat_diff, load_config
-from pipeline.endpoints import classify, parse_chat
-from pipeline.errors import (
+from pipeline.core.config import flat_diff, load_config
+from pipeline.endpoints.client import classify, parse_chat
+from pipeline.store import schema
+from pipeline.core.errors import (
     ConfigError, EndpointDown, EndpointFatal, Retryable, RunLocked, SecretMissing, StorageError, TerminalForPrompt,
 )
-from pipeline.store import Committer, RunDir, RunLock, atomic_write, now_utc, resolve_run_dir
+from pipeline.store.rundir import Committer, RunDir, RunLock, atomic_write, now_utc, resolve_run_dir
 
 BASE = """
 run_name: r
@@ -200,7 +200,7 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from pipeline.store import RunDir, RunLock
+        from pipeline.store.rundir import RunDir, RunLock
         lock = RunLock(RunDir(Path({str(run.path)!r}))).acquire()
         print("locked", flush=True)
         time.sleep(60)

@@ -14,12 +14,13 @@ import orjson
 import pyarrow as pa
 import pytest
 
-from pipeline import export, formats, schema
-from pipeline.errors import StorageError
-from pipeline.export import NotARunDirectory, export_run
-from pipeline.formats import validate_specforge_row
-from pipeline.quality import quality_flags
-from pipeline.store import RunDir, table_bytes
+from pipeline.core.errors import StorageError
+from pipeline.export import jsonl as export, formats
+from pipeline.export.formats import validate_specforge_row
+from pipeline.export.jsonl import NotARunDirectory, export_run
+from pipeline.store import schema
+from pipeline.store.quality import quality_flags
+from pipeline.store.rundir import RunDir, table_bytes
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 64}
 

@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.emulator import make_config, start_emulator
 from pipeline.emulator.model import expected_chat
-from pipeline.fleet import PROBE_RID_PREFIX
+from pipeline.endpoints.preflight import PROBE_RID_PREFIX
 from tests.helpers import (
     all_prompt_ids, committed_ids, data_parts, run_regen, start_regen, temp_files, wait_for, write_config,
     write_prompts, write_source,
@@ -151,7 +151,7 @@ def test_second_driver_is_refused_and_a_stale_lock_is_taken_over(tmp_path, ray_c
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from pipeline.store import RunDir, RunLock
+        from pipeline.store.rundir import RunDir, RunLock
         lock = RunLock(RunDir(Path({str(run)!r}))).acquire()
         print("locked", flush=True)
         time.sleep(120)

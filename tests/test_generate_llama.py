@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.store import FAULT_KILL_BEFORE_RENAME
+from pipeline.store.rundir import FAULT_KILL_BEFORE_RENAME
 from tests.helpers import (
     all_prompt_ids, committed_ids, data_parts, run_regen, sigkill, start_regen, temp_files, wait_for,
     write_config, write_prompts, write_source,

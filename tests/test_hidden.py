@@ -11,13 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import hidden as H
-from pipeline import hidden_kernel as hk
-from pipeline import hidden_store
-from pipeline import schema
+from pipeline.core.errors import EndpointFatal, StorageError, TerminalForPrompt
 from pipeline.emulator.hidden import full_hidden_states, hidden_rows
-from pipeline.errors import EndpointFatal, StorageError, TerminalForPrompt
-from pipeline.store import RunDir, now_utc
+from pipeline.hidden import parse as H
+from pipeline.hidden import kernel as hk
+from pipeline.hidden import parts as hidden_store
+from pipeline.store import schema
+from pipeline.store.rundir import RunDir, now_utc
 
 KERNELS = ["c", "python"]
 
@@ -286,7 +286,7 @@ def _export_run(tmp_path, width=48):
 
 def test_export_specforge_offline(tmp_path):
     torch = pytest.importorskip("torch", reason="torch is an optional extra (specforge-offline export only)")
-    from pipeline.hidden_export import export_hidden
+    from pipeline.export.hidden import export_hidden
 
     rd, samples = _export_run(tmp_path)
     summary = export_hidden(rd.path, "specforge-offline", tmp_path / "sf")
@@ -311,7 +311,7 @@ def test_export_specforge_offline(tmp_path):
 def test_export_speculators(tmp_path):
     from safetensors import safe_open
 
-    from pipeline.hidden_export import export_hidden
+    from pipeline.export.hidden import export_hidden
 
     rd, samples = _export_run(tmp_path)
     summary = export_hidden(rd, "speculators-hidden", tmp_path / "sp")
@@ -336,8 +336,8 @@ def test_export_speculators(tmp_path):
 
 
 def test_export_unknown_format(tmp_path):
-    from pipeline.errors import ConfigError
-    from pipeline.hidden_export import export_hidden
+    from pipeline.core.errors import ConfigError
+    from pipeline.export.hidden import export_hidden
 
     with pytest.raises(ConfigError, match="unknown hidden-state export format"):
         export_hidden(tmp_path, "nope", tmp_path / "o")
@@ -360,8 +360,8 @@ def test_parse_when_the_row_estimate_falls_short(kernel, monkeypatch):
 def test_export_specforge_without_torch(tmp_path, monkeypatch):
     import sys
 
-    from pipeline.errors import ConfigError
-    from pipeline.hidden_export import export_hidden
+    from pipeline.core.errors import ConfigError
+    from pipeline.export.hidden import export_hidden
 
     rd, _ = _export_run(tmp_path)
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError

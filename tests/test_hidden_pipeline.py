@@ -8,7 +8,7 @@ import collections
 import pyarrow.parquet as pq
 
 from pipeline.emulator import start_emulator
-from pipeline.hidden_store import hidden_parts, iter_hidden
+from pipeline.hidden.parts import hidden_parts, iter_hidden
 from tests.helpers import assert_emulated_hidden_states, data_parts, run_regen, sigkill, start_regen, wait_for, write_config, write_prompts, write_source
 
 MODEL = "moonshotai/Kimi-K2.5"

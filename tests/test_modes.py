@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from pipeline.emulator import make_config, start_emulator
 from pipeline.emulator.model import expected_chat
-from pipeline.formats import validate_specforge_row
+from pipeline.export.formats import validate_specforge_row
 from tests.helpers import (
     committed_ids, data_parts, run_regen, sigkill, start_regen, wait_for, write_config, write_prompts, write_source,
 )

@@ -13,12 +13,12 @@ import time
 import orjson
 import pytest
 
+from pipeline.core.errors import ConfigError, RunLocked
 from pipeline.emulator import start_emulator
-from pipeline.errors import ConfigError, RunLocked
-from pipeline.hidden_store import hidden_parts, iter_hidden
-from pipeline.runlock import RunLock
-from pipeline.storage import FAULT_KILL_BEFORE_RENAME, Location
-from pipeline.store import RunDir
+from pipeline.hidden.parts import hidden_parts, iter_hidden
+from pipeline.store.lock import RunLock
+from pipeline.store.rundir import RunDir
+from pipeline.store.storage import FAULT_KILL_BEFORE_RENAME, Location
 from tests.helpers import (
     assert_emulated_hidden_states, run_regen, write_config, write_prompts, write_source,
 )
@@ -125,7 +125,7 @@ def test_the_lease_refuses_a_live_driver_and_takes_over_a_dead_one(object_store)
     run = run_dir_at(object_store("lease-live"))
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from pipeline.store import RunDir, RunLock
+        from pipeline.store.rundir import RunDir, RunLock
         lock = RunLock(RunDir({run.path.uri!r})).acquire()
         print("locked", flush=True)
         time.sleep(120)

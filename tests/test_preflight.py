@@ -9,13 +9,13 @@ import time
 import pytest
 import yaml
 
-from pipeline.config import RunConfig
+from pipeline.core.config import RunConfig
+from pipeline.core.errors import PreflightError
 from pipeline.emulator import start_emulator
-from pipeline.endpoints import ClientSettings, EndpointClient
-from pipeline.errors import PreflightError
-from pipeline.fleet import (EndpointReport, check_endpoint, fleet_problems, pinned_weight_version, preflight,
+from pipeline.endpoints.client import ClientSettings, EndpointClient
+from pipeline.endpoints.preflight import (EndpointReport, check_endpoint, fleet_problems, pinned_weight_version, preflight,
                             run_preflight_command)
-from pipeline.preflight_table import render_table
+from pipeline.endpoints.preflight_table import render_table
 from tests.helpers import free_port
 
 MODEL = "moonshotai/Kimi-K2.5"

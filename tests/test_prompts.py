@@ -8,11 +8,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from pipeline.errors import ConfigError
-from pipeline.prompts import (
+from pipeline.core.errors import ConfigError
+from pipeline.prompts.prompt_set import (
     InvalidRecord, Prompt, RejectCode, build_prompt_set, normalise, prompt_id,
 )
-from pipeline.sources import SourceSpec, load_source_spec
+from pipeline.prompts.sources import SourceSpec, load_source_spec
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"

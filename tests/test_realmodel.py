@@ -234,7 +234,7 @@ def test_information_routes_and_errors(server):
 
 def test_pipeline_stores_hidden_states_equal_to_an_independent_forward_pass(tmp_path, ray_cluster, server, ref):
     """regen's real pipeline against the real model: every stored row equals a single cache-free forward pass."""
-    from pipeline.hidden_store import iter_hidden
+    from pipeline.hidden.parts import iter_hidden
     from tests.helpers import run_regen, write_config, write_prompts, write_source
 
     prompts = tmp_path / "p.jsonl"

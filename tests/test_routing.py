@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import collections
 
-from pipeline.routing import Router, affinity_key, home_of
-from pipeline.work import WorkItem
+from pipeline.core.work import WorkItem, affinity_key
+from pipeline.dispatch.routing import Router, home_of
 
 LABELS = ["e0", "e1", "e2", "e3"]
 

@@ -21,17 +21,17 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import storage
-from pipeline.config import RunConfig
+from pipeline.core import errors
+from pipeline.core.config import RunConfig
+from pipeline.core.errors import PreflightError, StorageError
 from pipeline.emulator import make_config, start_emulator
 from pipeline.emulator.model import expected_chat
-from pipeline.endpoints import ClientSettings, EndpointClient
-from pipeline import errors
-from pipeline.errors import PreflightError, StorageError
-from pipeline.fleet import preflight
-from pipeline.hidden_store import HiddenPartWriter, hidden_parts, read_sample
-from pipeline.storage import Location
-from pipeline.store import Committer, RunDir, now_utc
+from pipeline.endpoints.client import ClientSettings, EndpointClient
+from pipeline.endpoints.preflight import preflight
+from pipeline.hidden.parts import HiddenPartWriter, hidden_parts, read_sample
+from pipeline.store import storage
+from pipeline.store.rundir import Committer, RunDir, now_utc
+from pipeline.store.storage import Location
 from tests.helpers import data_parts, prompt_source, regen_cmd, run_regen, wait_for, write_config
 
 MODEL = "moonshotai/Kimi-K2.5"

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.errors import ConfigError
-from pipeline.sources import (
+from pipeline.core.errors import ConfigError
+from pipeline.prompts.sources import (
     InvalidRecord, RawRecord, Reject, RejectCode, SourceSpec, load_source_spec, read_records, source_ref,
     to_messages,
 )

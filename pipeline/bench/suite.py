@@ -1,0 +1,181 @@
+"""`make bench` / `python -m pipeline.bench`: the pipeline benchmarks against an emulated fleet on 127.0.0.1.
+
+Prints a table and writes BENCHMARKS.md. Every figure compared with a goal is a ratio against a baseline
+measured in the same run on the same emulators (the machine is shared and noisy); repeated measurements
+report medians. The benchmark starts and stops everything it needs: its own Ray head (in a temp dir, ended by
+process id), the emulators, the regen runs.
+
+  overhead    regen end to end vs a bare asyncio + AsyncOpenAI pull loop (+ a py-spy profile)
+  saturation  mean running requests per endpoint vs its capacity C
+  stragglers  4 endpoints, one 5x slower: makespan vs ideal, and static round-robin's
+  resume      88K-prompt run dir with 80K done: pending-set time, command start to first request
+  memory      driver and actor RSS over a long run of 2K-token completions
+  emulator    the emulator's own req/s under a raw aiohttp load generator
+  hidden      hidden-state ingest (JSON -> bf16 Parquet) MB/s per core, peak memory, bytes on disk
+  simulator   `regen simulate`'s predicted wall time against the actual emulated run
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from .cases import (
+    Ctx,
+    Result,
+    emulator_capacity,
+    overhead,
+    saturation,
+    stragglers,
+)
+from .env import REPO
+from .scale import memory, resume
+
+def hidden_ingest(ctx: Ctx) -> Result:
+    """Hidden-state JSON -> bf16 Parquet per core against naive json and orjson + numpy, peak memory, disk."""
+    from . import hidden as bench_hidden
+
+    res = bench_hidden.run(repeats=1 if ctx.quick else 2, peak_tokens=1024 if ctx.quick else 4096)
+    methods, peak, disk = res["throughput"]["methods"], res["peak"], res["disk"]
+    ours, orjson_mb, naive_mb = (methods[k]["mb_per_s"] for k in ("regen", "orjson+numpy", "naive json+numpy"))
+    result = Result("hidden", notes=bench_hidden.table(res).splitlines())
+    result.rows += [
+        ("ingest MB/s per core: regen / orjson+numpy / naive", f"{ours:.0f} / {orjson_mb:.0f} / {naive_mb:.0f}",
+         ">= 200 MB/s", ours >= 200),
+        ("ingest vs orjson+numpy", f"{ours / orjson_mb:.2f}x", "", None),
+        ("bytes on disk vs ideal 2 x width x rows", f"{disk['ratio']:.4f}x", "<= 1.02x", disk["ratio"] <= 1.02),
+    ]
+    if peak:
+        result.rows.append(("peak memory beyond the body vs bf16 matrix (parse + write)",
+                            f"{peak['total_ratio']:.2f}x", "<= 3x", peak["total_ratio"] <= 3.0))
+    return result
+
+
+def simulator_accuracy(ctx: Ctx) -> Result:
+    """`regen simulate` on a sample at 20x time compression against the actual emulated run of all prompts."""
+    from ..tools.simulate import simulate
+    from .env import emulators, write_config, write_prompts
+
+    n_prompts, tok_s, endpoints, concurrency = (240, 60.0, 2, 8) if ctx.quick else (600, 60.0, 4, 8)
+    folder = ctx.work / "simulator"
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts = write_prompts(folder / "prompts.jsonl", n_prompts)
+    os.environ.update(ctx.head.env())  # the simulated run joins the benchmark's Ray head too
+    with emulators(endpoints, tok_per_s=tok_s, capacity=concurrency) as fleet:
+        config = write_config(folder, [s.url for s in fleet], concurrency, prompts, max_tokens=48)
+        started = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "pipeline", "generate", "--config", str(config)],
+                             capture_output=True, text=True, env=os.environ.copy(), timeout=1800)
+        actual = time.monotonic() - started
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr[-2000:])
+    predicted = simulate(str(config), endpoints, tok_s, sample=n_prompts // 4, speedup=20.0, concurrency=concurrency)
+    ratio = predicted.wall_s / actual
+    res = Result("simulator")
+    res.rows += [("predicted / actual wall time of an emulated run", f"{ratio:.2f}x "
+                  f"({predicted.wall_s:.0f} s / {actual:.0f} s)", "within 10%", abs(ratio - 1) <= 0.10)]
+    res.notes += [f"{n_prompts} prompts, {endpoints} endpoints x {concurrency} at {tok_s:.0f} tok/s a request; "
+                  f"the prediction ran a quarter of them at 20x speed ({predicted.sample_wall_s:.0f} s).",
+                  predicted.table().replace("\n", " ")]
+    return res
+
+
+BENCHES = {"overhead": overhead, "saturation": saturation, "stragglers": stragglers, "resume": resume,
+           "memory": memory, "emulator": emulator_capacity, "hidden": hidden_ingest,
+           "simulator": simulator_accuracy}
+
+
+def table(results: list[Result]) -> list[str]:
+    lines = ["| benchmark | figure | value | goal | met |", "|---|---|---:|---|:---:|"]
+    for r in results:
+        for metric, value, goal, ok in r.rows:
+            mark = "" if ok is None else ("yes" if ok else "**no**")
+            lines.append(f"| {r.name} | {metric} | {value} | {goal} | {mark} |")
+    return lines
+
+
+def markdown(results: list[Result], ctx: Ctx, elapsed: float, args: argparse.Namespace, errors: list[str]) -> str:
+    head = ctx._head
+    out = [
+        "# regen benchmarks",
+        "",
+        "Generated by `make bench` (`python -m pipeline.bench`"
+        + (" --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "")
+        + "). Do not edit by hand.",
+        "",
+        (f"Machine: {os.cpu_count()} cores, {platform.system()} {platform.machine()}, Python "
+         f"{platform.python_version()}; shared with other work, so every goal is a ratio against a baseline "
+         f"measured in the same run, and repeated figures are medians. Total time {elapsed / 60:.1f} min."),
+        "",
+    ]
+    if head is not None and head.startup_s is not None:
+        out += [f"Ray start-up (`ray start --head`, 127.0.0.1, own temp dir): {head.startup_s:.1f} s, measured once "
+                f"and kept out of every timed figure." + (f" The head was ended from outside {head.restarts} "
+                                                         "time(s) and restarted; affected runs were redone."
+                                                         if head.restarts else ""), ""]
+    out += table(results) + [""]
+    for r in results:
+        out += [f"## {r.name}", ""] + [f"- {n}" for n in r.notes] + [""]
+        if r.profile:
+            out += ["### Profile (py-spy, an untimed run of the same workload)", "", r.profile, ""]
+    if errors:
+        out += ["## Errors", ""] + [f"```\n{e}\n```" for e in errors] + [""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.bench", description=__doc__.split("\n")[0],
+                                epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller workloads, one repetition (a few minutes)")
+    p.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(BENCHES)}")
+    p.add_argument("--repeat", type=int, default=None, help="overhead pairs to run (default 3, quick 1)")
+    p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile of the overhead run")
+    p.add_argument("--out", default=str(REPO / "BENCHMARKS.md"), help="markdown report (default: BENCHMARKS.md)")
+    p.add_argument("--workdir", default=None, help="keep run directories here (default: a temp dir, removed)")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(BENCHES)
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        p.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHES)}")
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="regen-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(work, quick=args.quick, repeat=args.repeat or (1 if args.quick else 3), profile=not args.no_profile)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    results: list[Result] = []
+    errors: list[str] = []
+    t0 = time.perf_counter()
+    try:
+        for name in names:
+            print(f"bench: {name} ...", file=sys.stderr, flush=True)
+            t = time.perf_counter()
+            try:
+                results.append(BENCHES[name](ctx))
+            except Exception:  # noqa: BLE001 - one broken benchmark does not lose the others
+                errors.append(f"{name}: {traceback.format_exc()}")
+                print(f"bench: {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
+            print(f"bench: {name} took {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    finally:
+        if ctx._head is not None:
+            ctx._head.stop()
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    elapsed = time.perf_counter() - t0
+    report = markdown(results, ctx, elapsed, args, errors)
+    Path(args.out).write_text(report)
+    print("\n".join(table(results)))
+    if ctx._head is not None and ctx._head.startup_s is not None:
+        print(f"Ray start-up (ray start --head): {ctx._head.startup_s:.1f} s (not in any timed figure)")
+    print(f"wrote {args.out} ({elapsed / 60:.1f} min)")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""The run config: strict YAML, validated, plus the fingerprint of what shapes the data.
+
+Every section rejects unknown keys, so a typo such as `concurency:` is an error naming the key and the file.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError, SecretMissing
+from .uri import check_uri
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Endpoint(_Strict):
+    url: str
+    concurrency: int = Field(8, ge=1, le=4096)
+    # Name of an environment variable holding the API key; the key itself never enters the config.
+    api_key_env: str | None = None
+    name: str | None = None
+    # Pin this endpoint's actor to a node (default: spread over the nodes): Ray resources, e.g.
+    # {"node:10.0.0.7": 0.01} or a custom resource from `ray start --resources`, and/or node labels from
+    # `ray start --labels rack=b`, e.g. {"rack": "b"}.
+    ray_resources: dict[str, float] = Field(default_factory=dict)
+    ray_labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("url")
+    @classmethod
+    def _root_url(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint url must start with http:// or https://, got {url!r}")
+        url = url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+    @property
+    def label(self) -> str:
+        return self.name or self.url.split("://", 1)[1]
+
+
+class LocalFleet(_Strict):
+    """llama.cpp servers (xllamacpp + SmolLM2-135M) that `regen generate` starts and stops itself."""
+
+    servers: int = Field(2, ge=1, le=16)
+    base_port: int = Field(18181, ge=1024, le=65000)
+    slots: int = Field(4, ge=1, le=64)
+    ctx_per_slot: int = Field(1024, ge=128)
+    threads: int = Field(1, ge=1)
+    model_alias: str = "SmolLM2-135M-Instruct"
+
+    def endpoints(self) -> list[Endpoint]:
+        return [
+            Endpoint(url=f"http://127.0.0.1:{self.base_port + i}", concurrency=self.slots, name=f"local-{i}")
+            for i in range(self.servers)
+        ]
+
+
+class Sampling(_Strict):
+    temperature: float = Field(0.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(1024, ge=1)
+
+
+class SourceRef(_Strict):
+    spec: str  # path of a source definition under prompts_sources/
+    limit: int | None = Field(None, ge=1)
+
+
+class HiddenStates(_Strict):
+    """Hidden-state capture through SGLang's /generate (return_hidden_states)."""
+
+    enabled: bool = False
+    # 21504 = 3 x 7168: Kimi-K2.5's EAGLE-3 auxiliary layers. 7168 alone means the server runs EAGLE, not EAGLE3.
+    expected_width: int = Field(21504, ge=1)
+    layers_note: str = "EAGLE-3 auxiliary layers [2, L//2, L-3] as SGLang captures them"
+    dtype: Literal["bf16"] = "bf16"
+    max_in_memory: int = Field(2, ge=1)  # answers each actor parses or writes at once (one 4K answer ~ 176 MB)
+
+
+class RayOptions(_Strict):
+    address: str | None = None  # None: embedded local cluster; "auto": join the running one
+    actor_num_cpus: float = Field(0.0, ge=0.0)
+
+
+class RunConfig(_Strict):
+    run_name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
+    output_dir: str = "outputs"
+    model: str
+    mode: Literal["last_turn", "all_turns"] = "last_turn"
+    # Explicit thinking mode: sent as chat_template_kwargs {"thinking": ...} (Kimi's switch). None: server default.
+    thinking: bool | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    sampling: Sampling = Sampling()
+    selection_seed: int = 0
+    sources: list[SourceRef] = Field(min_length=1)
+    endpoints: list[Endpoint] = Field(default_factory=list)
+    # A file of endpoints (one URL a line, optional concurrency), re-read during the run: new endpoints join
+    # after passing the preflight, removed ones drain.
+    endpoints_file: str | None = None
+    endpoints_file_interval_s: float = Field(10.0, gt=0.0)
+    endpoints_file_concurrency: int = Field(64, ge=1)
+    endpoints_file_api_key_env: str | None = None
+    # Prefix affinity: prompts whose first N characters agree go to the same endpoint (0: off).
+    prefix_affinity_chars: int = Field(256, ge=0)
+    # The affinity's load-balance bound (SGLang router's two thresholds, on queued prompts): an endpoint asking for
+    # work takes from a queue longer than its own by more than both, before its own.
+    balance_abs_threshold: int = Field(32, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1.0)
+    # At the tail of the run, an idle endpoint re-runs work held elsewhere for over twice the mean latency;
+    # the first answer is committed, the other dropped (costs a few duplicate requests, saves the tail).
+    hedge_tail: bool = True
+    local_fleet: LocalFleet | None = None
+    ray: RayOptions = RayOptions()
+    hidden_states: HiddenStates = HiddenStates()
+    # Ask the server for the exact token ids (SGLang: return_token_ids / return_prompt_token_ids).
+    return_token_ids: bool = True
+    min_prompt_tokens: int = Field(256, ge=1)  # preflight: context must hold max_tokens plus this much prompt
+    # Retries and deadlines.
+    max_attempts: int = Field(4, ge=1)  # HTTP attempts per prompt across all endpoints
+    attempts_per_endpoint: int = Field(2, ge=1)
+    request_timeout_s: float = Field(0.0, ge=0.0)  # 0: derived from max_tokens and min_tok_per_s
+    min_tok_per_s: float = Field(2.0, gt=0.0)
+    stream: bool = False  # SSE: detects a stalled request sooner, but gives no token ids
+    stall_timeout_s: float = Field(60.0, gt=0.0)
+    dead_fleet_deadline_s: float = Field(600.0, gt=0.0)
+    circuit_failures: int = Field(5, ge=1)
+    # Commit cadence: a SIGKILL loses at most this much uncommitted work.
+    flush_interval_s: float = Field(30.0, gt=0.0)
+    flush_records: int = Field(512, ge=1)
+    status_interval_s: float = Field(2.0, gt=0.0)
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_location(cls, output_dir: str) -> str:
+        try:
+            check_uri(output_dir)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return output_dir
+
+    @model_validator(mode="after")
+    def _fleet(self) -> "RunConfig":
+        if not self.endpoints and self.local_fleet is None and self.endpoints_file is None:
+            raise ValueError("no endpoints: list `endpoints`, name an `endpoints_file` or set `local_fleet`")
+        labels = [e.label for e in self.static_endpoints()]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"endpoints are listed twice: {sorted(labels)}")
+        return self
+
+    def static_endpoints(self) -> list[Endpoint]:
+        return list(self.endpoints) + (self.local_fleet.endpoints() if self.local_fleet else [])
+
+    def all_endpoints(self) -> list[Endpoint]:
+        """The fleet as it is now: the config's endpoints plus the endpoints file's current contents."""
+        fleet = {e.label: e for e in self.static_endpoints()}
+        if self.endpoints_file:
+            for e in read_endpoints_file(self.endpoints_file, self.endpoints_file_concurrency,
+                                         self.endpoints_file_api_key_env):
+                fleet.setdefault(e.label, e)
+        return list(fleet.values())
+
+    def request_timeout(self) -> float:
+        """The deadline of one non-streamed request: past it the request made no progress."""
+        if self.request_timeout_s:
+            return self.request_timeout_s
+        return 30.0 + self.sampling.max_tokens / self.min_tok_per_s
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs)
+        if self.thinking is not None:
+            kwargs["thinking"] = self.thinking
+        return kwargs
+
+    # --- identity ------------------------------------------------------------------------------
+    def generation_identity(self) -> dict[str, Any]:
+        """What shapes each record. Changing any of it on resume is drift."""
+        return {
+            "model": self.model,
+            "mode": self.mode,
+            "sampling": self.sampling.model_dump(),
+            "chat_template_kwargs": self.template_kwargs(),
+            "hidden_states": self.hidden_states.model_dump(exclude={"max_in_memory"})
+            if self.hidden_states.enabled else None,
+        }
+
+    def prompt_identity(self) -> dict[str, Any]:
+        """What selects the prompt set. Changing it needs --refresh-prompts."""
+        return {
+            "sources": [s.model_dump() for s in self.sources],
+            "selection_seed": self.selection_seed,
+        }
+
+    def fingerprint(self) -> str:
+        return fingerprint_of(self.generation_identity())
+
+    def api_key(self, endpoint: Endpoint) -> str | None:
+        """Read an endpoint's key from the environment, at the moment it is needed."""
+        if endpoint.api_key_env is None:
+            return None
+        key = os.environ.get(endpoint.api_key_env)
+        if not key:
+            raise SecretMissing(
+                f"endpoint {endpoint.label}: environment variable {endpoint.api_key_env} is not set "
+                "(api_key_env names the variable that holds the API key)"
+            )
+        return key
+
+    def check_secrets(self) -> None:
+        for endpoint in self.all_endpoints():
+            self.api_key(endpoint)
+
+
+def read_endpoints_file(path: str | Path, concurrency: int, api_key_env: str | None = None) -> list[Endpoint]:
+    """`URL [concurrency]` per line; blank lines and `#` comments are skipped. Errors name the line."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ConfigError(f"endpoints file not found: {path}") from None
+    endpoints = []
+    for number, line in enumerate(lines, start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        try:
+            if len(fields) > 2:
+                raise ValueError("expected `URL [concurrency]`")
+            endpoints.append(Endpoint(url=fields[0], concurrency=int(fields[1]) if len(fields) == 2 else concurrency,
+                                      api_key_env=api_key_env))
+        except (ValueError, ValidationError) as exc:
+            raise ConfigError(f"{path}:{number}: {line.strip()!r}: {exc}") from None
+    return endpoints
+
+
+def fingerprint_of(identity: dict[str, Any]) -> str:
+    return hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+def _describe(error: ValidationError, path: Path) -> str:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key '{key}'")
+        elif item["type"] == "missing":
+            lines.append(f"{path}: missing key '{key}'")
+        else:
+            lines.append(f"{path}: key '{key}': {item['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of keys")
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path)) from None
+
+
+def flat_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Readable `key: old -> new` lines between two nested dicts."""
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        name = f"{prefix}{key}"
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            lines += flat_diff(a, b, name + ".")
+        elif a != b:
+            lines.append(f"{name}: {a!r} -> {b!r}")
+    return lines

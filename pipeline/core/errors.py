@@ -1,0 +1,80 @@
+"""The error taxonomy. Code decides what to do by the class of an exception, never by its text.
+
+Only `classify` (endpoints/client.py) looks at a server's status and message to pick the class.
+"""
+from __future__ import annotations
+
+
+class RegenError(Exception):
+    """Base of every error regen raises on purpose."""
+
+
+# --- user input --------------------------------------------------------------------------------
+class ConfigError(RegenError):
+    """The config (or a source file) is invalid: names the file and the key."""
+
+
+class SecretMissing(ConfigError):
+    """An endpoint names an API-key environment variable that is not set."""
+
+
+class DriftError(RegenError):
+    """Resuming a run whose data-shaping config changed."""
+
+    def __init__(self, run_dir: str, diff: list[str]):
+        self.run_dir, self.diff = run_dir, diff
+        lines = "\n  ".join(diff)
+        super().__init__(
+            f"{run_dir} was started with another generation config:\n  {lines}\n"
+            "Pass --new-run to start a new run with this config, or restore the old values to resume."
+        )
+
+
+class RunLocked(RegenError):
+    """Another live driver holds the run directory."""
+
+
+# --- per request -------------------------------------------------------------------------------
+class RequestError(RegenError):
+    """A request to one endpoint failed. `status` is the HTTP status if there was one."""
+
+    def __init__(self, message: str, *, status: int | None = None, endpoint: str = ""):
+        super().__init__(message)
+        self.message, self.status, self.endpoint = message, status, endpoint
+
+
+class Retryable(RequestError):
+    """Transient: timeout, reset, no progress, 408/429/5xx, an `abort` finish. Retry, maybe elsewhere."""
+
+
+class EndpointDown(Retryable):
+    """The endpoint did not answer at all (refused, reset before a status). Not the prompt's fault:
+    it does not count against the prompt's attempts, and it feeds the endpoint's circuit breaker."""
+
+
+class TerminalForPrompt(RequestError):
+    """This prompt can never succeed (context overflow, invalid request): one failure row, no retry."""
+
+
+class EndpointFatal(RequestError):
+    """The endpoint itself is wrong (model missing, wrong model, wrong hidden width): it leaves the fleet."""
+
+
+# --- whole run ---------------------------------------------------------------------------------
+class RunFatal(RegenError):
+    """The run cannot go on (no healthy endpoint by the deadline, output unwritable). Resumable."""
+
+
+class PreflightError(RunFatal):
+    """The fleet failed its preflight: names each endpoint and mismatch."""
+
+
+class StorageError(RunFatal):
+    """The run directory cannot be written (full disk, read-only, permissions). `maybe_committed`: the failure
+    came after the rename (or the upload's completion), so the file may be committed: look before retrying."""
+
+    maybe_committed: bool = False
+
+
+class PartExists(StorageError):
+    """A commit would replace an existing part: committed files are never replaced."""

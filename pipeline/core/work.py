@@ -1,0 +1,64 @@
+"""The units of work that pass between the driver and the endpoint actors. Pure data, plus the routing key a
+work item carries (`affinity_key`, computed where records are built and read by dispatch/routing.py)."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+
+def affinity_key(messages: list[dict[str, str]], prefix_chars: int) -> int:
+    """A hash of the first `prefix_chars` characters of the conversation as sent (0: no affinity)."""
+    if prefix_chars <= 0:
+        return 0
+    text = "\x1f".join(f"{m['role']}\x1e{m['content']}" for m in messages)[:prefix_chars]
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+@dataclass
+class Completion:
+    content: str
+    reasoning_content: str | None
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None
+    reasoning_tokens: int | None
+    model: str
+    weight_version: str | None
+    latency_s: float
+    request_id: str
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+    hidden_part: str | None = None  # the hidden part holding this turn's states (hidden/ of the run)
+    hidden_row: int | None = None
+
+@dataclass(frozen=True)
+class WorkItem:
+    prompt_id: str
+    messages_json: bytes  # orjson of the conversation; decoded only by the endpoint worker
+    seed: int | None
+    affinity: int = 0  # prefix-affinity key (affinity_key; dispatch/routing.py); 0: none
+
+
+# What became of one work item at one endpoint.
+DONE, RETRY, RETURNED, TERMINAL, ENDPOINT_FATAL = "done", "retryable", "returned", "terminal", "endpoint_fatal"
+
+
+@dataclass
+class Outcome:
+    prompt_id: str
+    kind: str
+    endpoint: str
+    attempts: int  # attempts that count against the prompt (an unreachable endpoint does not count)
+    completions: list[Completion] = field(default_factory=list)  # one per regenerated turn
+    message: str = ""
+    status: int | None = None
+
+
+@dataclass
+class Exchange:
+    outcomes: list[Outcome]
+    demand: int  # how many more items this endpoint can take now
+    state: str  # healthy | open | probing | fatal
+    in_flight: int
+    stats: dict = field(default_factory=dict)

@@ -1,0 +1,253 @@
+"""The endpoint worker: one per endpoint, run inside a Ray actor (see dispatcher.py) or directly in tests.
+
+It keeps `concurrency` long-lived worker coroutines busy (long-lived workers reuse their connection;
+`gather` + a semaphore makes the connection pool scan its idle sockets on every request). The driver
+talks to it through `exchange`: one call hands over a batch of work and brings back a batch of outcomes,
+so there is no Ray call per prompt.
+
+A small circuit breaker lives here too: consecutive failures open it, queued work goes back to the
+driver at once, and a health probe with backoff lets work in again.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+import orjson
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from ..core.config import RunConfig
+from ..core.errors import EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt
+from ..core.work import DONE, ENDPOINT_FATAL, RETRY, RETURNED, TERMINAL, Completion, Exchange, Outcome, WorkItem
+from ..endpoints.client import ClientSettings, EndpointClient
+from ..hidden.capture import HiddenRoute, HiddenTurns
+from ..prompts.conversation import turn_history, user_turns
+
+
+class _Failed(Exception):
+    def __init__(self, error: RequestError, attempts: int):
+        self.error, self.attempts = error, attempts
+
+
+class EndpointWorker:
+    def __init__(
+        self,
+        url: str,
+        label: str,
+        concurrency: int,
+        settings: ClientSettings,
+        api_key: str | None = None,
+        mode: str = "last_turn",
+        attempts_per_endpoint: int = 2,
+        circuit_failures: int = 5,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        readmission: RunConfig | None = None,
+        start_open: bool = False,
+        hidden: HiddenRoute | None = None,
+    ):
+        self.label, self.concurrency, self.mode = label, concurrency, mode
+        self.client = EndpointClient(url, label, settings, api_key)
+        self.hidden = HiddenTurns(self.client, hidden, tag=label) if hidden else None
+        self.attempts_per_endpoint = attempts_per_endpoint
+        self.circuit_failures = circuit_failures
+        self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
+        self.readmission = readmission  # the run's config: a recovered endpoint passes the full preflight again
+        self.inbox: asyncio.Queue[WorkItem] = asyncio.Queue()
+        self.outbox: list[Outcome] = []
+        self.ready = asyncio.Event()
+        self.in_flight = 0
+        # An endpoint that joins mid-run starts with its circuit open: it must pass the preflight first.
+        self.state = "open" if start_open else "healthy"
+        self.consecutive_failures = 0
+        self.errors: Counter[str] = Counter()
+        self.last_error = ""
+        self.requests = 0
+        self.completion_tokens = 0
+        self.started = time.monotonic()
+        self.node = _node_address()
+        self._tasks: list[asyncio.Task] = []
+        self._probe: asyncio.Task | None = None
+
+    def _ensure_started(self) -> None:
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._work()) for _ in range(self.concurrency)]
+            if self.state == "open":
+                self._probe = asyncio.create_task(self._probe_until_healthy(first_delay=0.0))
+
+    # --- the driver's one call ---------------------------------------------------------------------
+    async def exchange(self, work: list[WorkItem], wait_s: float = 0.5) -> Exchange:
+        self._ensure_started()
+        for item in work:
+            if self.state in ("open", "fatal"):
+                self._emit(Outcome(item.prompt_id, RETURNED, self.label, 0, message=f"{self.label} is {self.state}"))
+            else:
+                self.inbox.put_nowait(item)
+        if not self.outbox:
+            self.ready.clear()
+            try:
+                await asyncio.wait_for(self.ready.wait(), wait_s)
+            except TimeoutError:
+                pass
+            else:
+                await asyncio.sleep(0.005)  # let a few more finish: fewer, larger exchanges
+        outcomes, self.outbox = self.outbox, []
+        return Exchange(outcomes, self.demand(), self.state, self.in_flight, self.stats())
+
+    def demand(self) -> int:
+        if self.state in ("open", "fatal"):
+            return 0
+        if self.state == "probing":
+            return max(0, 1 - self.in_flight - self.inbox.qsize())
+        return max(0, 2 * self.concurrency - self.in_flight - self.inbox.qsize())
+
+    def stats(self) -> dict:
+        elapsed = max(1e-9, time.monotonic() - self.started)
+        return {
+            "state": self.state,
+            "node": self.node,
+            "in_flight": self.in_flight,
+            "requests": self.requests,
+            "completion_tokens": self.completion_tokens,
+            "tok_s": round(self.completion_tokens / elapsed, 1),
+            "errors": dict(self.errors),
+            "last_error": self.last_error,
+        }
+
+    # --- the workers ------------------------------------------------------------------------------
+    def _emit(self, outcome: Outcome) -> None:
+        self.outbox.append(outcome)
+        self.ready.set()
+
+    async def _work(self) -> None:
+        while True:
+            item = await self.inbox.get()
+            if self.state in ("open", "fatal"):
+                self._emit(Outcome(item.prompt_id, RETURNED, self.label, 0, message=f"{self.label} is {self.state}"))
+                continue
+            self.in_flight += 1
+            try:
+                self._emit(await self._run(item))
+            finally:
+                self.in_flight -= 1
+
+    async def _run(self, item: WorkItem) -> Outcome:
+        """All turns of a prompt on this endpoint, in order. A failure redoes the whole prompt elsewhere."""
+        messages = orjson.loads(item.messages_json)
+        completions: list[Completion] = []
+        attempts = 0
+        try:
+            if self.mode == "all_turns":
+                system, users = user_turns(messages)
+                for k in range(len(users)):
+                    history = turn_history(system, users, [c.content for c in completions], k)
+                    seed = None if item.seed is None else item.seed + k
+                    completion, used = await self._request(item.prompt_id, k, history, seed)
+                    attempts += used
+                    completions.append(completion)
+            else:
+                turn = sum(m["role"] == "assistant" for m in messages)
+                completion, attempts = await self._request(item.prompt_id, turn, messages, item.seed)
+                completions.append(completion)
+        except _Failed as failed:
+            return self._failed(item, failed.error, attempts + failed.attempts)
+        self.consecutive_failures = 0
+        if self.state == "probing":
+            self.state = "healthy"
+        return Outcome(item.prompt_id, DONE, self.label, attempts, completions=completions)
+
+    async def _request(self, prompt_id: str, turn_index: int, messages: list[dict[str, str]],
+                       seed: int | None) -> tuple[Completion, int]:
+        """One turn, with backoff and jitter on retryable errors, up to attempts_per_endpoint."""
+        attempts = 0
+        retrying = AsyncRetrying(
+            # An unreachable endpoint is not retried here: the circuit breaker handles it.
+            retry=retry_if_exception(lambda e: isinstance(e, Retryable) and not isinstance(e, EndpointDown)),
+            stop=stop_after_attempt(self.attempts_per_endpoint),
+            wait=wait_exponential_jitter(initial=self.backoff_initial_s, max=self.backoff_max_s),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    self.requests += 1
+                    attempts += 1
+                    if self.hidden:
+                        completion = await self.hidden.turn(prompt_id, turn_index, messages, seed)
+                    else:
+                        completion = await self.client.chat(messages, seed)
+        except RequestError as error:
+            raise _Failed(error, attempts) from None
+        self.completion_tokens += completion.completion_tokens
+        return completion, attempts
+
+    def _failed(self, item: WorkItem, error: RequestError, attempts: int) -> Outcome:
+        """The one place that turns an error class into an outcome and circuit bookkeeping."""
+        kind = {
+            EndpointDown: RETURNED,
+            TerminalForPrompt: TERMINAL,
+            EndpointFatal: ENDPOINT_FATAL,
+        }.get(type(error), RETRY)
+        self.errors[kind] += 1
+        self.last_error = f"{kind}: {error.message}"
+        if kind == TERMINAL:
+            self.consecutive_failures = 0
+        elif kind == ENDPOINT_FATAL:
+            self.state = "fatal"
+        else:
+            self.consecutive_failures += 1
+            if self.consecutive_failures >= self.circuit_failures or self.state == "probing":
+                self._open_circuit()
+        counted = 0 if kind == RETURNED else attempts
+        return Outcome(item.prompt_id, kind, self.label, counted, message=error.message, status=error.status)
+
+    # --- circuit breaker ----------------------------------------------------------------------------
+    def _open_circuit(self) -> None:
+        if self.state in ("open", "fatal"):
+            return
+        self.state = "open"
+        self.errors["circuit_opened"] += 1
+        while not self.inbox.empty():  # queued work goes back to the driver at once
+            item = self.inbox.get_nowait()
+            self._emit(Outcome(item.prompt_id, RETURNED, self.label, 0, message=f"{self.label} circuit open"))
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probe_until_healthy())
+
+    async def _probe_until_healthy(self, first_delay: float | None = None) -> None:
+        delay = self.backoff_initial_s
+        await asyncio.sleep(self.backoff_initial_s if first_delay is None else first_delay)
+        while self.state == "open":
+            if await self.client.healthy() and await self._passes_preflight():
+                self.state = "probing"  # half-open: one request decides
+                self.consecutive_failures = 0
+                return
+            await asyncio.sleep(delay)
+            delay = min(self.backoff_max_s, delay * 2)
+
+    async def _passes_preflight(self) -> bool:
+        """A restarted server may come back with other flags, another model or other weights."""
+        if self.readmission is None:
+            return True
+        from ..endpoints.preflight import check_endpoint, fleet_problems
+
+        report = await check_endpoint(self.client, self.readmission)
+        expected = self.client.settings.expected_weight_version
+        problems = report.problems + fleet_problems([report], self.readmission)
+        if expected is not None and report.weight_version not in (None, expected):
+            problems.append(f"weight version {report.weight_version!r} differs from the run's {expected!r}")
+        if problems:
+            self.last_error = "refused on recovery: " + "; ".join(problems)
+            self.errors["readmission_refused"] += 1
+        return report.ok and not problems
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.client.close()
+
+
+def _node_address() -> str:
+    """The address of the Ray node this actor runs on (shown per endpoint in status.json)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "local"

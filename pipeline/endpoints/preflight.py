@@ -1,0 +1,172 @@
+"""Fleet preflight: before any prompt is sent, every endpoint is probed (probes.py) and the fleet is
+checked as a whole: one model, one weight version.
+
+A refusal names each endpoint and mismatch in words a user can act on (which flag to launch with). Endpoints
+that do not answer while others are fine are warnings: they get work once they answer. With no endpoint
+answering at all, the preflight waits with backoff up to `dead_fleet_deadline_s`, then stops non-zero
+(the run stays resumable).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import sys
+import time
+
+from ..core.config import RunConfig
+from .client import ClientSettings, EndpointClient
+from ..core.errors import ConfigError, PreflightError
+from .probes import PROBE_RID_PREFIX, EndpointReport, check_endpoint
+
+__all__ = ["PROBE_RID_PREFIX", "EndpointReport", "check_endpoint", "fleet_problems", "pinned_weight_version",
+           "preflight", "preflight_async", "probe_fleet", "run_preflight_command"]
+
+log = logging.getLogger("regen.fleet")
+
+# --- across endpoints ----------------------------------------------------------------------------------
+def _groups(pairs: list[tuple[str, str]]) -> str:
+    by_value: dict[str, list[str]] = {}
+    for label, value in pairs:
+        by_value.setdefault(value, []).append(label)
+    return "; ".join(f"{', '.join(labels)}: {value}" for value, labels in by_value.items())
+
+
+def fleet_problems(reports: list[EndpointReport], cfg: RunConfig) -> list[str]:
+    """Cross-endpoint refusals among the endpoints that answered: one model, one weight version."""
+    live = [r for r in reports if r.reachable or r.models]
+    out: list[str] = []
+    served = [(r.label, ", ".join(sorted(r.models)) or "no model") for r in live]
+    if len({v for _, v in served}) > 1:
+        out.append(f"endpoints serve different models ({_groups(served)}): every endpoint must serve "
+                   f"{cfg.model!r}")
+    paths = [(r.label, r.model_path) for r in live if r.model_path]
+    if len({v for _, v in paths}) > 1:
+        out.append(f"endpoints serve different models under the name {cfg.model!r} (model_path {_groups(paths)}): "
+                   "one run must come from one checkpoint")
+    versions = [(r.label, r.weight_version) for r in live if r.weight_version]
+    if len({v for _, v in versions}) > 1:
+        out.append(f"endpoints run different weight versions ({_groups(versions)}): one run must not mix "
+                   "them; update the stale servers or leave them out")
+    return out
+
+
+def pinned_weight_version(reports: list[EndpointReport]) -> str | None:
+    """The single weight version the healthy endpoints report (None if none reports one)."""
+    versions = {r.weight_version for r in reports if r.ok and r.weight_version}
+    return versions.pop() if len(versions) == 1 else None
+
+
+def refusal_text(reports: list[EndpointReport], fleet: list[str]) -> str:
+    lines = [f"  {r.label}: {p}" for r in reports for p in r.problems] + [f"  fleet: {p}" for p in fleet]
+    return "fleet preflight refused the run:\n" + "\n".join(lines)
+
+
+# --- the whole fleet ------------------------------------------------------------------------------------
+def _settings(cfg: RunConfig) -> ClientSettings:
+    return ClientSettings(model=cfg.model, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                          max_tokens=cfg.sampling.max_tokens, chat_template_kwargs=cfg.template_kwargs())
+
+
+async def probe_fleet(cfg: RunConfig, api_keys: dict[str, str | None], **timeouts: float) -> list[EndpointReport]:
+    """One round: every endpoint checked concurrently."""
+    settings = _settings(cfg)
+    clients = [EndpointClient(e.url, e.label, settings, api_keys.get(e.label)) for e in cfg.all_endpoints()]
+    try:
+        return list(await asyncio.gather(*(check_endpoint(c, cfg, **timeouts) for c in clients)))
+    finally:
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+
+def _refuse(message: str, reports: list[EndpointReport], fleet: list[str]) -> PreflightError:
+    error = PreflightError(message)
+    error.reports, error.fleet_problems = reports, fleet  # for the table of `regen preflight`
+    return error
+
+
+async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], **timeouts: float) -> list[EndpointReport]:
+    """`preflight` for callers already inside an event loop."""
+    deadline = time.monotonic() + cfg.dead_fleet_deadline_s
+    delay = 1.0
+    while True:
+        reports = await probe_fleet(cfg, api_keys, **timeouts)
+        fleet = fleet_problems(reports, cfg)
+        if fleet or any(r.problems for r in reports):
+            raise _refuse(refusal_text(reports, fleet), reports, fleet)
+        if any(r.reachable for r in reports):
+            for r in reports:
+                if not r.reachable:
+                    log.warning("endpoint %s is unreachable (%s); it gets work once it answers and passes "
+                                "this preflight", r.label, r.down_reason)
+                for w in r.warnings:
+                    log.warning("endpoint %s: %s", r.label, w)
+            return reports
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _refuse(
+                "no endpoint is reachable:\n" + "\n".join(f"  {r.label}: {r.down_reason}" for r in reports)
+                + f"\nwaited {cfg.dead_fleet_deadline_s:.0f}s (dead_fleet_deadline_s); start the servers and "
+                "rerun to resume", reports, fleet)
+        pause = min(delay * random.uniform(0.8, 1.2), remaining)
+        log.warning("no endpoint is reachable yet (%s); probing again in %.1fs, giving up in %.0fs",
+                    "; ".join(f"{r.label}: {r.down_reason}" for r in reports), pause, remaining)
+        await asyncio.sleep(pause)
+        delay = min(delay * 2, 30.0)
+
+
+def preflight(cfg: RunConfig, api_keys: dict[str, str | None], **timeouts: float) -> list[EndpointReport]:
+    """Check the fleet before any prompt is sent.
+
+    Raises PreflightError naming each endpoint and mismatch; waits with backoff up to
+    cfg.dead_fleet_deadline_s while no endpoint answers. Unreachable endpoints among working ones are
+    warnings (logged, and in the reports). `timeouts`: info_timeout_s, probe_timeout_s."""
+    return asyncio.run(preflight_async(cfg, api_keys, **timeouts))
+
+
+# --- `regen preflight CONFIG` ---------------------------------------------------------------------------
+def run_preflight_command(config_path: str) -> int:
+    """Load the config, check secrets, run the preflight and print the table. 0: passed; 1: refused; 2: bad config.
+
+    A config with `local_fleet` gets its llama.cpp servers started for the check (running ones are reused)."""
+    from ..core.config import load_config
+    from .preflight_table import render_table
+
+    try:
+        cfg = load_config(config_path)
+        cfg.check_secrets()
+        api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
+    except ConfigError as exc:
+        print(f"regen: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if cfg.local_fleet is not None:
+            reports = _with_local_fleet(cfg, api_keys)
+        else:
+            reports = preflight(cfg, api_keys)
+    except PreflightError as exc:
+        reports = getattr(exc, "reports", None)
+        if reports:
+            print(render_table(reports, cfg, getattr(exc, "fleet_problems", [])))
+        print(f"regen: error: {exc}", file=sys.stderr)
+        return 1
+    except ConfigError as exc:
+        print(f"regen: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - e.g. a local fleet that will not start (RunFatal)
+        print(f"regen: error: {exc}", file=sys.stderr)
+        return 1
+    print(render_table(reports, cfg, []))
+    ready = sum(r.ok for r in reports)
+    print(f"preflight passed: {ready} of {len(reports)} endpoints ready for {cfg.model}")
+    return 0
+
+
+def _with_local_fleet(cfg: RunConfig, api_keys: dict[str, str | None]) -> list[EndpointReport]:
+    import tempfile
+    from pathlib import Path
+
+    from .localfleet import LocalFleetProcesses
+
+    with tempfile.TemporaryDirectory(prefix="regen-preflight-") as logs:
+        with LocalFleetProcesses(cfg.local_fleet, Path(logs)):
+            return preflight(cfg, api_keys)

@@ -1,0 +1,69 @@
+"""The table `regen preflight` prints: one line per endpoint, then each problem and warning in words.
+
+    endpoint         status       model                 weights  context  parser   hidden  radix cache  server
+    127.0.0.1:30001  ok           moonshotai/Kimi-K2.5  default  262144   kimi_k2  21504   off          sglang 0.5.23
+    127.0.0.1:30002  REFUSED      moonshotai/Kimi-K2.5  default  262144   kimi_k2  7168    off          sglang 0.5.23
+    127.0.0.1:30003  unreachable  -                     -        -        -        -       -            -
+      127.0.0.1:30002: returns 7168-wide hidden states, expected 21504 (hidden_states.expected_width): 7168 is a
+        single layer, ... The server probably runs --speculative-algorithm EAGLE instead of EAGLE3, or lacks ...
+      127.0.0.1:30003: unreachable (warning; it gets work once it answers): no answer (/v1/models: ...)
+
+A llama.cpp endpoint shows `not SGLang` in the server column and `n/a` where the SGLang-only checks were skipped;
+`hidden` says `not asked` when the config does not capture hidden states.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..core.config import RunConfig
+    from .probes import EndpointReport
+
+HEADER = ("endpoint", "status", "model", "weights", "context", "parser", "hidden", "radix cache", "server")
+
+
+def _model(r: "EndpointReport", cfg: "RunConfig") -> str:
+    if not r.models:
+        return "-"
+    name = cfg.model if cfg.model in r.models else ",".join(r.models)
+    if r.model_path and r.model_path != name:
+        name += f" ({r.model_path})"
+    return name
+
+
+def _row(r: "EndpointReport", cfg: "RunConfig") -> tuple[str, ...]:
+    answered = bool(r.models) or r.sglang is not None
+    if not answered:
+        return (r.label, r.status) + ("-",) * (len(HEADER) - 2)
+    not_sglang = r.sglang is False
+    if not_sglang:
+        parser = radix = "n/a"
+    else:
+        parser = (r.reasoning_parser or "none") if r.sglang else "?"
+        # Upper case only where it matters: a radix cache drops hidden-state rows, and is harmless otherwise.
+        radix = {True: "ON" if cfg.hidden_states.enabled else "on", False: "off", None: "?"}[r.radix_cache]
+    if not cfg.hidden_states.enabled:
+        hidden = "not asked"
+    else:
+        hidden = str(r.hidden_width) if r.hidden_width is not None else "?"
+    server = "not SGLang" if not_sglang else (f"sglang {r.sglang_version}" if r.sglang_version else
+                                              ("sglang" if r.sglang else "?"))
+    weights = r.weight_version or ("n/a" if not_sglang else "?")
+    return (r.label, r.status, _model(r, cfg), weights,
+            str(r.context) if r.context is not None else "?", parser, hidden, radix, server)
+
+
+def render_table(reports: list["EndpointReport"], cfg: "RunConfig", fleet_problems: list[str] = ()) -> str:
+    rows = [HEADER] + [_row(r, cfg) for r in reports]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    for r in reports:
+        for p in r.problems:
+            lines.append(f"  {r.label}: {p}")
+        if not r.reachable and r.down_reason and not r.problems:
+            lines.append(f"  {r.label}: unreachable (warning; it gets work once it answers): {r.down_reason}")
+        for w in r.warnings:
+            lines.append(f"  {r.label}: warning: {w}")
+    for p in fleet_problems:
+        lines.append(f"  fleet: {p}")
+    return "\n".join(lines)

@@ -1,0 +1,351 @@
+"""Probing one endpoint: what it serves and how it was launched. Used by the fleet preflight and by the
+circuit breaker, so that a recovered endpoint passes the full preflight before it gets work again.
+
+  1. `/v1/models` (served ids, context), `/get_model_info` and `/get_server_info` (SGLang only: a 404 there
+     means "not SGLang", e.g. the local llama.cpp fleet, and the checks that need them are skipped);
+  2. one tiny chat generation with the run's chat_template_kwargs: generation works (a /health 200 can lie),
+     and when thinking is requested the reasoning is split out (a reasoning parser is running);
+  3. with hidden states: `/generate` with `return_hidden_states` on a short probe, twice. The vector width must
+     equal `hidden_states.expected_width` (7168 instead of 21504 is EAGLE instead of EAGLE3), and the prefill
+     rows must cover the whole prompt both times (a shortfall the second time is the radix cache).
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.config import RunConfig
+from .client import EndpointClient, _error_message, classify, output_token_ids
+from ..core.errors import EndpointDown, EndpointFatal, Retryable
+
+INFO_TIMEOUT_S = 5.0  # each information endpoint
+PROBE_TIMEOUT_S = 30.0  # each tiny generation (8 chat tokens, 4 /generate tokens)
+CHAT_PROBE_TOKENS = 8
+HIDDEN_PROBE_TOKENS = 4
+KIMI_LAYER_WIDTH = 7168
+PROBE_RID_PREFIX = "regen-preflight-"  # probes are told apart from prompts in the servers' logs
+
+
+def probe_rid() -> str:
+    return PROBE_RID_PREFIX + uuid.uuid4().hex
+
+
+PROBE_MESSAGES = [{"role": "user", "content": "Reply with the single word: ready."}]
+
+
+@dataclass
+class EndpointReport:
+    """What one endpoint serves and how it was launched, with what is wrong (problems refuse the run)."""
+
+    label: str
+    url: str = ""
+    reachable: bool = False  # answered /v1/models and generated; False: down, starting, or hung
+    models: list[str] = field(default_factory=list)  # served model ids (/v1/models)
+    model_path: str | None = None  # /get_model_info (SGLang)
+    weight_version: str | None = None
+    context: int | None = None  # tokens: /v1/models max_model_len, else /get_server_info context_length
+    reasoning_parser: str | None = None  # meaningful only when `sglang` is True
+    hidden_width: int | None = None  # width of the vectors /generate returned (None: not probed)
+    radix_cache: bool | None = None  # True: on (bad for hidden states); None: unknown
+    sglang_version: str | None = None
+    sglang: bool | None = None  # True: SGLang info endpoints answer; False: 404 (e.g. llama.cpp); None: unknown
+    speculative_algorithm: str | None = None
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    down_reason: str = ""  # why it is unreachable
+
+    @property
+    def ok(self) -> bool:
+        """Fit to get work: answering, generating, and nothing wrong."""
+        return self.reachable and not self.problems
+
+    @property
+    def status(self) -> str:
+        if not self.reachable and not self.problems:
+            return "unreachable"
+        return "REFUSED" if self.problems else "ok"
+
+
+# --- one endpoint -------------------------------------------------------------------------------------
+async def _get(client: EndpointClient, path: str, timeout_s: float) -> tuple[int, Any] | EndpointDown:
+    try:
+        return await client.get_json(path, timeout_s=timeout_s)
+    except EndpointDown as exc:
+        return exc
+
+
+def _context_of(models_body: dict, model: str) -> int | None:
+    """max_model_len (SGLang, vLLM) or meta.n_ctx (llama.cpp) of the configured model's entry."""
+    entries = [m for m in models_body.get("data", []) if isinstance(m, dict)]
+    entries.sort(key=lambda m: m.get("id") != model)  # the configured model's entry first
+    for entry in entries:
+        for value in (entry.get("max_model_len"), (entry.get("meta") or {}).get("n_ctx")):
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+class _Findings:
+    """Problems keyed by kind, so two pieces of evidence of one fault (flag read from /get_server_info, and
+    the probe's behaviour) give one message with both."""
+
+    def __init__(self) -> None:
+        self.evidence: dict[str, list[str]] = {}
+        self.other: list[str] = []
+
+    def add(self, kind: str, evidence: str) -> None:
+        self.evidence.setdefault(kind, []).append(evidence)
+
+
+async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout_s: float = INFO_TIMEOUT_S,
+                         probe_timeout_s: float = PROBE_TIMEOUT_S) -> EndpointReport:
+    """Every check of one endpoint. Never raises for the endpoint's faults: they are in the report.
+
+    `report.ok` says whether the endpoint may get work; `report.reachable` False means it did not answer
+    (or did not generate) and may come back; `report.problems` non-empty means it is misconfigured."""
+    report = EndpointReport(label=client.label, url=client.url)
+    models_r, minfo_r, sinfo_r = await asyncio.gather(
+        _get(client, "/v1/models", info_timeout_s),
+        _get(client, "/get_model_info", info_timeout_s),
+        _get(client, "/get_server_info", info_timeout_s),
+    )
+    # 1. /v1/models: is anything there?
+    if isinstance(models_r, EndpointDown):
+        report.down_reason = f"no answer ({models_r.message})"
+        return report
+    status, body = models_r
+    if status == 503:
+        report.down_reason = "not ready: /v1/models answered 503 (starting or overloaded)"
+        return report
+    report.reachable = True  # it answers; the generation probes below may still find it hung
+    if status in (401, 403):
+        report.problems.append(f"refuses our requests ({status} on /v1/models): check the API key "
+                               "(the endpoint's api_key_env)")
+        return report
+    if status != 200 or not isinstance(body, dict):
+        report.problems.append(f"/v1/models answered {status}: {_error_message(body, 'no readable body')}")
+        return report
+    report.models = [str(m.get("id")) for m in body.get("data", []) if isinstance(m, dict)]
+    report.context = _context_of(body, cfg.model)
+
+    # 2. SGLang information endpoints (404: not SGLang).
+    server_info: dict[str, Any] | None = None
+    for path, result in (("/get_model_info", minfo_r), ("/get_server_info", sinfo_r)):
+        if isinstance(result, EndpointDown):
+            report.warnings.append(f"{path} did not answer ({result.message}); the checks that need it are skipped")
+            continue
+        status, info = result
+        if status == 404:
+            report.sglang = bool(report.sglang)  # False unless the other path answered
+            continue
+        if status != 200 or not isinstance(info, dict):
+            report.warnings.append(f"{path} answered {status}; the checks that need it are skipped")
+            continue
+        report.sglang = True
+        if path == "/get_model_info":
+            report.model_path = info.get("model_path") or None
+            report.weight_version = info.get("weight_version") or report.weight_version
+            if "reasoning_parser" in info:
+                report.reasoning_parser = info.get("reasoning_parser")
+        else:
+            server_info = info
+            report.sglang_version = str(info["version"]) if info.get("version") is not None else None
+            report.speculative_algorithm = info.get("speculative_algorithm")
+            report.reasoning_parser = info.get("reasoning_parser", report.reasoning_parser)
+            report.model_path = report.model_path or info.get("model_path") or None
+            report.weight_version = report.weight_version or info.get("weight_version") or None
+            if report.context is None and isinstance(info.get("context_length"), int):
+                report.context = info["context_length"]
+            if "disable_radix_cache" in info:
+                report.radix_cache = not bool(info["disable_radix_cache"])
+
+    found = _Findings()
+    thinking = bool(cfg.template_kwargs().get("thinking"))
+    hidden = cfg.hidden_states.enabled
+
+    # 3. What the information endpoints already tell.
+    if cfg.model not in report.models:
+        served = ", ".join(repr(m) for m in report.models) or "no model"
+        report.problems.append(f"serves {served}, not the configured model {cfg.model!r} "
+                               "(set `model:` to the served name, or launch the server with "
+                               f"--served-model-name {cfg.model})")
+        return report  # generation would only fail on the model name
+    needed = cfg.sampling.max_tokens + cfg.min_prompt_tokens
+    if report.context is None:
+        report.warnings.append(f"context length unknown (no max_model_len in /v1/models, no /get_server_info): "
+                               f"cannot check it holds max_tokens + min_prompt_tokens = {needed} tokens")
+    elif report.context < needed:
+        fix = (f"launch with --context-length {needed} or more" if report.sglang is not False
+               else "give the server a larger context (local_fleet.ctx_per_slot for the local fleet)")
+        report.problems.append(
+            f"context is {report.context} tokens, shorter than sampling.max_tokens ({cfg.sampling.max_tokens}) "
+            f"+ min_prompt_tokens ({cfg.min_prompt_tokens}) = {needed}: {fix}, or lower sampling.max_tokens")
+    if server_info is not None:
+        no_parser = "reasoning_parser" in server_info and not server_info.get("reasoning_parser")
+        if thinking and no_parser:
+            found.add("parser", "the server reports reasoning_parser: null")
+        elif no_parser and "thinking" not in cfg.template_kwargs():
+            report.warnings.append("the server runs without a reasoning parser and the config leaves thinking to "
+                                   "the server's default (Kimi thinks by default): its reasoning would end up in "
+                                   "content. Set `thinking:` or launch with --reasoning-parser kimi_k2")
+        if hidden and server_info.get("enable_return_hidden_states") is False:
+            found.add("hidden_off", "the server reports enable_return_hidden_states: false")
+        if hidden and server_info.get("disable_radix_cache") is False:
+            found.add("radix", "the server reports disable_radix_cache: false")
+
+    # 4. The tiny generations, concurrently.
+    probes = [_chat_probe(client, cfg, report, found, probe_timeout_s)]
+    if hidden:
+        probes.append(_hidden_probe(client, cfg, report, found, probe_timeout_s, server_info))
+    await asyncio.gather(*probes)
+    report.reachable = not report.down_reason
+    report.problems += _describe(found, cfg, report, server_info)
+    return report
+
+
+async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointReport, found: _Findings,
+                      timeout_s: float) -> None:
+    body: dict[str, Any] = {"model": cfg.model, "messages": PROBE_MESSAGES, "max_tokens": CHAT_PROBE_TOKENS,
+                            "temperature": 0.0, "rid": probe_rid()}
+    if cfg.template_kwargs():
+        body["chat_template_kwargs"] = cfg.template_kwargs()
+    wants_ids = cfg.return_token_ids and not cfg.stream  # what the run's requests will ask for
+    if wants_ids:
+        body.update(return_token_ids=True, return_prompt_token_ids=True)
+    try:
+        status, answer = await client.post_json("/v1/chat/completions", body, timeout_s=timeout_s)
+    except EndpointDown as exc:
+        report.down_reason = (f"answers /v1/models, but a tiny chat generation ({CHAT_PROBE_TOKENS} tokens) got no "
+                              f"answer within {timeout_s:g}s ({exc.message}): generation hangs or the server is dying")
+        return
+    if status != 200:
+        error = classify(status, _error_message(answer, f"HTTP {status}"), client.label)
+        if isinstance(error, Retryable):
+            report.down_reason = f"a tiny chat generation failed ({status}: {error.message})"
+        else:
+            found.other.append(f"a tiny chat generation was refused ({status}: {error.message})")
+        return
+    try:
+        choice = answer["choices"][0]
+        message = choice.get("message") or {}
+    except (KeyError, IndexError, TypeError, AttributeError):
+        found.other.append("a tiny chat generation returned an unreadable answer (no choices[0].message)")
+        return
+    if wants_ids and not output_token_ids(choice):
+        version = (f"SGLang {report.sglang_version}" if report.sglang_version
+                   else "SGLang of unknown version" if report.sglang else "not an SGLang server")
+        found.other.append(
+            f"returns no output token ids ({version}; the run asks for them with return_token_ids): SGLang "
+            "returns them from 0.5.17 on (choices[0].response_token_ids from 0.5.18). Upgrade the server, or set "
+            "`return_token_ids: false` to run without exact token ids")
+    if report.weight_version is None and isinstance(answer.get("metadata"), dict):
+        report.weight_version = answer["metadata"].get("weight_version") or None
+    if cfg.template_kwargs().get("thinking") and not message.get("reasoning_content"):
+        found.add("parser", f"a tiny thinking probe ({CHAT_PROBE_TOKENS} tokens) came back with no reasoning_content, "
+                            f"its content is {str(message.get('content') or '')[:40]!r}")
+
+
+def _probe_text() -> str:
+    # A fresh nonce first, so no earlier request shares a prefix with the first probe.
+    return f"[{uuid.uuid4().hex}] regen preflight probe: name three colours of the rainbow."
+
+
+async def _hidden_probe(client: EndpointClient, cfg: RunConfig, report: EndpointReport, found: _Findings,
+                        timeout_s: float, server_info: dict | None) -> None:
+    text = _probe_text()
+    body = {"text": text, "return_hidden_states": True,
+            "sampling_params": {"max_new_tokens": HIDDEN_PROBE_TOKENS, "temperature": 0.0, "ignore_eos": True}}
+    rows: list[tuple[int, int]] = []  # (n_prefill, prompt_tokens) per probe
+    for attempt in (1, 2):  # the same text twice: the second finds it in a radix cache if one is on
+        try:
+            status, answer = await client.post_json("/generate", {**body, "rid": probe_rid()}, timeout_s=timeout_s)
+        except EndpointDown as exc:
+            report.down_reason = report.down_reason or (
+                f"answers /v1/models, but a tiny /generate ({HIDDEN_PROBE_TOKENS} tokens) got no answer within "
+                f"{timeout_s:g}s ({exc.message})")
+            return
+        if status == 404:
+            found.other.append("hidden states are requested (hidden_states.enabled) but the server has no "
+                               "/generate (404): hidden states need an SGLang server")
+            return
+        if status != 200:
+            error = classify(status, _error_message(answer, f"HTTP {status}"), client.label)
+            if isinstance(error, EndpointFatal) and status == 400:  # /generate names no model: hidden states off
+                found.add("hidden_off", f"/generate with return_hidden_states answered 400 {error.message!r}")
+            elif isinstance(error, Retryable):
+                report.down_reason = report.down_reason or f"/generate failed ({status}: {error.message})"
+            else:
+                found.other.append(f"/generate with return_hidden_states was refused ({status}: {error.message})")
+            return
+        meta = answer.get("meta_info") if isinstance(answer, dict) else None
+        states = meta.get("hidden_states") if isinstance(meta, dict) else None
+        prompt_tokens = meta.get("prompt_tokens") if isinstance(meta, dict) else None
+        if not states or not isinstance(states, list):
+            found.other.append("/generate with return_hidden_states returned no hidden states "
+                               "(meta_info.hidden_states is empty)")
+            return
+        first = states[0]
+        if not (isinstance(first, list) and first and isinstance(first[0], list)):
+            found.other.append("/generate returned hidden states whose first element is not the 2-D block of "
+                               "prefill rows: not SGLang's full-sequence layout")
+            return
+        widths = {len(first[0])} | {len(v) for v in states[1:] if isinstance(v, list)}
+        if len(widths) > 1:
+            found.other.append(f"/generate returned hidden states of mixed widths {sorted(widths)}")
+            return
+        report.hidden_width = len(first[0])
+        if isinstance(prompt_tokens, int):
+            rows.append((len(first), prompt_tokens))
+        else:
+            found.other.append("/generate returned no meta_info.prompt_tokens: cannot check the prefill rows")
+            return
+        if attempt == 1 and report.hidden_width != cfg.hidden_states.expected_width:
+            break  # wrong width already refuses; no need for the cache probe
+    if rows and rows[0][0] < rows[0][1]:
+        found.add("prefill", f"a fresh probe got hidden-state rows for only {rows[0][0]} of its {rows[0][1]} "
+                            "prompt tokens")
+    elif len(rows) == 2 and rows[1][0] < rows[1][1]:
+        found.add("radix", f"sent twice, the same probe got hidden-state rows for only {rows[1][0]} of its "
+                           f"{rows[1][1]} prompt tokens the second time")
+        report.radix_cache = True
+    elif len(rows) == 2 and report.radix_cache is None:
+        report.radix_cache = False
+
+
+def _describe(found: _Findings, cfg: RunConfig, report: EndpointReport, server_info: dict | None) -> list[str]:
+    """One user-facing sentence per fault, with its evidence and the launch flag that fixes it."""
+    out: list[str] = []
+    ev = found.evidence
+
+    def why(kind: str) -> str:
+        return "; ".join(ev[kind])
+
+    if "parser" in ev:
+        out.append("thinking is requested (chat_template_kwargs thinking: true) but the server splits no "
+                   f"reasoning out: {why('parser')}. Launch SGLang with --reasoning-parser kimi_k2")
+    if "hidden_off" in ev:
+        out.append("hidden states are requested (hidden_states.enabled) but the server is not configured to "
+                   f"return them: {why('hidden_off')}. Launch it with --enable-return-hidden-states")
+    width, expected = report.hidden_width, cfg.hidden_states.expected_width
+    if cfg.hidden_states.enabled and width is not None and width != expected:
+        text = f"returns {width}-wide hidden states, expected {expected} (hidden_states.expected_width)"
+        if width == KIMI_LAYER_WIDTH and expected == 3 * KIMI_LAYER_WIDTH:
+            flags = ""
+            if server_info is not None:
+                flags = (f" (it reports speculative_algorithm: {server_info.get('speculative_algorithm')}, "
+                         f"enable_return_aux_hidden_states: {server_info.get('enable_return_aux_hidden_states')})")
+            text += (f": {width} is a single layer, not EAGLE-3's three auxiliary layers (3 x {KIMI_LAYER_WIDTH}). "
+                     "The server probably runs --speculative-algorithm EAGLE instead of EAGLE3, or lacks "
+                     f"--enable-return-aux-hidden-states{flags}")
+        else:
+            text += ": check the server's model and hidden-state flags, or set hidden_states.expected_width"
+        out.append(text)
+    if "radix" in ev:
+        out.append(f"the radix (prefix) cache is on, so prompt tokens served from the cache get no hidden-state "
+                   f"row: {why('radix')}. Launch it with --disable-radix-cache")
+    if "prefill" in ev:
+        out.append(f"hidden states do not cover the whole prompt: {why('prefill')}. Launch it with "
+                   "--disable-radix-cache and a --chunked-prefill-size larger than the longest prompt")
+    return out + found.other

@@ -1,0 +1,242 @@
+"""`regen card RUN_DIR`: a dataset card (RUN_DIR/README.md) and histograms (RUN_DIR/card/*.png).
+
+Everything is counted from committed parts only, so a card made during a run is consistent with the
+parts it names. The README's YAML header lets the Hugging Face Hub load `data/part-*.parquet`.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from ..core.errors import RegenError
+from ..store.rundir import RunDir
+from ..store.storage import Location
+from .jsonl import read_run_manifest
+
+CARD_DIR = "card"
+DATA_GLOB = "data/part-*.parquet"  # part-* rather than *: never a temporary file of a running writer
+CARD_COLUMNS = ["prompt_id", "source", "finish_reason", "flags", "prompt_tokens", "completion_tokens",
+                "reasoning_tokens", "reasoning_content", "endpoint", "model", "weight_version", "config_fingerprint"]
+
+
+class MissingDependency(RegenError):
+    """An optional package this command needs is not installed."""
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    count: int
+    mean: float
+    p50: float
+    p95: float
+    max: int
+
+    @classmethod
+    def of(cls, values: list[int]) -> "LengthStats | None":
+        if not values:
+            return None
+        array = np.asarray(values, dtype=np.float64)
+        return cls(len(values), float(array.mean()), float(np.percentile(array, 50)),
+                   float(np.percentile(array, 95)), int(array.max()))
+
+
+@dataclass
+class RunContents:
+    """What the card reports, gathered in one pass over the committed parts."""
+
+    records: int = 0
+    prompts: set[str] = field(default_factory=set)
+    by_source: Counter = field(default_factory=Counter)
+    finish_reasons: Counter = field(default_factory=Counter)
+    flags: Counter = field(default_factory=Counter)
+    flagged_records: int = 0
+    by_endpoint: Counter = field(default_factory=Counter)
+    models: Counter = field(default_factory=Counter)
+    weight_versions: Counter = field(default_factory=Counter)
+    fingerprints: Counter = field(default_factory=Counter)
+    prompt_tokens: list[int] = field(default_factory=list)
+    completion_tokens: list[int] = field(default_factory=list)
+    reasoning_tokens: list[int] = field(default_factory=list)  # where the server reported them
+    reasoning_words: list[int] = field(default_factory=list)  # fallback: records without reasoning_tokens
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.records += 1
+        self.prompts.add(row["prompt_id"])
+        self.by_source[row.get("source") or "?"] += 1
+        self.finish_reasons[row.get("finish_reason") or "?"] += 1
+        flags = row.get("flags") or []
+        self.flags.update(flags)
+        self.flagged_records += bool(flags)
+        self.by_endpoint[row.get("endpoint") or "?"] += 1
+        self.models[row.get("model") or "?"] += 1
+        self.weight_versions[row.get("weight_version") or "unreported"] += 1
+        self.fingerprints[row.get("config_fingerprint") or "?"] += 1
+        for column, values in (("prompt_tokens", self.prompt_tokens), ("completion_tokens", self.completion_tokens)):
+            if row.get(column) is not None:
+                values.append(row[column])
+        if row.get("reasoning_tokens") is not None:
+            self.reasoning_tokens.append(row["reasoning_tokens"])
+        elif row.get("reasoning_content"):
+            self.reasoning_words.append(len(row["reasoning_content"].split()))
+
+
+def gather(run_dir: RunDir) -> RunContents:
+    contents = RunContents()
+    for part in RunDir.parts(run_dir.data):
+        present = set(part.parquet_schema().names)
+        for row in part.read_parquet(columns=[c for c in CARD_COLUMNS if c in present]).to_pylist():
+            contents.add(row)
+    return contents
+
+
+def failure_and_reject_counts(run_dir: RunDir, committed: set[str]) -> tuple[int, Counter, int, Counter]:
+    failures = run_dir.read_table(run_dir.failures, columns=["prompt_id", "error_class"])
+    failed: dict[str, str] = {}
+    if failures is not None:
+        for row in failures.to_pylist():
+            if row["prompt_id"] not in committed:  # a later retry that succeeded wins
+                failed[row["prompt_id"]] = row["error_class"] or "?"
+    rejects = run_dir.rejects_table()
+    reject_reasons = Counter(rejects.column("reason").to_pylist()) if rejects is not None else Counter()
+    return len(failed), Counter(failed.values()), sum(reject_reasons.values()), reject_reasons
+
+
+# --- rendering -------------------------------------------------------------------------------------
+def _count_table(header: str, counts: Counter, total: int) -> list[str]:
+    lines = [f"| {header} | records | share |", "|---|---:|---:|"]
+    for key, count in counts.most_common():
+        lines.append(f"| {key} | {count} | {100 * count / total:.1f}% |" if total else f"| {key} | {count} | - |")
+    if not counts:
+        lines.append("| (none) | 0 | - |")
+    return lines
+
+
+def _stats_table(rows: list[tuple[str, LengthStats | None]]) -> list[str]:
+    lines = ["| length | count | mean | p50 | p95 | max |", "|---|---:|---:|---:|---:|---:|"]
+    for label, stats in rows:
+        if stats is None:
+            lines.append(f"| {label} | 0 | - | - | - | - |")
+        else:
+            lines.append(f"| {label} | {stats.count} | {stats.mean:.1f} | {stats.p50:.1f} | "
+                         f"{stats.p95:.1f} | {stats.max} |")
+    return lines
+
+
+def reasoning_label(contents: RunContents) -> str:
+    if contents.reasoning_words and not contents.reasoning_tokens:
+        return "reasoning length (words; the server reported no reasoning_tokens)"
+    return "reasoning length (tokens)"
+
+
+def write_histograms(run_dir: RunDir, contents: RunContents) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise MissingDependency("regen card needs matplotlib for its histograms: pip install matplotlib") from exc
+    folder = run_dir.path / CARD_DIR
+    folder.mkdir()
+    reasoning = contents.reasoning_tokens or contents.reasoning_words
+    plots = [("completion_length.png", contents.completion_tokens, "completion length (tokens)"),
+             ("reasoning_length.png", reasoning, reasoning_label(contents))]
+    written = []
+    for name, values, label in plots:
+        figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
+        if values:
+            axes.hist(values, bins=min(50, max(5, len(set(values)))), color="#4472c4")
+        else:
+            axes.text(0.5, 0.5, "no data", ha="center", va="center", transform=axes.transAxes)
+        axes.set_xlabel(label)
+        axes.set_ylabel("records")
+        figure.tight_layout()
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png")
+        plt.close(figure)
+        path = folder / name
+        path.write_atomic(buffer.getvalue())
+        written.append(path)
+    return written
+
+
+def _compact_json(value: Any) -> str:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents) -> str:
+    generation = manifest.get("generation") or {}
+    failed, failure_classes, rejected, reject_reasons = failure_and_reject_counts(run_dir, contents.prompts)
+    name = run_dir.path.name
+    reasoning_rows = [("reasoning (tokens)", LengthStats.of(contents.reasoning_tokens))]
+    if contents.reasoning_words:
+        label = "reasoning (words, where no reasoning_tokens)"
+        reasoning_rows.append((label, LengthStats.of(contents.reasoning_words)))
+    lines = [
+        "---", "configs:", "- config_name: default", f"  data_files: {DATA_GLOB}", "---", "",
+        f"# {name}", "",
+        f"Regenerated by `regen` through the target model: {contents.records} records "
+        f"({len(contents.prompts)} prompts) in {len(RunDir.parts(run_dir.data))} committed parts.", "",
+        "## Generation", "",
+        f"- model (config): `{generation.get('model')}`",
+        "- model (reported by the server): " + ", ".join(f"`{m}` ({n})" for m, n in contents.models.most_common()),
+        "- weight version(s): " + ", ".join(f"`{w}` ({n})" for w, n in contents.weight_versions.most_common()),
+        f"- config fingerprint: `{manifest.get('fingerprint')}`"
+        + ("" if set(contents.fingerprints) <= {manifest.get("fingerprint")}
+           else " (records also carry: " + ", ".join(f"`{f}`" for f in contents.fingerprints) + ")"),
+        f"- mode: `{generation.get('mode', 'last_turn')}`",
+        f"- sampling: `{_compact_json(generation.get('sampling') or {})}`",
+        f"- chat_template_kwargs: `{_compact_json(generation.get('chat_template_kwargs') or {})}`",
+        f"- created: {manifest.get('created_at')}; schema version {manifest.get('schema_version')}", "",
+        "## Sources", "", *_count_table("source", contents.by_source, contents.records), "",
+        "## Finish reasons", "", *_count_table("finish_reason", contents.finish_reasons, contents.records), "",
+        "## Quality flags", "",
+        f"{contents.flagged_records} of {contents.records} records carry at least one flag "
+        "(a record may carry several).", "",
+        *_count_table("flag", contents.flags, contents.records), "",
+        "## Token statistics", "",
+        *_stats_table([("prompt (tokens)", LengthStats.of(contents.prompt_tokens)),
+                       ("completion (tokens)", LengthStats.of(contents.completion_tokens)), *reasoning_rows]), "",
+        "p50/p95 interpolate linearly. Reasoning lengths are the server's `reasoning_tokens` where it reported "
+        "them, else a whitespace word count of `reasoning_content`, listed separately.", "",
+        f"![completion length]({CARD_DIR}/completion_length.png)",
+        f"![reasoning length]({CARD_DIR}/reasoning_length.png)", "",
+        "## Endpoints", "", *_count_table("endpoint", contents.by_endpoint, contents.records), "",
+        "## Failures and rejects", "",
+        f"- terminal failures (prompts without a record): {failed}"
+        + ("" if not failure_classes else " — " + ", ".join(f"{c} {n}" for c, n in failure_classes.most_common())),
+        f"- rejected inputs: {rejected}"
+        + ("" if not reject_reasons else " — " + ", ".join(f"{r} {n}" for r, n in reject_reasons.most_common(10))),
+        "",
+        "## Loading", "",
+        "```python", "import datasets", "",
+        f'ds = datasets.load_dataset("parquet", data_files="{run_dir.path}/{DATA_GLOB}", split="train")',
+        "```", "",
+        "Training files: `regen export RUN_DIR --format specforge|specforge-tokens|speculators --out FILE`.", "",
+    ]
+    return "\n".join(lines)
+
+
+def write_card(run_dir: str | Path | Location) -> Location:
+    run = RunDir(run_dir)
+    manifest = read_run_manifest(run)
+    contents = gather(run)
+    write_histograms(run, contents)
+    path = run.path / "README.md"
+    path.write_atomic(render_card(run, manifest, contents).encode())
+    return path
+
+
+# --- CLI (wired as `regen card`) -------------------------------------------------------------------
+def run_card(args: argparse.Namespace) -> int:
+    path = write_card(args.run_dir)
+    print(f"wrote {path} and {path.parent / CARD_DIR}/*.png", file=sys.stderr)
+    return 0

@@ -1,0 +1,3 @@
+"""Sources -> prompts: readers and format adapters, normalisation and validation with reasons, the
+content-addressed prompt_id, per-source limits and dedup, and what is sent for each turn.
+May import only core; never Ray or HTTP."""

@@ -1,0 +1,65 @@
+"""Records: what is committed for a finished prompt. Pure: no Ray, no HTTP."""
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pyarrow as pa
+
+from ..core.config import RunConfig
+from ..core.work import Outcome, WorkItem, affinity_key
+from ..prompts.conversation import histories, seed_for
+from .quality import quality_flags
+from .rundir import now_utc
+
+
+class RecordBuilder:
+    """Turns an outcome into data rows (one per regenerated turn) or a failure row. The prompt set stays
+    an Arrow table: a prompt's messages become Python objects only when it is sent or recorded."""
+
+    def __init__(self, prompts: pa.Table, cfg: RunConfig):
+        self.index = {pid: i for i, pid in enumerate(prompts.column("prompt_id").to_pylist())}
+        self.sources = prompts.column("source").to_pylist()
+        self.references = prompts.column("reference").to_pylist()
+        self.messages = prompts.column("messages").combine_chunks()
+        self.fingerprint, self.temperature, self.mode = cfg.fingerprint(), cfg.sampling.temperature, cfg.mode
+        self.affinity_chars = cfg.prefix_affinity_chars
+
+    def messages_of(self, i: int) -> list[dict[str, str]]:
+        return self.messages[i].as_py()
+
+    def work_item(self, prompt_id: str) -> WorkItem:
+        messages = self.messages_of(self.index[prompt_id])
+        return WorkItem(prompt_id, orjson.dumps(messages), seed_for(prompt_id, self.temperature),
+                        affinity_key(messages, self.affinity_chars))
+
+    def records(self, outcome: Outcome, attempts: int) -> list[dict[str, Any]]:
+        i = self.index[outcome.prompt_id]
+        sent = histories(self.mode, self.messages_of(i), [c.content for c in outcome.completions])
+        seed = seed_for(outcome.prompt_id, self.temperature)
+        rows = []
+        for k, (messages, c) in enumerate(zip(sent, outcome.completions)):
+            rows.append({
+                "prompt_id": outcome.prompt_id, "source": self.sources[i], "messages": messages,
+                "turn_index": k if self.mode == "all_turns" else sum(m["role"] == "assistant" for m in messages),
+                "n_turns": len(outcome.completions), "reference": self.references[i] if self.mode != "all_turns" else None,
+                "content": c.content, "reasoning_content": c.reasoning_content, "finish_reason": c.finish_reason,
+                "flags": quality_flags(c.content, c.reasoning_content, c.finish_reason),
+                "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+                "cached_tokens": c.cached_tokens, "reasoning_tokens": c.reasoning_tokens,
+                "endpoint": outcome.endpoint, "model": c.model, "weight_version": c.weight_version,
+                "config_fingerprint": self.fingerprint, "latency_s": c.latency_s, "attempts": attempts,
+                "seed": None if seed is None else seed + (k if self.mode == "all_turns" else 0),
+                "request_id": c.request_id, "prompt_token_ids": c.prompt_token_ids,
+                "output_token_ids": c.output_token_ids, "hidden_part": c.hidden_part,
+                "hidden_row": c.hidden_row, "created_at": now_utc(),
+            })
+        return rows
+
+    def failure(self, outcome: Outcome, attempts: int) -> dict[str, Any]:
+        return {
+            "prompt_id": outcome.prompt_id, "source": self.sources[self.index[outcome.prompt_id]],
+            "error_class": outcome.kind, "status": outcome.status, "message": outcome.message,
+            "endpoint": outcome.endpoint, "attempts": attempts, "config_fingerprint": self.fingerprint,
+            "created_at": now_utc(),
+        }

@@ -1,0 +1,318 @@
+"""The run directory: atomic part files, the ledger (done set), the run lock and run.json.
+
+Layout of `outputs/<run>/`:
+    run.json            identity: config fingerprint, generation config, prompt-set config, versions
+    prompts/            the materialised prompt set, one file per refresh (prompts-000001.parquet, ...)
+    rejects/            invalid inputs with their reason, one file per materialisation
+    data/part-*.parquet committed records
+    failures/part-*.parquet  terminal failures with the server's message
+    hidden/             hidden-state parts, written by the endpoint actors
+    status.json         progress, rewritten atomically
+    logs/
+The run directory is a local or shared POSIX path or an object-store URI (see storage.py for what an
+atomic commit is on each); readers never see a torn part.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from . import schema
+from ..core.errors import PartExists, StorageError
+from .lock import RunLock  # noqa: F401  (the run's lock lives with its directory)
+from .storage import FAULT_KILL_BEFORE_RENAME, TMP_PREFIX, Location, committed_part  # noqa: F401
+
+PART_RE = re.compile(r"^part-(\d{6})-[0-9a-f]{8}\.parquet$")
+
+
+def atomic_write(where: str | PathLike[str] | Location, data: bytes, *, fault_point: bool = False) -> None:
+    """Write `data` so that the file either does not exist or is complete (storage.Location.write_atomic)."""
+    Location.at(where).write_atomic(data, fault_point=fault_point)
+
+
+def table_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue().to_pybytes()
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Location
+
+    def __init__(self, path: str | PathLike[str] | Location):
+        object.__setattr__(self, "path", Location.at(path))
+
+    @property
+    def data(self) -> Location:
+        return self.path / "data"
+
+    @property
+    def failures(self) -> Location:
+        return self.path / "failures"
+
+    @property
+    def rejects(self) -> Location:
+        return self.path / "rejects"
+
+    @property
+    def prompts(self) -> Location:
+        return self.path / "prompts"
+
+    @property
+    def logs(self) -> Location:
+        return self.path / "logs"
+
+    def local_logs(self) -> Path:
+        """Where logs are appended: `logs/` on POSIX. An object store cannot append, so a remote run logs to
+        a local folder (REGEN_LOG_DIR, default ~/.cache/regen/logs/<run>) and publish_logs uploads it."""
+        if self.path.local:
+            folder = Path(self.logs)
+        else:
+            base = os.environ.get("REGEN_LOG_DIR") or Path.home() / ".cache" / "regen" / "logs"
+            folder = Path(base) / re.sub(r"[^A-Za-z0-9._-]+", "_", str(self.path))
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def publish_logs(self) -> None:
+        """Upload the local logs of a remote run into its `logs/` (whole objects); nothing to do on POSIX."""
+        if not self.path.local:
+            for log_file in sorted(self.local_logs().glob("*.log")):
+                (self.logs / log_file.name).write_atomic(log_file.read_bytes())
+
+    @property
+    def manifest_path(self) -> Location:
+        return self.path / "run.json"
+
+    @property
+    def status_path(self) -> Location:
+        return self.path / "status.json"
+
+    def exists(self) -> bool:
+        return self.manifest_path.exists()
+
+    def create(self) -> None:
+        for sub in (self.data, self.failures, self.rejects, self.prompts, self.logs, self.path / "hidden"):
+            sub.mkdir()
+
+    # --- run.json and status.json ---------------------------------------------------------------
+    def read_manifest(self) -> dict[str, Any]:
+        return orjson.loads(self.manifest_path.read_bytes())
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        self.manifest_path.write_atomic(orjson.dumps(manifest, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+
+    def write_status(self, status: dict[str, Any]) -> None:
+        self.status_path.write_atomic(orjson.dumps(status, option=orjson.OPT_INDENT_2))
+
+    def read_status(self) -> dict[str, Any] | None:
+        try:
+            return orjson.loads(self.status_path.read_bytes())
+        except (FileNotFoundError, orjson.JSONDecodeError):
+            return None
+
+    # --- parts and the ledger --------------------------------------------------------------------
+    def cleanup_temp(self) -> list[Location]:
+        """Remove temporary files a killed writer left behind; they were never committed."""
+        removed = []
+        for folder in (self.path, self.data, self.failures, self.rejects, self.prompts):
+            for tmp in folder.iterdir():
+                if tmp.name.startswith(TMP_PREFIX):
+                    tmp.unlink()
+                    removed.append(tmp)
+        return removed
+
+    @staticmethod
+    def parts(folder: Location) -> list[Location]:
+        return sorted(p for p in folder.iterdir() if PART_RE.match(p.name))
+
+    def next_part(self, folder: Location) -> Location:
+        """The name the next part of `folder` gets (one committer per folder)."""
+        existing = self.parts(folder)
+        seq = int(PART_RE.match(existing[-1].name).group(1)) + 1 if existing else 1
+        return folder / f"part-{seq:06d}-{uuid.uuid4().hex[:8]}.parquet"
+
+    def write_part(self, folder: Location, table: pa.Table, path: Location | None = None) -> Location:
+        """Commit `table` as a new part (never replacing one: PartExists)."""
+        path = path or self.next_part(folder)
+        path.write_atomic(table_bytes(table), fault_point=True, exclusive=True)
+        return path
+
+    def ids_in(self, folder: Location) -> set[str]:
+        """The ledger: prompt_ids of committed parts, reading the id column only."""
+        parts = self.parts(folder)
+        if not parts:
+            return set()
+        # one dataset scan reads the parts concurrently: on an object store, latency rather than bytes dominates
+        scan = ds.dataset([p.path for p in parts], filesystem=folder.fs, format="parquet")
+        return set(scan.to_table(columns=["prompt_id"]).column(0).to_pylist())
+
+    def committed_ids(self) -> set[str]:
+        return self.ids_in(self.data)
+
+    def failed_ids(self) -> set[str]:
+        return self.ids_in(self.failures)
+
+    def read_table(self, folder: Location, columns: list[str] | None = None) -> pa.Table | None:
+        parts = self.parts(folder)
+        if not parts:
+            return None
+        return pa.concat_tables(p.read_parquet(columns=columns) for p in parts)
+
+    # --- the materialised prompt set --------------------------------------------------------------
+    def prompt_set_versions(self) -> list[Location]:
+        return _versions(self.prompts, "prompts-")
+
+    def write_prompt_set(self, prompts: pa.Table, rejects: pa.Table) -> Location:
+        version = len(self.prompt_set_versions()) + 1
+        (self.rejects / f"rejects-{version:06d}.parquet").write_atomic(table_bytes(rejects))
+        path = self.prompts / f"prompts-{version:06d}.parquet"
+        path.write_atomic(table_bytes(prompts))  # last: its presence means the set is complete
+        return path
+
+    def load_prompt_set(self) -> pa.Table | None:
+        versions = self.prompt_set_versions()
+        return versions[-1].read_parquet() if versions else None
+
+    def rejects_table(self) -> pa.Table | None:
+        versions = _versions(self.rejects, "rejects-")
+        return versions[-1].read_parquet() if versions else None
+
+
+def _versions(folder: Location, prefix: str) -> list[Location]:
+    return sorted(p for p in folder.iterdir() if p.name.startswith(prefix) and p.name.endswith(".parquet"))
+
+
+def now_utc() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def resolve_run_dir(output_dir: str | PathLike[str], run_name: str, fingerprint: str, new_run: bool) -> RunDir:
+    """`outputs/<run>` or its successors `<run>-r2`, `<run>-r3`, ... created by --new-run.
+
+    Without --new-run the newest run of that name is resumed (the drift guard then checks it).
+    With --new-run, the newest run is reused only if it already has this fingerprint.
+    """
+    root = Location.at(output_dir)
+    successors = [p for p in root.iterdir()
+                  if p.name.startswith(f"{run_name}-r") and p.name[len(run_name) + 2 :].isdigit()]
+    candidates = [root / run_name] + sorted(successors, key=lambda p: int(p.name[len(run_name) + 2 :]))
+    existing = [RunDir(p) for p in candidates if (p / "run.json").exists()]
+    if not existing:
+        return RunDir(root / run_name)
+    newest = existing[-1]
+    if not new_run or newest.read_manifest().get("fingerprint") == fingerprint:
+        return newest
+    return RunDir(root / f"{run_name}-r{len(candidates) + 1}")
+
+
+class Committer:
+    """The single committer: buffers results, drops any prompt already committed or buffered, and
+    commits a part when the buffer is full or old enough. A SIGKILL loses only the buffer."""
+
+    def __init__(self, run_dir: RunDir, done: set[str], flush_records: int, flush_interval_s: float):
+        self.run_dir = run_dir
+        self.done = done  # committed data + terminal failures (unless retried)
+        self.flush_records, self.flush_interval_s = flush_records, flush_interval_s
+        self.records: list[dict[str, Any]] = []
+        self.failures: list[dict[str, Any]] = []
+        self.buffered: set[str] = set()
+        self.dropped_duplicates = 0
+        self.committed = 0
+        self.committed_failures = 0
+        self._oldest = time.monotonic()
+        # kind -> (part, its prompt ids, its rows) of a commit whose outcome is not known yet
+        self._unsettled: dict[str, tuple[Location, frozenset[str], int]] = {}
+
+    def _accept(self, prompt_id: str) -> bool:
+        if prompt_id in self.done or prompt_id in self.buffered:
+            self.dropped_duplicates += 1
+            return False
+        if not self.buffered:
+            self._oldest = time.monotonic()
+        self.buffered.add(prompt_id)
+        return True
+
+    def add_records(self, rows: list[dict[str, Any]]) -> bool:
+        """All rows of one prompt (one per regenerated turn) are committed together, in one part."""
+        if self._accept(rows[0]["prompt_id"]):
+            self.records.extend(rows)
+            return True
+        return False
+
+    def add_failure(self, row: dict[str, Any]) -> bool:
+        if self._accept(row["prompt_id"]):
+            self.failures.append(row)
+            return True
+        return False
+
+    def due(self) -> bool:
+        pending = len(self.buffered)
+        return pending >= self.flush_records or (
+            pending > 0 and time.monotonic() - self._oldest >= self.flush_interval_s
+        )
+
+    def maybe_flush(self) -> None:
+        if self.due():
+            self.flush()
+
+    def flush(self) -> None:
+        """Commit the buffer: records, then failures, each as one part."""
+        self._commit("records")
+        self._commit("failures")
+
+    def _commit(self, kind: str) -> None:
+        """Rows leave the buffer only once their part is known to be committed. A commit whose outcome is
+        unknown (an error after the rename, or a second signal in the middle) is remembered and resolved
+        by looking at the store before anything else is written, so a buffer is never committed twice."""
+        folder, part_schema = ((self.run_dir.data, schema.RECORDS) if kind == "records"
+                               else (self.run_dir.failures, schema.FAILURES))
+        unsettled = self._unsettled.get(kind)
+        if unsettled is not None:
+            path, ids, n_rows = unsettled
+            if committed_part(path, n_rows):  # raises StorageError if it cannot look: still unknown
+                self._settle(kind, ids, n_rows)
+            self._unsettled.pop(kind, None)
+        rows = getattr(self, kind)
+        if not rows:
+            return
+        path = self.run_dir.next_part(folder)
+        ids = frozenset(row["prompt_id"] for row in rows)
+        self._unsettled[kind] = (path, ids, len(rows))
+        try:
+            self.run_dir.write_part(folder, pa.Table.from_pylist(rows, schema=part_schema), path)
+        except PartExists:
+            self._unsettled.pop(kind, None)  # that name was never ours: nothing of this buffer was committed
+            raise
+        except StorageError as exc:
+            if not exc.maybe_committed:  # failed before the rename: certainly nothing committed
+                self._unsettled.pop(kind, None)
+            elif committed_part(path, len(rows)):  # failed after it: look
+                self._settle(kind, ids, len(rows))
+                self._unsettled.pop(kind, None)
+            raise
+        self._settle(kind, ids, len(rows))
+        self._unsettled.pop(kind, None)
+
+    def _settle(self, kind: str, ids: frozenset[str], n_rows: int) -> None:
+        """Idempotent, so that a settle interrupted by a signal can simply be done again."""
+        if not ids <= self.done:
+            if kind == "records":
+                self.committed += n_rows
+            else:
+                self.committed_failures += n_rows
+        self.done |= ids
+        self.buffered -= ids
+        setattr(self, kind, [row for row in getattr(self, kind) if row["prompt_id"] not in ids])

@@ -1,0 +1,67 @@
+"""`regen status RUN_DIR`: counts from the ledger (committed parts), never from memory, so it is right
+during a run and after a SIGKILL. Live figures (tok/s, endpoints) come from status.json."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .rundir import RunDir, RunLock
+
+
+def ledger_counts(run_dir: RunDir) -> dict[str, Any]:
+    prompts = run_dir.load_prompt_set()
+    all_ids = set(prompts.column("prompt_id").to_pylist()) if prompts is not None else set()
+    committed = run_dir.committed_ids()
+    failed = run_dir.failed_ids() - committed
+    rejects = run_dir.rejects_table()
+    return {
+        "total": len(all_ids),
+        "done": len(committed & all_ids),
+        "failed": len(failed & all_ids),
+        "pending": len(all_ids - committed - failed),
+        "rejects": 0 if rejects is None else rejects.num_rows,
+        "vanished_with_records": len(committed - all_ids),
+        "parts": len(run_dir.parts(run_dir.data)),
+    }
+
+
+def run_state(run_dir: RunDir, counts: dict[str, Any]) -> str:
+    lock = RunLock(run_dir)
+    if lock.is_held():
+        holder = lock.holder() or {}
+        return f"running (pid {holder.get('pid', '?')} on {holder.get('host', '?')})"
+    if counts["pending"] == 0 and counts["total"]:
+        return "complete"
+    last = (run_dir.read_status() or {}).get("state")
+    return "stopped" if last in (None, "running") else last  # "running" with no lock holder: it was killed
+
+
+def print_status(path: str | Path, as_json: bool = False) -> int:
+    run_dir = RunDir(path)
+    if not run_dir.exists():
+        print(f"regen: error: {path} is not a run directory (no run.json)", file=sys.stderr)
+        return 2
+    counts = ledger_counts(run_dir)
+    live = run_dir.read_status() or {}
+    report = {"run_dir": str(path), "state": run_state(run_dir, counts), **counts,
+              "fingerprint": run_dir.read_manifest().get("fingerprint"),
+              "last_update": live.get("updated_at"), "endpoints": live.get("endpoints", {}),
+              "this_session": live.get("this_session", {})}
+    if as_json:
+        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
+    print(f"{path}: {report['state']}")
+    print(f"  prompts {counts['total']}: done {counts['done']}, failed {counts['failed']}, "
+          f"pending {counts['pending']}; rejected inputs {counts['rejects']}; parts {counts['parts']}")
+    session = report["this_session"]
+    if session:
+        print(f"  last session: {session.get('done', 0)} records, {session.get('tok_s', 0)} tok/s, "
+              f"{session.get('elapsed_s', 0)}s (status of {report['last_update']})")
+    for label, stats in report["endpoints"].items():
+        print(f"  {label:<28} {stats.get('state', '?'):<8} on {stats.get('node', '?'):<15} "
+              f"in flight {stats.get('in_flight', 0):>4}  "
+              f"{stats.get('tok_s', 0):>8} tok/s  errors {stats.get('errors', {})}")
+    return 0

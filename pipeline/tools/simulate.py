@@ -1,0 +1,139 @@
+"""`regen simulate CONFIG --endpoints N --tok-s X`: a dry run of the real pipeline before a two-day run.
+
+It builds the config's real prompt set, takes a content-ranked sample, and runs the real `regen generate`
+(same sampling, mode, thinking, flush settings) against N emulated SGLang endpoints decoding at X tok/s per
+request, time-compressed by `--speedup`. From the sample it predicts the full run's wall time, tokens and
+disk, and it has checked the config end to end (sources, templates, dispatch, commits) on the way.
+
+The prediction assumes the run is throughput-bound (many prompts per endpoint) and that the emulator's
+answer lengths stand for the target's; pass `--mean-completion-tokens` to scale to a measured mean.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from ..core.config import load_config
+from ..hidden.parse import estimate_bytes
+from ..run import build_prompts
+
+
+@dataclass
+class Prediction:
+    prompts: int
+    sample: int
+    sample_wall_s: float  # simulated, compressed time
+    wall_s: float
+    completion_tokens: int
+    disk_bytes: int
+
+    def table(self) -> str:
+        return "\n".join([
+            f"sampled {self.sample} of {self.prompts} prompts; the sample ran in {self.sample_wall_s:.1f}s",
+            f"predicted wall time   {self.wall_s / 3600:.2f} h ({self.wall_s:.0f} s)",
+            f"predicted tokens      {self.completion_tokens:,} completion tokens",
+            f"predicted disk        {self.disk_bytes / 1e9:.2f} GB",
+        ])
+
+
+def write_sample(cfg_path: str, sample: int, work: Path) -> tuple[Path, int, object]:
+    """The config's prompt set (sources read for real), a content-ranked sample of it as a JSONL source."""
+    cfg = load_config(cfg_path)
+    prompt_set = build_prompts(cfg)
+    prompts = sorted(prompt_set.prompts, key=lambda p: p.prompt_id)[:sample]  # prompt_ids are hashes: a fair sample
+    data = work / "sample.jsonl"
+    data.write_bytes(b"".join(orjson.dumps({"messages": list(p.messages)}) + b"\n" for p in prompts))
+    spec = work / "sample.yaml"
+    spec.write_text(yaml.safe_dump({"name": "sample", "kind": "jsonl", "path": str(data), "format": "openai"}))
+    return spec, len(prompt_set.prompts), cfg
+
+
+def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, speedup: float = 20.0,
+             concurrency: int | None = None, mean_completion_tokens: float | None = None) -> Prediction:
+    from ..emulator import start_emulator
+
+    with tempfile.TemporaryDirectory(prefix="regen-simulate-") as tmp:
+        work = Path(tmp)
+        spec, total, cfg = write_sample(cfg_path, sample, work)
+        per_endpoint = concurrency or (cfg.all_endpoints()[0].concurrency if cfg.all_endpoints() else 64)
+        servers = [start_emulator(preset="kimi", served_model_name=cfg.model, tok_per_s=tok_s * speedup,
+                                  capacity=per_endpoint) for _ in range(endpoints)]
+        try:
+            raw = yaml.safe_load(Path(cfg_path).read_text())
+            for key in ("endpoints", "endpoints_file", "local_fleet", "ray"):
+                raw.pop(key, None)
+            raw.update(output_dir=str(work / "out"), run_name="simulated", sources=[{"spec": str(spec)}],
+                       endpoints=[{"url": s.url, "concurrency": per_endpoint} for s in servers])
+            sim_cfg = work / "config.yaml"
+            sim_cfg.write_text(yaml.safe_dump(raw))
+            started = time.monotonic()
+            result = subprocess.run([sys.executable, "-m", "pipeline", "generate", "--config", str(sim_cfg)],
+                                    capture_output=True, text=True, env=os.environ.copy())
+            elapsed = time.monotonic() - started
+            if result.returncode != 0:
+                raise RuntimeError(f"the simulated run failed:\n{result.stderr[-3000:]}")
+            run = work / "out" / "simulated"
+            parts = sorted((run / "data").glob("part-*.parquet"))
+            done = sum(pq.ParquetFile(p).metadata.num_rows for p in parts)
+            tokens = sum(sum(pq.read_table(p, columns=["completion_tokens"]).column(0).to_pylist()) for p in parts)
+            disk = sum(p.stat().st_size for p in parts)
+            generating = _generating_seconds(parts)
+            answer_tokens = [n for p in parts for n in pq.read_table(p, columns=["completion_tokens"]).column(0)
+                             .to_pylist()]
+        finally:
+            for server in servers:
+                server.stop()
+    scale = total / max(1, done)
+    mean_tokens = tokens / max(1, done)
+    stretch = (mean_completion_tokens / mean_tokens) if mean_completion_tokens else 1.0
+    startup = max(0.0, elapsed - generating)  # Ray, preflight, the last commit: not compressed
+    # The compressed run checked the config end to end and measured the answer lengths; the wall time
+    # follows from the work at real speed spread over the fleet's slots (dispatch keeps them >95% busy,
+    # see BENCHMARKS.md), and is never shorter than the longest single answer.
+    slots = endpoints * per_endpoint
+    request_s = [n * stretch / tok_s for n in answer_tokens]
+    generating_real = max(sum(request_s) * scale / slots, max(request_s, default=0.0))
+    disk_total = disk * scale
+    if cfg.hidden_states.enabled:
+        disk_total += estimate_bytes(total, int(mean_tokens * stretch), cfg.hidden_states.expected_width)
+    return Prediction(prompts=total, sample=done, sample_wall_s=elapsed, wall_s=startup + generating_real,
+                      completion_tokens=int(mean_tokens * stretch * total), disk_bytes=int(disk_total))
+
+
+def _generating_seconds(parts: list[Path]) -> float:
+    """From the first request to the last answer, read from the records: the part of the run that the
+    time compression applies to (start-up and the final commit are not compressed)."""
+    table = pa.concat_tables(pq.read_table(p, columns=["created_at", "latency_s"]) for p in parts)
+    created = [c.timestamp() for c in table.column("created_at").to_pylist()]
+    first_sent = min(c - latency for c, latency in zip(created, table.column("latency_s").to_pylist()))
+    return max(created) - first_sent
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="regen simulate", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config")
+    parser.add_argument("--endpoints", type=int, required=True, help="emulated endpoints (the real fleet's size)")
+    parser.add_argument("--tok-s", type=float, required=True, help="decode tok/s of one request on a real endpoint")
+    parser.add_argument("--sample", type=int, default=400, help="prompts to run (content-ranked sample)")
+    parser.add_argument("--speedup", type=float, default=20.0, help="time compression of the emulated run")
+    parser.add_argument("--concurrency", type=int, default=None, help="per endpoint (default: the config's)")
+    parser.add_argument("--mean-completion-tokens", type=float, default=None,
+                        help="scale to a measured mean answer length of the target")
+    args = parser.parse_args(argv)
+    prediction = simulate(args.config, args.endpoints, args.tok_s, args.sample, args.speedup, args.concurrency,
+                          args.mean_completion_tokens)
+    print(prediction.table())
+    return 0
