@@ -28,6 +28,7 @@ from .core.work import DONE, Outcome
 log = logging.getLogger("regen")
 
 EXIT_INTERRUPTED = 130
+LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's: "0" makes a local cluster take 127.0.0.1
 
 
 @dataclass
@@ -272,11 +273,17 @@ def local_fleet(cfg: RunConfig, run_dir: RunDir):
         yield
 
 
+def embedded_ray(address: str | None, environ: dict[str, str]) -> bool:
+    """No address anywhere (or Ray's `local`): regen starts its own single-machine cluster."""
+    chosen = address or environ.get("RAY_ADDRESS") or None
+    return chosen is None or chosen == "local"
+
+
 def init_ray(address: str | None) -> None:
     """Join the cluster at `address` (`auto`: the local head), or start an embedded one on loopback."""
     import os
 
-    if address is not None or "RAY_ADDRESS" in os.environ:
+    if not embedded_ray(address, dict(os.environ)):
         import ray  # joining a real cluster keeps Ray's own address choice (secure it with Ray's token auth)
 
         if not ray.is_initialized():
@@ -284,14 +291,25 @@ def init_ray(address: str | None) -> None:
         return
     # An embedded single-machine cluster must not listen on the network: an unauthenticated Ray head runs
     # anyone's code. Ray binds its GCS, raylet and workers to 127.0.0.1 only when it takes the node's address
-    # to be the loopback one, which this switch (read when Ray is first imported) makes it do.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # to be the loopback one, which this switch (read when Ray is first imported) makes it do. It is put back
+    # once the cluster runs, so that nothing started later inherits it.
+    os.environ.pop("RAY_ADDRESS", None)  # an empty one would make Ray look for a cluster
+    saved = os.environ.get(LOOPBACK_SWITCH)
+    os.environ[LOOPBACK_SWITCH] = "0"
     import ray
     from ray._private import ray_constants
 
+    was = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False  # in case Ray was imported before the switch was set
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, logging_level=logging.WARNING)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = was
+        if saved is None:
+            os.environ.pop(LOOPBACK_SWITCH, None)
+        else:
+            os.environ[LOOPBACK_SWITCH] = saved
 
 
 def pin_weight_version(run_dir: RunDir, reports) -> str | None:

@@ -192,9 +192,10 @@ def _chat_extras(st: ServerState, job: Job, finish_meta: bool) -> dict:
     extra: dict[str, Any] = {}
     if body.get("return_hidden_states"):
         extra["hidden_states"] = hs.last_hidden_state(gen.prompt_ids, gen.output_ids, cfg.effective_hidden_width)
-    if body.get("return_prompt_token_ids"):
-        extra["prompt_token_ids"] = gen.prompt_ids
     ids_field = output_ids_field(cfg.sglang_version)
+    # SGLang (0.5.17+) puts the prompt ids on the choice for either flag
+    if body.get("return_prompt_token_ids") or (body.get("return_token_ids") and ids_field):
+        extra["prompt_token_ids"] = gen.prompt_ids
     if body.get("return_token_ids") and ids_field:
         extra[ids_field] = gen.output_ids
     if finish_meta and body.get("return_meta_info"):

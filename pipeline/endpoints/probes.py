@@ -211,7 +211,8 @@ async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
                             "temperature": 0.0, "rid": probe_rid()}
     if cfg.template_kwargs():
         body["chat_template_kwargs"] = cfg.template_kwargs()
-    wants_ids = cfg.return_token_ids and not cfg.stream  # what the run's requests will ask for
+    # what the run's chat requests will ask for (with hidden states, the ids come from /generate instead)
+    wants_ids = cfg.return_token_ids and not cfg.stream and not cfg.hidden_states.enabled
     if wants_ids:
         body.update(return_token_ids=True, return_prompt_token_ids=True)
     try:
@@ -234,12 +235,15 @@ async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
         found.other.append("a tiny chat generation returned an unreadable answer (no choices[0].message)")
         return
     if wants_ids and not output_token_ids(choice):
-        version = (f"SGLang {report.sglang_version}" if report.sglang_version
-                   else "SGLang of unknown version" if report.sglang else "not an SGLang server")
-        found.other.append(
-            f"returns no output token ids ({version}; the run asks for them with return_token_ids): SGLang "
-            "returns them from 0.5.17 on (choices[0].response_token_ids from 0.5.18). Upgrade the server, or set "
-            "`return_token_ids: false` to run without exact token ids")
+        if report.sglang:
+            version = f"SGLang {report.sglang_version}" if report.sglang_version else "SGLang of unknown version"
+            way_out = ("SGLang returns them from 0.5.17 on (choices[0].response_token_ids from 0.5.18): upgrade the "
+                       "server, or set `return_token_ids: false` to run without exact token ids")
+        else:
+            version = "not an SGLang server"
+            way_out = "set `return_token_ids: false` to run without exact token ids"
+        found.other.append(f"returns no output token ids ({version}; the run asks for them with "
+                           f"return_token_ids): {way_out}")
     if report.weight_version is None and isinstance(answer.get("metadata"), dict):
         report.weight_version = answer["metadata"].get("weight_version") or None
     if cfg.template_kwargs().get("thinking") and not message.get("reasoning_content"):

@@ -17,6 +17,7 @@ for deletion on resume, while no writer is running.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import re
 import uuid
@@ -71,7 +72,11 @@ def _name_field(text: str) -> str:
 
 
 def _sanitize_tag(tag: str | None) -> str:
-    return _name_field(tag or "") or uuid.uuid4().hex[:6]
+    """A writer's tag: readable (the label's letters and digits) and unique (a hash of the whole label: labels
+    that differ only in punctuation or past the cut, such as two ports of one long host name, stay apart)."""
+    if not tag:
+        return uuid.uuid4().hex[:8]
+    return _name_field(tag)[:23] + hashlib.sha256(tag.encode()).hexdigest()[:8]
 
 
 class HiddenPartWriter:

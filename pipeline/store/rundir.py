@@ -14,8 +14,11 @@ atomic commit is on each); readers never see a torn part.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -195,6 +198,32 @@ def _versions(folder: Location, prefix: str) -> list[Location]:
     return sorted(p for p in folder.iterdir() if p.name.startswith(prefix) and p.name.endswith(".parquet"))
 
 
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGINT and SIGTERM wait until a commit and its settling are over, then reach the handlers they would
+    have reached (a second Ctrl-C then stops at once), so an interrupt never leaves a commit half known. Python
+    runs signal handlers in the main thread only, so that is where they can be held; elsewhere a commit whose
+    outcome is unknown is still resolved by looking."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler not installed from Python, which cannot be put back
+                signal.signal(sig, handler)
+        for signum in held:
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
+
+
 def now_utc() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -292,7 +321,10 @@ class Committer:
         ids = frozenset(row["prompt_id"] for row in rows)
         self._unsettled[kind] = (path, ids, len(rows))
         try:
-            self.run_dir.write_part(folder, pa.Table.from_pylist(rows, schema=part_schema), path)
+            with signals_deferred():
+                self.run_dir.write_part(folder, pa.Table.from_pylist(rows, schema=part_schema), path)
+                self._settle(kind, ids, len(rows))
+                self._unsettled.pop(kind, None)
         except PartExists:
             self._unsettled.pop(kind, None)  # that name was never ours: nothing of this buffer was committed
             raise
@@ -303,8 +335,6 @@ class Committer:
                 self._settle(kind, ids, len(rows))
                 self._unsettled.pop(kind, None)
             raise
-        self._settle(kind, ids, len(rows))
-        self._unsettled.pop(kind, None)
 
     def _settle(self, kind: str, ids: frozenset[str], n_rows: int) -> None:
         """Idempotent, so that a settle interrupted by a signal can simply be done again."""

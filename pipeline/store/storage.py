@@ -197,24 +197,28 @@ class Location:
                     os.unlink(tmp)
 
     def _object_commit(self, write, fault_point: bool, exclusive: bool) -> None:
-        if exclusive and self.exists():
-            raise PartExists(f"{self} already exists: a committed object is never replaced")
-        closing = False
+        stream, closing = None, False
         try:
+            if exclusive and self.exists():
+                raise PartExists(f"{self} already exists: a committed object is never replaced")
             stream = self.fs.open_output_stream(self.path)
             write(stream)
             if fault_point:
                 _maybe_inject_kill()
             closing = True
             stream.close()  # completes the upload: the object appears now, whole
-        except OSError as exc:
-            # pyarrow completes an upload when a stream is dropped; whatever a failed upload left is removed.
-            # A failed close may still have completed the upload: the caller then looks (maybe_committed).
-            stream = None
-            if not closing:
+        except BaseException as exc:
+            # pyarrow completes an upload when its stream is closed or dropped, so an upload that failed (or was
+            # interrupted) before its close is completed here, at a known moment, and removed. A failed close may
+            # still have completed the upload: the caller then looks (maybe_committed).
+            if stream is not None and not closing:
+                with contextlib.suppress(BaseException):
+                    stream.close()
                 with contextlib.suppress(OSError):  # cleanup must not hide the original error
                     self.unlink()
-            raise storage_error(exc, self, maybe_committed=closing) from exc
+            if isinstance(exc, OSError):
+                raise storage_error(exc, self, maybe_committed=closing) from exc
+            raise
 
 
 def committed_part(where: Location, expected_rows: int) -> bool:
@@ -228,7 +232,7 @@ def committed_part(where: Location, expected_rows: int) -> bool:
         try:
             if where.parquet_file().metadata.num_rows == expected_rows:
                 return True
-        except (pa.ArrowInvalid, OSError):
+        except pa.ArrowInvalid:  # there, but not a whole Parquet file (an OSError is the store's, not the file's)
             pass
         where.unlink()
         return False
@@ -250,7 +254,7 @@ def _write_file(path: str, data: bytes) -> None:
         handle.write(data)
 
 
-_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV}
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV, errno.ENOSYS}
 
 
 def _link_exclusive(tmp: str, final: str) -> None:
@@ -259,6 +263,9 @@ def _link_exclusive(tmp: str, final: str) -> None:
     try:
         os.link(tmp, final)
     except FileExistsError:
+        with contextlib.suppress(OSError):
+            if os.path.samefile(tmp, final):  # NFS: the link was made, but its reply was lost and retried
+                return
         raise
     except OSError as exc:
         if exc.errno not in _NO_HARD_LINKS:
