@@ -214,6 +214,7 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, pro
         salvage(committer, progress)
         raise
     committer.flush()
+    progress.extra["commit_s"] = round(committer.commit_seconds, 3)  # writing parts, over the whole session
     progress.close()
     progress.write(state)
     if state == "interrupted":

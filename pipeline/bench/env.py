@@ -299,6 +299,8 @@ class RssSampler(threading.Thread):
         while not self._halt.is_set():
             t = time.time()
             try:
+                if driver.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped: its RSS reads 0
+                    break
                 rss = driver.memory_info().rss + sum(c.memory_info().rss for c in driver.children(recursive=True))
             except psutil.NoSuchProcess:
                 break

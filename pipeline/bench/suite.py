@@ -13,6 +13,7 @@ process id), the emulators, the regen runs.
   emulator    the emulator's own req/s under a raw aiohttp load generator
   hidden      hidden-state ingest (JSON -> bf16 Parquet) MB/s per core, peak memory, bytes on disk
   simulator   `regen simulate`'s predicted wall time against the actual emulated run
+  production  the production shape: 88K prompts, 16 endpoints x 64, checkpointing on, lost/doubled, RSS, commits
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from .cases import (
     stragglers,
 )
 from .env import REPO
-from .scale import memory, resume
+from .scale import memory, production, resume
 
 def hidden_ingest(ctx: Ctx) -> Result:
     """Hidden-state JSON -> bf16 Parquet per core against naive json and orjson + numpy, peak memory, disk."""
@@ -90,7 +91,7 @@ def simulator_accuracy(ctx: Ctx) -> Result:
 
 BENCHES = {"overhead": overhead, "saturation": saturation, "stragglers": stragglers, "resume": resume,
            "memory": memory, "emulator": emulator_capacity, "hidden": hidden_ingest,
-           "simulator": simulator_accuracy}
+           "simulator": simulator_accuracy, "production": production}
 
 
 def table(results: list[Result]) -> list[str]:

@@ -262,6 +262,7 @@ class Committer:
         self.committed = 0
         self.committed_failures = 0
         self._oldest = time.monotonic()
+        self.commit_seconds = 0.0  # time spent writing parts (the commit overhead)
         # kind -> (part, its prompt ids, its rows) of a commit whose outcome is not known yet
         self._unsettled: dict[str, tuple[Location, frozenset[str], int]] = {}
 
@@ -299,8 +300,12 @@ class Committer:
 
     def flush(self) -> None:
         """Commit the buffer: records, then failures, each as one part."""
-        self._commit("records")
-        self._commit("failures")
+        started = time.monotonic()
+        try:
+            self._commit("records")
+            self._commit("failures")
+        finally:
+            self.commit_seconds += time.monotonic() - started
 
     def _commit(self, kind: str) -> None:
         """Rows leave the buffer only once their part is known to be committed. A commit whose outcome is
