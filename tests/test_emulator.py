@@ -22,7 +22,8 @@ MODEL = "moonshotai/Kimi-K2.5"
 MAIN_OPTS = dict(preset="kimi", enable_metrics=True, enable_cache_report=True, enable_return_hidden_states=True,
                  context_length=4096, chunked_prefill_size=64, fault_seed=7)
 SMALL_OPTS = dict(capacity=1, max_queue=1, tok_per_s=50.0, queue_timeout=0.25)
-EAGLE_OPTS = dict(preset="kimi-eagle3", enable_metrics=True)
+# 0.5.18: the aux layers come from an EAGLE3 draft (0.5.23 captures them without one, and reports no spec meta)
+EAGLE_OPTS = dict(preset="kimi-eagle3", enable_metrics=True, sglang_version="0.5.18")
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -276,6 +277,11 @@ def test_openai_client_compat(fresh):
 
 
 # --- errors ---------------------------------------------------------------------------------------
+# SGLang 0.5.17+ (0.5.23 is the emulator's default version); the conformance test checks it against the wheel
+NO_HIDDEN = ("The server is not configured to return hidden states. Please set `--return-hidden-states-mode last`, "
+             "`--return-hidden-states-mode full`, or the legacy `--enable-return-hidden-states` flag.")
+
+
 def test_every_400_message(fresh, small):
     u = fresh.url
     long_req = chat("word " * 5000)
@@ -306,9 +312,9 @@ def test_every_400_message(fresh, small):
     assert st == 200 and b["model"] == "someone/else"  # SGLang's chat checks no model name: it echoes it
     # hidden states without --enable-return-hidden-states
     st, b = jcall(small.url, "/generate", {"text": "x", "return_hidden_states": True})
-    assert st == 400 and b["error"]["message"] == "The server is not configured to return hidden states."
+    assert st == 400 and b["error"]["message"] == NO_HIDDEN
     st, b = jcall(small.url, "/v1/chat/completions", chat("x", return_hidden_states=True))
-    assert st == 400 and b["message"] == "The server is not configured to return hidden states."
+    assert st == 400 and b["message"] == NO_HIDDEN
     # a rid that is still running
     with cf.ThreadPoolExecutor(2) as ex:
         first = ex.submit(jcall, small.url, "/v1/chat/completions",
@@ -377,8 +383,7 @@ def test_eagle3_width_no_radix_and_spec_meta(eagle):
         mi = jcall(eagle.url, "/generate", body)[1]["meta_info"]
         assert len(mi["hidden_states"][0]) == mi["prompt_tokens"] and mi["cached_tokens"] == 0
         assert len(mi["hidden_states"][0][0]) == 21504 and len(mi["hidden_states"][-1]) == 21504
-    # 0.5.23 captures the aux layers without a draft: no speculative decoding, so no spec_* meta
-    assert "spec_accept_length" not in mi and "spec_verify_ct" not in mi
+    assert mi["spec_accept_length"] == 3.2 and mi["spec_verify_ct"] == math.ceil(mi["completion_tokens"] / 3.2)
     assert 0 < mi["spec_accept_rate"] <= 1
     info = jcall(eagle.url, "/get_server_info")[1]
     assert info["speculative_algorithm"] == "EAGLE3" and info["disable_radix_cache"] is True

@@ -39,7 +39,10 @@ async def health_generate(request: web.Request) -> web.Response:
 
 async def get_model_info(request: web.Request) -> web.Response:
     cfg = request.app[STATE_KEY].cfg
+    named = {"served_model_name": cfg.served_model_name, "reasoning_parser": cfg.reasoning_parser} \
+        if cfg.behaviour.model_info_names_parser else {}
     return json_response({
+        **named,
         "model_path": cfg.model_path,
         "tokenizer_path": cfg.model_path,
         "is_generation": True,
@@ -49,8 +52,6 @@ async def get_model_info(request: web.Request) -> web.Response:
         "has_audio_understanding": False,
         "model_type": "kimi_k25",
         "architectures": ["KimiK25ForConditionalGeneration"],
-        "served_model_name": cfg.served_model_name,
-        "reasoning_parser": cfg.reasoning_parser,
     })
 
 

@@ -47,6 +47,11 @@ class Behaviour:
         return "response_token_ids" if self._from(0, 5, 18) else "token_ids"
 
     @property
+    def model_info_names_parser(self) -> bool:
+        """/model_info reports served_model_name and reasoning_parser."""
+        return self._from(0, 5, 18)
+
+    @property
     def stream_ids_in_sglext(self) -> bool:
         return self._from(0, 5, 23)
 

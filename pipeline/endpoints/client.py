@@ -32,7 +32,8 @@ _CONTEXT_OVERFLOW = (
 )
 _DUPLICATE_RID = "duplicate request id"
 _NO_HIDDEN_STATES = (
-    "not configured to return hidden states",  # SGLang, every version (the flags it names differ)
+    "not configured to return hidden states",  # SGLang 0.5.17+ (the flags it names differ by version)
+    "not configured to return the hidden states",  # SGLang 0.5.14
     "return_hidden_states mode exceeds the server maximum",  # SGLang 0.5.17+: `True` asked of a `last` server
 )
 _MODEL_MISSING = "does not exist"  # SGLang: 400 "The model `X` does not exist. The served model name is `Y`."
