@@ -5,7 +5,7 @@ REGEN  := $(VENV)/bin/regen
 CONFIG ?= configs/local.yaml
 RUN    ?= outputs/local-sample
 
-.PHONY: setup generate status export card test serve-local emulate help
+.PHONY: setup generate status export card test serve-local emulate help sglang-wheels
 
 help:
 	@echo "make setup        create $(VENV) and install regen with the local fleet and test extras"
@@ -45,8 +45,28 @@ $(VENV)/.verify: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[verify]"
 	touch $@
 
+# SGLang's own code, the authority of tests/test_sglang_conformance.py: each version unpacked with --no-deps into
+# a cache folder keyed by version (skipped when present), never into the venv (the wheels pin conflicting
+# versions). Its protocol models import on CPU with a few light packages, installed into the venv if missing.
+SGLANG_VERSIONS ?= 0.5.14 0.5.17 0.5.18 0.5.23
+SGLANG_CACHE    ?= $(HOME)/.cache/regen/sglang
+SGLANG_LIGHT_DEPS := msgspec pybase64 ipython partial_json_parser
+
+sglang-wheels: $(VENV)/.sglang-deps $(foreach v,$(SGLANG_VERSIONS),$(SGLANG_CACHE)/$(v)/.installed)
+
+$(VENV)/.sglang-deps: $(VENV)/.installed
+	$(PY) -c "import msgspec, pybase64, IPython, partial_json_parser" 2>/dev/null || \
+		$(PY) -m pip install -q $(SGLANG_LIGHT_DEPS)
+	touch $@
+
+$(SGLANG_CACHE)/%/.installed:
+	rm -rf $(SGLANG_CACHE)/$*.tmp
+	$(PY) -m pip install -q --no-deps --no-compile --target $(SGLANG_CACHE)/$*.tmp "sglang==$*"
+	rm -rf $(SGLANG_CACHE)/$* && mv $(SGLANG_CACHE)/$*.tmp $(SGLANG_CACHE)/$*
+	touch $@
+
 # The layering contract ([tool.importlinter] in pyproject.toml) first: a stage importing a later one fails here.
-test: setup $(VENV)/.verify
+test: setup $(VENV)/.verify sglang-wheels
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 

@@ -329,6 +329,18 @@ def pin_weight_version(run_dir: RunDir, reports) -> str | None:
     return version
 
 
+def record_determinism(run_dir: RunDir, reports) -> None:
+    """run.json says whether every session of the run had a deterministic fleet (False once any had not)."""
+    from .endpoints.preflight import fleet_deterministic
+
+    manifest = run_dir.read_manifest()
+    now = fleet_deterministic(reports)
+    before = manifest.get("deterministic", now)
+    merged = False if False in (before, now) else (True if before is True and now is True else None)
+    if "deterministic" not in manifest or merged != before:
+        run_dir.write_manifest({**manifest, "deterministic": merged})
+
+
 class EndpointsFileWatch:
     """Re-reads the endpoints file every `endpoints_file_interval_s`; None between reads or on a bad edit."""
 
@@ -356,7 +368,10 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
     from .endpoints.preflight import preflight
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
-    weight_version = pin_weight_version(run_dir, preflight(cfg, api_keys))
+    reports = preflight(cfg, api_keys)
+    weight_version = pin_weight_version(run_dir, reports)
+    record_determinism(run_dir, reports)
+    engines = {r.label: r.engine for r in reports if r.engine is not None}
     init_ray(cfg.ray.address)
     stop.install()
 
@@ -375,7 +390,7 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
         progress.tick(endpoints)
 
     dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
-                            make_actor_factory(cfg, client_settings(cfg, weight_version), cfg.api_key,
+                            make_actor_factory(cfg, client_settings(cfg, weight_version, engines), cfg.api_key,
                                                run_dir.path.uri),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None)
     try:

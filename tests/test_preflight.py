@@ -32,7 +32,9 @@ SERVERS = {
     "short_ctx": dict(preset="kimi", context_length=1000),
     "eagle": dict(EAGLE3, speculative_algorithm="EAGLE"),  # the failure that cost days: 7168 wide
     "radix_on": dict(EAGLE3, disable_radix_cache=False),
-    "no_hidden": dict(EAGLE3, enable_return_hidden_states=False),
+    # 0.5.18: aux layers come from the EAGLE3 draft, and hidden states are off (0.5.23's aux capture would turn
+    # them on by itself)
+    "no_hidden": dict(EAGLE3, enable_return_hidden_states=False, sglang_version="0.5.18"),
     "hung": dict(EAGLE3, health_ok_while_hung=True),
 }
 
@@ -95,7 +97,8 @@ def test_healthy_eagle3_fleet_passes_with_hidden_states(servers):
         assert r.models == [MODEL] and r.model_path == MODEL and r.weight_version == "default"
         assert r.hidden_width == 21504 and r.radix_cache is False and r.reasoning_parser == "kimi_k2"
         assert r.context == 262144 and r.sglang and r.sglang_version == "0.5.23"
-        assert r.speculative_algorithm == "EAGLE3"
+        assert r.speculative_algorithm is None  # 0.5.23: aux capture without a draft resets it
+        assert r.engine.describe() == "sglang 0.5.23" and r.deterministic is False
     assert fleet_problems(reports, cfg) == [] and pinned_weight_version(reports) == "default"
     table = render_table(reports, cfg).splitlines()
     assert table[0].split()[:2] == ["endpoint", "status"]

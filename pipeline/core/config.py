@@ -67,6 +67,14 @@ class Sampling(_Strict):
     temperature: float = Field(0.0, ge=0.0, le=5.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int = Field(1024, ge=1)
+    # Sent explicitly on every request: SGLang's chat route fills an unset one from the model's
+    # generation_config, /generate does not. The defaults turn each off.
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+
+    def explicit(self) -> dict[str, Any]:
+        return {"top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
 
 
 class SourceRef(_Strict):
@@ -185,7 +193,8 @@ class RunConfig(_Strict):
         return {
             "model": self.model,
             "mode": self.mode,
-            "sampling": self.sampling.model_dump(),
+            "sampling": self.sampling.model_dump(include={"temperature", "top_p", "max_tokens"}),
+            "explicit_sampling": self.sampling.explicit(),  # the values sent in place of generation_config's
             "chat_template_kwargs": self.template_kwargs(),
             "hidden_states": self.hidden_states.model_dump(exclude={"max_in_memory"})
             if self.hidden_states.enabled else None,

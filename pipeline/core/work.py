@@ -31,6 +31,8 @@ class Completion:
     output_token_ids: list[int] | None = None
     hidden_part: str | None = None  # the hidden part holding this turn's states (hidden/ of the run)
     hidden_row: int | None = None
+    weight_versions: list[str] | None = None  # the distinct versions the server's spans name (two: mixed weights)
+    deterministic: bool | None = None  # the server runs --enable-deterministic-inference (None: unknown)
 
 @dataclass(frozen=True)
 class WorkItem:

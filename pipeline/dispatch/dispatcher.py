@@ -34,7 +34,9 @@ log = logging.getLogger("regen.dispatch")
 ACTOR_NAMESPACE = "regen"
 
 
-def client_settings(cfg: RunConfig, weight_version: str | None = None) -> ClientSettings:
+def client_settings(cfg: RunConfig, weight_version: str | None = None,
+                    engines: dict | None = None) -> ClientSettings:
+    """`engines`: each endpoint's engine adapter by label, as the preflight identified it."""
     return ClientSettings(
         model=cfg.model,
         temperature=cfg.sampling.temperature,
@@ -46,6 +48,8 @@ def client_settings(cfg: RunConfig, weight_version: str | None = None) -> Client
         stream=cfg.stream,
         stall_timeout_s=cfg.stall_timeout_s,
         expected_weight_version=weight_version,
+        **cfg.sampling.explicit(),
+        engines=dict(engines or {}),
     )
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 from dataclasses import dataclass
 from typing import Any
+
+from .versions import Behaviour, behaviour, version_tuple  # noqa: F401 - version_tuple: re-exported
 
 DEFAULT_MODEL = "moonshotai/Kimi-K2.5"
 
@@ -19,10 +20,11 @@ FAULT_FIELDS = (
     "fault_500", "fault_503", "fault_429", "fault_400",
     "fault_hang", "fault_reset", "fault_abort",
     "slow_stream_s", "health_ok_while_hung", "health_503",
-    "served_model_name", "hidden_width", "context_length", "fault_seed",
+    "served_model_name", "hidden_width", "context_length", "fault_seed", "fault_weight_switch",
 )
 # The error/behaviour draws, in the order they are tested against one uniform draw per request.
-RATE_FIELDS = ("fault_500", "fault_503", "fault_429", "fault_400", "fault_hang", "fault_reset", "fault_abort")
+RATE_FIELDS = ("fault_500", "fault_503", "fault_429", "fault_400", "fault_hang", "fault_reset", "fault_abort",
+               "fault_weight_switch")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Kimi-K2.5 as launched in production: kimi_k2 reasoning and tool parsers.
@@ -57,7 +59,8 @@ class EmulatorConfig:
     # --- features ----------------------------------------------------------------------------
     enable_return_hidden_states: bool = False
     enable_return_aux_hidden_states: bool = False
-    speculative_algorithm: str | None = None      # "EAGLE3", "EAGLE", ...
+    speculative_algorithm: str | None = None      # "EAGLE3", "EAGLE", ... (0.5.23 + aux flag: the convention)
+    enable_deterministic_inference: bool = False  # without it SGLang ignores seed / sampling_seed
     speculative_num_steps: int = 3
     accept_length: float = 3.2
     enable_metrics: bool = False
@@ -86,11 +89,13 @@ class EmulatorConfig:
     fault_hang: float = 0.0
     fault_reset: float = 0.0
     fault_abort: float = 0.0
+    fault_weight_switch: float = 0.0              # 0.5.23: the weights change mid-answer (two weight_versions spans)
     slow_stream_s: float = 0.0                    # extra delay between SSE chunks
     health_ok_while_hung: bool = False            # every generation hangs, /health still 200
     health_503: bool = False                      # /health and /health_generate answer 503
     # --- logging -----------------------------------------------------------------------------
     request_log: str | None = None
+    request_log_bodies: bool = False              # each log line also holds the whole request body
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -99,11 +104,27 @@ class EmulatorConfig:
 
     # -- derived --------------------------------------------------------------------------------
     @property
+    def behaviour(self) -> Behaviour:
+        return behaviour(self.sglang_version)
+
+    @property
+    def aux_capture(self) -> str | None:
+        """"eagle3" when the vectors are EAGLE-3's aux layers: 0.5.23 with --enable-return-aux-hidden-states
+        (no draft), older versions with an EAGLE3 speculative draft (they have no aux flag)."""
+        eagle3 = (self.speculative_algorithm or "").upper() == "EAGLE3"
+        if self.behaviour.aux_without_draft:
+            return "eagle3" if eagle3 and self.enable_return_aux_hidden_states else None
+        return "eagle3" if eagle3 else None
+
+    @property
     def effective_hidden_width(self) -> int:
-        """Width of returned vectors: 3 x width for EAGLE3 with aux hidden states, else width."""
-        if self.enable_return_aux_hidden_states and (self.speculative_algorithm or "").upper() == "EAGLE3":
-            return 3 * self.hidden_width
-        return self.hidden_width
+        """Width of returned vectors: 3 x width with EAGLE-3 aux capture, else width."""
+        return 3 * self.hidden_width if self.aux_capture else self.hidden_width
+
+    @property
+    def hidden_states_allowed(self) -> bool:
+        """return_hidden_states=True is admitted (aux capture sets the mode to full in 0.5.23)."""
+        return self.enable_return_hidden_states or (self.behaviour.aux_without_draft and bool(self.aux_capture))
 
     @property
     def thinking_parser(self) -> bool:
@@ -111,7 +132,19 @@ class EmulatorConfig:
 
     @property
     def is_speculative(self) -> bool:
-        return bool(self.speculative_algorithm)
+        """A draft runs (0.5.23's aux capture resets speculative_algorithm to None: no draft)."""
+        return bool(self.speculative_algorithm) and not (self.behaviour.aux_without_draft and self.aux_capture)
+
+    def _version_args(self) -> dict[str, Any]:
+        """The hidden-state launch arguments this version has."""
+        out: dict[str, Any] = {}
+        if self.behaviour.hidden_states_mode:
+            out["return_hidden_states_mode"] = "full" if self.hidden_states_allowed and not \
+                self.enable_return_hidden_states else None
+        if self.behaviour.aux_without_draft:
+            out["enable_return_aux_hidden_states"] = self.enable_return_aux_hidden_states
+            out["aux_hidden_state_capture"] = self.aux_capture
+        return out
 
     def faults(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in FAULT_FIELDS}
@@ -136,12 +169,13 @@ class EmulatorConfig:
             "chunked_prefill_size": self.chunked_prefill_size,
             "disable_radix_cache": self.disable_radix_cache,
             "page_size": 1,
-            "speculative_algorithm": self.speculative_algorithm,
+            "speculative_algorithm": self.speculative_algorithm if self.is_speculative else None,
             "speculative_num_steps": self.speculative_num_steps if self.is_speculative else None,
             "speculative_eagle_topk": 1 if self.is_speculative else None,
             "speculative_num_draft_tokens": self.speculative_num_steps + 1 if self.is_speculative else None,
             "enable_return_hidden_states": self.enable_return_hidden_states,
-            "enable_return_aux_hidden_states": self.enable_return_aux_hidden_states,
+            **self._version_args(),
+            "enable_deterministic_inference": self.enable_deterministic_inference,
             "reasoning_parser": self.reasoning_parser,
             "tool_call_parser": self.tool_call_parser,
             "enable_metrics": self.enable_metrics,
@@ -153,23 +187,11 @@ class EmulatorConfig:
         }
 
 
-def version_tuple(version: str) -> tuple[int, ...]:
-    """"0.5.23" -> (0, 5, 23); a suffix such as "rc1" or ".post1" is ignored."""
-    numbers = []
-    for piece in version.split(".")[:3]:
-        digits = "".join(itertools.takewhile(str.isdigit, piece))
-        numbers.append(int(digits or 0))
-    return tuple(numbers)
-
-
 def output_ids_field(sglang_version: str) -> str | None:
     """Where the chat route puts the output ids asked for with return_token_ids, as SGLang's own
     ChatCompletionResponseChoice has it: `response_token_ids` from 0.5.18, `token_ids` in 0.5.17; before
     0.5.17 there is no return_token_ids (the field is ignored, like any unknown field)."""
-    version = version_tuple(sglang_version)
-    if version >= (0, 5, 18):
-        return "response_token_ids"
-    return "token_ids" if version >= (0, 5, 17) else None
+    return behaviour(sglang_version).output_ids_field
 
 
 def _bool_fields() -> set[str]:
@@ -183,7 +205,8 @@ _OPTIONS: list[tuple[str, Any, str]] = [
     ("model_path", str, "model path reported by the info endpoints"),
     ("served_model_name", str, "model name requests must use and responses report (default: model path)"),
     ("weight_version", str, "weight version in metadata/meta_info"),
-    ("sglang_version", str, "version string of /get_server_info"),
+    ("sglang_version", str, "the SGLang version to behave as (0.5.14, 0.5.17, 0.5.18, 0.5.23): field names, "
+                            "flags and checks follow it"),
     ("context_length", int, "context length in tokens"),
     ("hidden_width", int, "hidden size H of one layer (7168 for Kimi-K2.5)"),
     ("num_layers", int, "number of layers reported"),
@@ -191,8 +214,10 @@ _OPTIONS: list[tuple[str, Any, str]] = [
     ("tool_call_parser", str, "tool-call parser name (reported only)"),
     ("tp_size", int, "tensor parallel size (reported only)"),
     ("enable_return_hidden_states", bool, "allow return_hidden_states"),
-    ("enable_return_aux_hidden_states", bool, "return EAGLE-3 aux layers (3 x width) with EAGLE3"),
+    ("enable_return_aux_hidden_states", bool, "0.5.23: capture EAGLE-3 aux layers (3 x width) without a draft, "
+                                              "with --speculative-algorithm EAGLE3 naming the convention"),
     ("speculative_algorithm", str, "speculative algorithm (EAGLE3, EAGLE, ...)"),
+    ("enable_deterministic_inference", bool, "report --enable-deterministic-inference (seeds then reproduce)"),
     ("speculative_num_steps", int, "draft steps (spec_accept_rate = (accept_length-1)/steps)"),
     ("accept_length", float, "mean speculative accept length"),
     ("enable_metrics", bool, "serve Prometheus /metrics"),
@@ -219,10 +244,12 @@ _OPTIONS: list[tuple[str, Any, str]] = [
     ("fault_hang", float, "rate of requests that never answer"),
     ("fault_reset", float, "rate of connections closed mid-body"),
     ("fault_abort", float, "rate of 200 answers with finish_reason abort"),
+    ("fault_weight_switch", float, "rate of answers whose weights changed mid-answer (0.5.23: two spans)"),
     ("slow_stream_s", float, "delay between SSE chunks in seconds"),
     ("health_ok_while_hung", bool, "every generation hangs while /health stays 200"),
     ("health_503", bool, "/health and /health_generate answer 503"),
     ("request_log", str, "append one JSON line per generation request to this file"),
+    ("request_log_bodies", bool, "log each request's whole body too (the conformance test checks them)"),
     ("log_level", str, "logging level"),
 ]
 

@@ -15,15 +15,15 @@ _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 ERR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "TooManyRequestsError",
              500: "InternalServerError", 503: "ServiceUnavailableError"}
-NOT_CONFIGURED_HIDDEN = "The server is not configured to return hidden states."
 
 
 class RequestInvalid(Exception):
-    """A request the server refuses before generating: status + SGLang's message."""
+    """A request the server refuses before generating: status + SGLang's message. `bare`: the body is
+    {"error": "<message>"} (0.5.23's /generate contract gate)."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, bare: bool = False):
         super().__init__(message)
-        self.message, self.status = message, status
+        self.message, self.status, self.bare = message, status, bare
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
@@ -77,7 +77,8 @@ def _check_sampling(temperature: float | None, top_p: float | None) -> None:
         raise RequestInvalid(f"top_p must be in (0, 1], got {top_p}.")
 
 
-def validate_chat(body: dict) -> None:
+def validate_chat(body: dict, return_token_ids: bool = True) -> None:
+    """`return_token_ids`: the version declares it (before 0.5.17 it is an unknown field, ignored)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise RequestInvalid("1 validation error: messages must be a non-empty list of messages.")
@@ -123,7 +124,7 @@ def validate_chat(body: dict) -> None:
         if body.get("return_prompt_token_ids"):
             raise RequestInvalid("return_prompt_token_ids is not supported with streaming. "
                                  "Please set stream=false when using return_prompt_token_ids=true.")
-        if body.get("return_token_ids"):
+        if body.get("return_token_ids") and return_token_ids:
             raise RequestInvalid("return_token_ids is not supported with streaming on /v1/chat/completions. "
                                  "Please set stream=false when using return_token_ids=true.")
         if body.get("return_meta_info"):
@@ -164,11 +165,12 @@ def validate_generate(body: dict) -> dict:
 
 
 def check_context(prompt_tokens: int, max_new: int | None, context_len: int) -> None:
-    """SGLang's TokenizerManager checks, messages verbatim."""
+    """SGLang's TokenizerManager checks, messages verbatim: the prompt alone `>=`, the total `>` (0.5.14 to
+    0.5.23 alike)."""
     if prompt_tokens >= context_len:
         raise RequestInvalid(f"The input ({prompt_tokens} tokens) is longer than the model's context length "
                              f"({context_len} tokens).")
-    if max_new is not None and max_new + prompt_tokens >= context_len:
+    if max_new is not None and max_new + prompt_tokens > context_len:
         raise RequestInvalid(
             f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
             f"You requested a total of {max_new + prompt_tokens} tokens: {prompt_tokens} tokens from the input "
@@ -184,8 +186,22 @@ def chat_usage(gen: Generation, cached: int, cache_report: bool, parser: bool) -
             "reasoning_tokens": gen.reasoning_tokens if parser else 0}
 
 
-def chat_body(rid: str, model: str, gen: Generation, usage: dict, weight_version: str, parser: bool,
+def weight_metadata(weight_version: str, n_output: int, spans: bool, switch: bool) -> dict:
+    """`metadata` of a chat answer (and the weight fields of meta_info): 0.5.23 adds the `weight_versions`
+    spans of the finished request; `switch`: the weights changed halfway through it."""
+    if not spans:
+        return {"weight_version": weight_version}
+    if not switch or n_output < 2:
+        return {"weight_version": weight_version,
+                "weight_versions": [{"version": weight_version, "start": 0, "end": n_output}]}
+    half, new = n_output // 2, weight_version + "-next"
+    return {"weight_version": new, "weight_versions": [{"version": weight_version, "start": 0, "end": half},
+                                                       {"version": new, "start": half, "end": n_output}]}
+
+
+def chat_body(rid: str, model: str, gen: Generation, usage: dict, weight_version: str | dict, parser: bool,
               extra_choice: dict | None = None) -> dict:
+    """`weight_version`: the version, or the whole metadata (weight_metadata)."""
     content, reasoning = split_reasoning(gen, parser)
     choice = {"index": 0,
               "message": {"role": "assistant", "content": content, "reasoning_content": reasoning,
@@ -194,7 +210,8 @@ def chat_body(rid: str, model: str, gen: Generation, usage: dict, weight_version
     if extra_choice:
         choice.update(extra_choice)
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage, "metadata": {"weight_version": weight_version}}
+            "choices": [choice], "usage": usage,
+            "metadata": weight_version if isinstance(weight_version, dict) else {"weight_version": weight_version}}
 
 
 def chunk_bytes(rid: str, created: int, model: str, delta: dict | None, finish: str | None = None,
@@ -226,10 +243,12 @@ def stream_deltas(gen: Generation, parser: bool) -> list[dict]:
     return out
 
 
-def meta_info(rid: str, gen: Generation, cached: int, finish: dict, e2e: float, cfg: Any) -> dict:
+def meta_info(rid: str, gen: Generation, cached: int, finish: dict, e2e: float, cfg: Any,
+              switch: bool = False) -> dict:
     mi = {"id": rid, "finish_reason": finish, "prompt_tokens": gen.prompt_tokens,
           "weight_version": cfg.weight_version, "total_retractions": 0,
           "completion_tokens": gen.completion_tokens, "cached_tokens": cached}
+    mi.update(weight_metadata(cfg.weight_version, gen.completion_tokens, cfg.behaviour.weight_version_spans, switch))
     if cfg.is_speculative:
         from .metrics import spec_accept_rate
         ct = gen.completion_tokens

@@ -11,12 +11,12 @@ import orjson
 from aiohttp import web
 
 from . import hidden as hs
-from .config import output_ids_field
+from .versions import contract_error
 from .model import THINK_START_ID, Generation, chat_generation, chat_max_tokens, generate, generate_prompt, \
     native_finish
-from .protocol import (NOT_CONFIGURED_HIDDEN, RequestInvalid, chat_body, chat_usage, check_context, chunk_bytes,
-                       json_response, meta_info, native_error, openai_error, parse_json, stream_deltas,
-                       stream_error_event, validate_chat, validate_generate)
+from .protocol import (RequestInvalid, chat_body, chat_usage, check_context, chunk_bytes, json_response,
+                       meta_info, native_error, openai_error, parse_json, stream_deltas, stream_error_event,
+                       validate_chat, validate_generate, weight_metadata)
 from .state import Overloaded, PrefixCache, ServerState
 
 CHAT = "/v1/chat/completions"
@@ -51,8 +51,8 @@ async def _hang_forever() -> None:
 
 def _admit(st: ServerState, body: dict) -> str:
     """The checks both generation routes share; returns the request's rid."""
-    if body.get("return_hidden_states") and not st.cfg.enable_return_hidden_states:
-        raise RequestInvalid(NOT_CONFIGURED_HIDDEN)
+    if body.get("return_hidden_states") and not st.cfg.hidden_states_allowed:
+        raise RequestInvalid(st.cfg.behaviour.no_hidden_states_message)
     rid = body.get("rid") or uuid.uuid4().hex
     if rid in st.running_rids:
         raise RequestInvalid(f"Duplicate request ID detected: {rid}")
@@ -63,24 +63,27 @@ def _refuse(st: ServerState, route: str, body: dict, error: RequestInvalid, resp
     st.count(route, str(error.status))
     rid = body.get("rid") if isinstance(body.get("rid"), str) else ""
     st.log_request(route, rid, body, f"error:{error.status}", message=error.message)
+    if error.bare:
+        return json_response({"error": error.message}, error.status)
     return respond(error.status, error.message)
 
 
 def _prepare_chat(st: ServerState, body: dict) -> Generation:
-    validate_chat(body)
     cfg = st.cfg
-    model = body.get("model")
-    if model not in (None, "default", cfg.served_model_name):
-        raise RequestInvalid(f"The model `{model}` does not exist. The served model name is "
-                             f"`{cfg.served_model_name}`.", cfg.unknown_model_status)
+    validate_chat(body, cfg.behaviour.return_token_ids)
+    # No model-name check: SGLang's chat route echoes request.model (only /v1/models/{m} answers 404).
     _, gen = chat_generation(body, cfg.context_length, cfg.default_max_tokens)
     check_context(gen.prompt_tokens, chat_max_tokens(body), cfg.context_length)
     return gen
 
 
 def _prepare_generate(st: ServerState, body: dict) -> Generation:
-    sp = validate_generate(body)
     cfg = st.cfg
+    if cfg.behaviour.generate_contract and isinstance(body.get("sampling_params"), dict):
+        error = contract_error(body["sampling_params"])
+        if error:
+            raise RequestInvalid(error, bare=True)
+    sp = validate_generate(body)
     key, ids = generate_prompt(body)
     if not ids:
         raise RequestInvalid("The input is empty.")
@@ -192,7 +195,7 @@ def _chat_extras(st: ServerState, job: Job, finish_meta: bool) -> dict:
     extra: dict[str, Any] = {}
     if body.get("return_hidden_states"):
         extra["hidden_states"] = hs.last_hidden_state(gen.prompt_ids, gen.output_ids, cfg.effective_hidden_width)
-    ids_field = output_ids_field(cfg.sglang_version)
+    ids_field = cfg.behaviour.output_ids_field
     # SGLang (0.5.17+) puts the prompt ids on the choice for either flag
     if body.get("return_prompt_token_ids") or (body.get("return_token_ids") and ids_field):
         extra["prompt_token_ids"] = gen.prompt_ids
@@ -200,8 +203,26 @@ def _chat_extras(st: ServerState, job: Job, finish_meta: bool) -> dict:
         extra[ids_field] = gen.output_ids
     if finish_meta and body.get("return_meta_info"):
         extra["meta_info"] = meta_info(job.rid, gen, job.cached, _native_finish(gen),
-                                       time.monotonic() - job.t0, cfg)
+                                       time.monotonic() - job.t0, cfg, job.fault == "weight_switch")
     return extra
+
+
+def body_model(body: dict, cfg) -> str:
+    """SGLang's chat answers echo request.model (the served name when the request names none)."""
+    model = body.get("model")
+    return model if isinstance(model, str) and model else cfg.served_model_name
+
+
+def _sglext_ids(cfg, job: Job) -> dict | None:
+    """0.5.23: the ids a stream asked for with return_*_ids_in_sglext, in one chunk after the last token."""
+    if not cfg.behaviour.stream_ids_in_sglext:
+        return None
+    ext: dict[str, Any] = {}
+    if job.body.get("return_input_ids_in_sglext"):
+        ext["input_ids"] = job.gen.prompt_ids
+    if job.body.get("return_output_ids_in_sglext"):
+        ext["output_ids"] = [job.gen.output_ids]
+    return ext or None
 
 
 def _native_finish(gen: Generation) -> dict:
@@ -213,7 +234,7 @@ def _native_finish(gen: Generation) -> dict:
 
 def _generate_body(st: ServerState, job: Job, e2e: float, with_hidden: bool) -> dict:
     gen, cfg = job.gen, st.cfg
-    mi = meta_info(job.rid, gen, job.cached, _native_finish(gen), e2e, cfg)
+    mi = meta_info(job.rid, gen, job.cached, _native_finish(gen), e2e, cfg, job.fault == "weight_switch")
     if with_hidden and job.body.get("return_hidden_states"):
         start = job.cached if not cfg.disable_radix_cache else 0
         start = hs.prefill_start(gen.prompt_tokens, start, cfg.chunked_prefill_size)
@@ -231,7 +252,9 @@ async def _plain(request: web.Request, st: ServerState, job: Job) -> web.StreamR
     if job.route == CHAT:
         parser = cfg.thinking_parser
         usage = chat_usage(gen, job.cached, cfg.enable_cache_report, parser)
-        obj = chat_body(job.rid, cfg.served_model_name, gen, usage, cfg.weight_version, parser,
+        metadata = weight_metadata(cfg.weight_version, gen.completion_tokens, cfg.behaviour.weight_version_spans,
+                                   job.fault == "weight_switch")
+        obj = chat_body(job.rid, body_model(job.body, cfg), gen, usage, metadata, parser,
                         _chat_extras(st, job, True))
     else:
         obj = _generate_body(st, job, time.monotonic() - job.t0, True)
@@ -268,7 +291,7 @@ async def _stream(request: web.Request, st: ServerState, job: Job) -> web.Stream
     n = gen.completion_tokens
     cut = n // 2 if job.fault in ("500", "reset") else None
     created = int(time.time())
-    model = cfg.served_model_name
+    model = body_model(job.body, cfg)
     chat = job.route == CHAT
     parser = cfg.thinking_parser
     deltas = stream_deltas(gen, parser) if chat else None
@@ -320,6 +343,11 @@ async def _stream(request: web.Request, st: ServerState, job: Job) -> web.Stream
                                                 "tool_calls": None, **fin_delta},
                           "logprobs": None, "finish_reason": gen.finish, "matched_stop": gen.matched_stop}],
              "usage": None}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n")
+        ext = _sglext_ids(cfg, job)
+        if ext:
+            buf.append(b"data: " + orjson.dumps({"id": job.rid, "object": "chat.completion.chunk",
+                                                 "created": created, "model": model, "choices": [],
+                                                 "usage": None, "sglext": ext}) + b"\n\n")
         so = job.body.get("stream_options") or {}
         if so.get("include_usage"):
             usage = chat_usage(gen, job.cached, cfg.enable_cache_report, parser)

@@ -7,7 +7,8 @@ import time
 from aiohttp import web
 
 from .metrics import render_metrics
-from .protocol import json_response, parse_json, RequestInvalid
+from .model import encode, render_chat, thinking_enabled
+from .protocol import json_response, openai_error, parse_json, RequestInvalid
 from .routes_gen import STATE_KEY
 
 
@@ -38,7 +39,10 @@ async def health_generate(request: web.Request) -> web.Response:
 
 async def get_model_info(request: web.Request) -> web.Response:
     cfg = request.app[STATE_KEY].cfg
+    named = {"served_model_name": cfg.served_model_name, "reasoning_parser": cfg.reasoning_parser} \
+        if cfg.behaviour.model_info_names_parser else {}
     return json_response({
+        **named,
         "model_path": cfg.model_path,
         "tokenizer_path": cfg.model_path,
         "is_generation": True,
@@ -48,8 +52,6 @@ async def get_model_info(request: web.Request) -> web.Response:
         "has_audio_understanding": False,
         "model_type": "kimi_k25",
         "architectures": ["KimiK25ForConditionalGeneration"],
-        "served_model_name": cfg.served_model_name,
-        "reasoning_parser": cfg.reasoning_parser,
     })
 
 
@@ -58,7 +60,6 @@ async def get_server_info(request: web.Request) -> web.Response:
     cfg = st.cfg
     info = cfg.server_args()
     info.update({
-        "hidden_size": cfg.hidden_width,
         "max_total_num_tokens": cfg.max_total_num_tokens,
         "internal_states": [{
             "last_gen_throughput": st.gen_throughput(),
@@ -67,6 +68,31 @@ async def get_server_info(request: web.Request) -> web.Response:
         "version": cfg.sglang_version,
     })
     return json_response(info)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """POST /v1/tokenize (and /tokenize): a prompt, or messages rendered through the chat template with the
+    request's chat_template_kwargs, as tokens; no generation."""
+    st = request.app[STATE_KEY]
+    cfg = st.cfg
+    body: dict = {}
+    try:
+        body = parse_json(await request.read())
+        st.log_request(request.path, "", body, "tokenize")
+        prompt, messages = body.get("prompt"), body.get("messages")
+        if (prompt is None) == (messages is None):
+            raise RequestInvalid("Exactly one of 'prompt' or 'messages' must be provided.")
+        if messages is not None:
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise RequestInvalid("messages must be a list of messages.")
+            tokens = encode(render_chat(messages, thinking_enabled(body)))
+        elif isinstance(prompt, str):
+            tokens = encode(prompt)
+        else:
+            raise RequestInvalid("The emulator tokenizes one prompt string at a time.")
+    except (RequestInvalid, KeyError, ValueError) as e:
+        return openai_error(400, str(getattr(e, "message", e)))
+    return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": cfg.context_length})
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -31,6 +31,8 @@ def build_app(cfg: EmulatorConfig) -> web.Application:
                           ("/v1/models", i.list_models), ("/metrics", i.metrics)):
         r.add_get(path, handler)
     r.add_post("/flush_cache", i.flush_cache)
+    r.add_post("/v1/tokenize", i.tokenize)
+    r.add_post("/tokenize", i.tokenize)
     r.add_route("GET", "/admin/faults", i.admin_faults)
     r.add_post("/admin/faults", i.admin_faults)
     r.add_get("/admin/stats", i.admin_stats)

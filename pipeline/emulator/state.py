@@ -280,6 +280,8 @@ class ServerState:
             rec["max_tokens"] = sp.get("max_new_tokens", 128) if isinstance(sp, dict) else None
         rec["outcome"] = outcome
         rec.update(extra)
+        if self.cfg.request_log_bodies:
+            rec["body"] = body
         self._log.write(orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS))
 
     def close(self) -> None:

@@ -17,17 +17,25 @@ import orjson
 
 from ..core.work import Completion
 from ..core.errors import EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt
+from .engines import OpenAIAdapter, Sampling, StreamIds
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
-# The messages SGLang (and llama.cpp, for the local fleet) use to tell its 400s apart.
+# The messages SGLang (and llama.cpp, for the local fleet) use to tell its 400s apart. The SGLang ones are read
+# out of each checked version's wheel by tests/test_sglang_conformance.py: a renamed message fails there.
 _CONTEXT_OVERFLOW = (
-    "is longer than the model's context length",  # SGLang: prompt alone too long
-    "exceeds the model's maximum context length",  # SGLang: prompt + max_tokens too long
+    "is longer than the model's context length",  # SGLang tokenizer_manager: prompt alone too long
+    "exceeds the model's maximum context length",  # SGLang tokenizer_manager: prompt + max_tokens too long
+    "exceeds the maximum allowed length",  # SGLang managers/utils.py (scheduler): "Input length (N tokens) ..."
+    "max_completion_tokens is too large",  # SGLang serving_chat: max_tokens alone above the context
     "exceeds the available context size",  # llama.cpp
 )
 _DUPLICATE_RID = "duplicate request id"
-_NO_HIDDEN_STATES = "not configured to return hidden states"
+_NO_HIDDEN_STATES = (
+    "not configured to return hidden states",  # SGLang 0.5.17+ (the flags it names differ by version)
+    "not configured to return the hidden states",  # SGLang 0.5.14
+    "return_hidden_states mode exceeds the server maximum",  # SGLang 0.5.17+: `True` asked of a `last` server
+)
 _MODEL_MISSING = "does not exist"  # SGLang: 400 "The model `X` does not exist. The served model name is `Y`."
 
 
@@ -40,7 +48,7 @@ def classify(status: int | None, message: str, endpoint: str = "") -> RequestErr
     if status == 400:
         if _DUPLICATE_RID in text:
             return Retryable(message, **kwargs)  # the retry gets a fresh rid
-        if _NO_HIDDEN_STATES in text or ("model" in text and _MODEL_MISSING in text):
+        if any(marker in text for marker in _NO_HIDDEN_STATES) or ("model" in text and _MODEL_MISSING in text):
             return EndpointFatal(message, **kwargs)
         if any(marker.lower() in text for marker in _CONTEXT_OVERFLOW):
             return TerminalForPrompt(f"context overflow: {message}", **kwargs)
@@ -53,11 +61,14 @@ def classify(status: int | None, message: str, endpoint: str = "") -> RequestErr
 
 
 def _error_message(body: Any, fallback: str) -> str:
-    """SGLang sends {"message": ...} (OpenAI style) or {"error": {"message": ...}} (native)."""
+    """SGLang sends {"message": ...} (OpenAI style), {"error": {"message": ...}} (native) or {"error": "..."}
+    (/generate contract errors and a missing API key)."""
     if isinstance(body, dict):
         inner = body.get("error", body)
         if isinstance(inner, dict) and inner.get("message"):
             return str(inner["message"])
+        if isinstance(inner, str) and inner:
+            return inner
         if body.get("message"):
             return str(body["message"])
     return fallback
@@ -78,6 +89,15 @@ class ClientSettings:
     stall_timeout_s: float = 60.0  # streamed: no token for this long is "no progress"
     # Pinned at preflight: an answer from another weight version is never mixed into the run.
     expected_weight_version: str | None = None
+    # Sent explicitly on every request (the chat route would otherwise fill them from generation_config).
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    # Each endpoint's engine adapter, by label, as the preflight identified it (absent: the neutral adapter).
+    engines: dict[str, OpenAIAdapter] = field(default_factory=dict)
+
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty)
 
 
 def _usage_fields(usage: dict[str, Any]) -> dict[str, Any]:
@@ -91,15 +111,17 @@ def _usage_fields(usage: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def output_token_ids(choice: dict[str, Any]) -> list[int] | None:
-    """SGLang names the output ids `response_token_ids` from 0.5.18 on, `token_ids` in 0.5.17."""
-    ids = choice.get("response_token_ids")
-    return ids if ids is not None else choice.get("token_ids")
+def output_token_ids(choice: dict[str, Any], engine: OpenAIAdapter | None = None) -> list[int] | None:
+    """The output ids of a chat choice, where the endpoint's engine (and version) puts them."""
+    return (engine or OpenAIAdapter()).output_ids(choice)
 
 
-def parse_chat(body: dict[str, Any], latency_s: float, request_id: str) -> Completion:
+def parse_chat(body: dict[str, Any], latency_s: float, request_id: str,
+               engine: OpenAIAdapter | None = None) -> Completion:
+    engine = engine or OpenAIAdapter()
     choice = body["choices"][0]
     message = choice.get("message") or {}
+    metadata = body.get("metadata")
     return Completion(
         content=message.get("content") or "",
         reasoning_content=message.get("reasoning_content"),
@@ -108,8 +130,10 @@ def parse_chat(body: dict[str, Any], latency_s: float, request_id: str) -> Compl
         weight_version=(body.get("metadata") or {}).get("weight_version"),
         latency_s=latency_s,
         request_id=request_id,
-        prompt_token_ids=choice.get("prompt_token_ids"),
-        output_token_ids=output_token_ids(choice),
+        prompt_token_ids=engine.prompt_ids(body, choice),
+        output_token_ids=engine.output_ids(choice),
+        weight_versions=engine.weight_versions(metadata) or None,
+        deterministic=engine.deterministic,
         **_usage_fields(body.get("usage") or {}),
     )
 
@@ -125,6 +149,8 @@ class StreamAccumulator:
     model: str = ""
     request_id: str = ""
     weight_version: str | None = None
+    engine: OpenAIAdapter = field(default_factory=OpenAIAdapter)
+    ids: StreamIds | None = None  # from the final sglext chunk, where the server sends one
 
     def add(self, chunk: dict[str, Any]) -> None:
         if "error" in chunk:  # SGLang reports a mid-stream error as a data event
@@ -135,6 +161,7 @@ class StreamAccumulator:
         self.request_id = chunk.get("id") or self.request_id
         self.weight_version = (chunk.get("metadata") or {}).get("weight_version", self.weight_version)
         self.usage = chunk.get("usage") or self.usage
+        self.ids = self.engine.stream_chunk_ids(chunk) or self.ids
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             if delta.get("content"):
@@ -147,7 +174,9 @@ class StreamAccumulator:
         return Completion(
             content="".join(self.content), reasoning_content="".join(self.reasoning) if self.reasoning else None,
             finish_reason=self.finish_reason, model=self.model, weight_version=self.weight_version,
-            latency_s=latency_s, request_id=self.request_id, **_usage_fields(self.usage),
+            latency_s=latency_s, request_id=self.request_id, deterministic=self.engine.deterministic,
+            prompt_token_ids=self.ids.prompt_ids if self.ids else None,
+            output_token_ids=self.ids.output_ids if self.ids else None, **_usage_fields(self.usage),
         )
 
 
@@ -157,6 +186,7 @@ class EndpointClient:
     def __init__(self, url: str, label: str, settings: ClientSettings, api_key: str | None = None):
         self.url, self.label, self.settings = url, label, settings
         self._api_key = api_key
+        self.engine = settings.engines.get(label) or OpenAIAdapter()  # the preflight may set it
         self._openai = openai.AsyncOpenAI(
             base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0, timeout=settings.timeout_s
         )
@@ -165,11 +195,12 @@ class EndpointClient:
     async def chat(self, messages: list[dict[str, str]], seed: int | None) -> Completion:
         s = self.settings
         rid = uuid.uuid4().hex  # fresh on every attempt: SGLang refuses a rid that is still running
-        extra: dict[str, Any] = {"rid": rid}
+        sampling = s.sampling().fields()
+        extra: dict[str, Any] = {"rid": rid, "top_k": sampling["top_k"], "min_p": sampling["min_p"],
+                                 "repetition_penalty": sampling["repetition_penalty"]}
         if s.chat_template_kwargs:
             extra["chat_template_kwargs"] = s.chat_template_kwargs
-        if s.return_token_ids and not s.stream:  # SGLang refuses token ids on a stream
-            extra.update(return_token_ids=True, return_prompt_token_ids=True)
+        extra.update(self.engine.chat_extras(want_ids=s.return_token_ids, stream=s.stream))
         request = dict(model=s.model, messages=messages, max_tokens=s.max_tokens, temperature=s.temperature,
                        top_p=s.top_p, seed=seed, extra_body=extra)
         started = time.monotonic()
@@ -179,7 +210,7 @@ class EndpointClient:
             else:
                 raw = await self._openai.chat.completions.with_raw_response.create(**request)
                 body = orjson.loads(raw.content)
-                completion = parse_chat(body, time.monotonic() - started, body.get("id") or rid)
+                completion = parse_chat(body, time.monotonic() - started, body.get("id") or rid, self.engine)
         except openai.APIStatusError as exc:
             raise classify(exc.status_code, _error_message(exc.body, exc.message), self.label) from None
         except (openai.APITimeoutError, TimeoutError):
@@ -197,7 +228,7 @@ class EndpointClient:
         """SSE: a request with no new chunk for stall_timeout_s made no progress and is cancelled."""
         stream = await self._openai.chat.completions.create(
             **request, stream=True, stream_options={"include_usage": True})
-        folded = StreamAccumulator(request_id=rid)
+        folded = StreamAccumulator(request_id=rid, engine=self.engine)
         chunks = stream.__aiter__()
         try:
             while True:
@@ -211,9 +242,14 @@ class EndpointClient:
         return folded.completion(time.monotonic() - started)
 
     def check_completion(self, completion: Completion) -> Completion:
-        """An `abort` finish is retryable; an answer from other weights than the run's is endpoint-fatal."""
+        """An `abort` finish is retryable; an answer from other weights than the run's is endpoint-fatal; an
+        answer whose weights changed while it was generated (two weight-version spans) is retried."""
         if completion.finish_reason == "abort":
             raise Retryable("the server aborted the request", endpoint=self.label)
+        if completion.weight_versions and len(completion.weight_versions) > 1:
+            raise Retryable(f"the weights changed while the answer was generated (weight_versions spans name "
+                            f"{', '.join(map(repr, completion.weight_versions))}): never committed, retried",
+                            endpoint=self.label)
         expected = self.settings.expected_weight_version
         if expected is not None and completion.weight_version not in (None, expected):
             raise EndpointFatal(f"weight version changed during the run: pinned {expected!r}, "

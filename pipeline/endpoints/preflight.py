@@ -17,9 +17,11 @@ import time
 from ..core.config import RunConfig
 from .client import ClientSettings, EndpointClient
 from ..core.errors import ConfigError, PreflightError
+from .engines import SGLangAdapter
 from .probes import PROBE_RID_PREFIX, EndpointReport, check_endpoint
 
-__all__ = ["PROBE_RID_PREFIX", "EndpointReport", "check_endpoint", "fleet_problems", "pinned_weight_version",
+__all__ = ["PROBE_RID_PREFIX", "EndpointReport", "check_endpoint", "fleet_deterministic", "fleet_notes",
+           "fleet_problems", "pinned_weight_version",
            "preflight", "preflight_async", "probe_fleet", "run_preflight_command"]
 
 log = logging.getLogger("regen.fleet")
@@ -51,6 +53,35 @@ def fleet_problems(reports: list[EndpointReport], cfg: RunConfig) -> list[str]:
     return out
 
 
+def fleet_notes(reports: list[EndpointReport], cfg: RunConfig) -> list[str]:
+    """What the user must know about the whole fleet, said once: the sampling values regen sends in place of
+    the server's defaults, seeds that reproduce nothing, and weight pinning in stream mode."""
+    live = [r for r in reports if r.reachable]
+    sent = ", ".join(f"{k}={v}" for k, v in {"temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
+                                                **cfg.sampling.explicit()}.items())
+    notes = [f"every request sends {sent} explicitly: they override the model's generation_config defaults "
+             "that SGLang's chat route would otherwise apply (its /generate applies none)"]
+    for r in live:
+        if r.preferred_sampling:
+            notes.append(f"{r.label} was launched with preferred_sampling_params {r.preferred_sampling}: "
+                         "regen's explicit values override them")
+    warnings = {w for r in live if isinstance(r.engine, SGLangAdapter)
+                for w in [r.engine.seed_warning(cfg.sampling.temperature)] if w}
+    notes += sorted(warnings)
+    if cfg.stream and any(isinstance(r.engine, SGLangAdapter) for r in live):
+        notes.append("stream: true: SGLang's stream chunks carry no weight version, so weight pinning is off for "
+                     "the answers (the preflight and every readmission still check the version the server reports)")
+    return notes
+
+
+def fleet_deterministic(reports: list[EndpointReport]) -> bool | None:
+    """True only if every endpoint that may get work runs --enable-deterministic-inference; None: unknown."""
+    flags = [r.deterministic for r in reports if r.ok]
+    if not flags or any(f is False for f in flags):
+        return False if flags else None
+    return True if all(flags) else None
+
+
 def pinned_weight_version(reports: list[EndpointReport]) -> str | None:
     """The single weight version the healthy endpoints report (None if none reports one)."""
     versions = {r.weight_version for r in reports if r.ok and r.weight_version}
@@ -65,15 +96,16 @@ def refusal_text(reports: list[EndpointReport], fleet: list[str]) -> str:
 # --- the whole fleet ------------------------------------------------------------------------------------
 def _settings(cfg: RunConfig) -> ClientSettings:
     return ClientSettings(model=cfg.model, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                          max_tokens=cfg.sampling.max_tokens, chat_template_kwargs=cfg.template_kwargs())
+                          max_tokens=cfg.sampling.max_tokens, chat_template_kwargs=cfg.template_kwargs(),
+                          **cfg.sampling.explicit())
 
 
-async def probe_fleet(cfg: RunConfig, api_keys: dict[str, str | None], **timeouts: float) -> list[EndpointReport]:
-    """One round: every endpoint checked concurrently."""
+async def probe_fleet(cfg: RunConfig, api_keys: dict[str, str | None], **options) -> list[EndpointReport]:
+    """One round: every endpoint checked concurrently. `options`: check_endpoint's keywords."""
     settings = _settings(cfg)
     clients = [EndpointClient(e.url, e.label, settings, api_keys.get(e.label)) for e in cfg.all_endpoints()]
     try:
-        return list(await asyncio.gather(*(check_endpoint(c, cfg, **timeouts) for c in clients)))
+        return list(await asyncio.gather(*(check_endpoint(c, cfg, **options) for c in clients)))
     finally:
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
 
@@ -94,6 +126,8 @@ async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], **tim
         if fleet or any(r.problems for r in reports):
             raise _refuse(refusal_text(reports, fleet), reports, fleet)
         if any(r.reachable for r in reports):
+            for note in fleet_notes(reports, cfg):
+                log.warning("fleet: %s", note)
             for r in reports:
                 if not r.reachable:
                     log.warning("endpoint %s is unreachable (%s); it gets work once it answers and passes "
@@ -156,6 +190,8 @@ def run_preflight_command(config_path: str) -> int:
         print(f"regen: error: {exc}", file=sys.stderr)
         return 1
     print(render_table(reports, cfg, []))
+    for note in fleet_notes(reports, cfg):
+        print(f"  fleet: {note}")
     ready = sum(r.ok for r in reports)
     print(f"preflight passed: {ready} of {len(reports)} endpoints ready for {cfg.model}")
     return 0

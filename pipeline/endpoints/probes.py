@@ -1,8 +1,10 @@
 """Probing one endpoint: what it serves and how it was launched. Used by the fleet preflight and by the
 circuit breaker, so that a recovered endpoint passes the full preflight before it gets work again.
 
-  1. `/v1/models` (served ids, context), `/get_model_info` and `/get_server_info` (SGLang only: a 404 there
-     means "not SGLang", e.g. the local llama.cpp fleet, and the checks that need them are skipped);
+  1. `/v1/models` (served ids, context), `/model_info` and `/server_info` (falling back to the deprecated
+     `/get_model_info` and `/get_server_info`; SGLang only: a 404 on both means "not SGLang", e.g. the local
+     llama.cpp fleet, and the checks that need them are skipped). The server's engine adapter (engines/) is
+     chosen here, and the version checks are its: output ids, aux capture, hidden-state flags, seeds;
   2. one tiny chat generation with the run's chat_template_kwargs: generation works (a /health 200 can lie),
      and when thinking is requested the reasoning is split out (a reasoning parser is running);
   3. with hidden states: `/generate` with `return_hidden_states` on a short probe, twice. The vector width must
@@ -17,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.config import RunConfig
-from .client import EndpointClient, _error_message, classify, output_token_ids
+from .client import EndpointClient, _error_message, classify
 from ..core.errors import EndpointDown, EndpointFatal, Retryable
+from .engines import OpenAIAdapter, SGLangAdapter, engine_for
 
 INFO_TIMEOUT_S = 5.0  # each information endpoint
 PROBE_TIMEOUT_S = 30.0  # each tiny generation (8 chat tokens, 4 /generate tokens)
@@ -52,6 +55,9 @@ class EndpointReport:
     sglang_version: str | None = None
     sglang: bool | None = None  # True: SGLang info endpoints answer; False: 404 (e.g. llama.cpp); None: unknown
     speculative_algorithm: str | None = None
+    engine: OpenAIAdapter | None = None  # the adapter the client uses for this endpoint
+    deterministic: bool | None = None  # --enable-deterministic-inference (server_info); None: unknown
+    preferred_sampling: Any = None  # /model_info preferred_sampling_params: server-side defaults
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     down_reason: str = ""  # why it is unreachable
@@ -74,6 +80,17 @@ async def _get(client: EndpointClient, path: str, timeout_s: float) -> tuple[int
         return await client.get_json(path, timeout_s=timeout_s)
     except EndpointDown as exc:
         return exc
+
+
+async def _info(client: EndpointClient, kind: str, timeout_s: float) -> tuple[str, tuple[int, Any] | EndpointDown]:
+    """An information endpoint by its current path, else its deprecated alias (which 0.5.23 logs a warning
+    for on every call): (the path that answered, its result)."""
+    paths = client.engine.info_paths(kind)
+    for path in paths:
+        result = await _get(client, path, timeout_s)
+        if isinstance(result, EndpointDown) or result[0] != 404 or path == paths[-1]:
+            return path, result
+    raise AssertionError("unreachable")
 
 
 def _context_of(models_body: dict, model: str) -> int | None:
@@ -100,16 +117,19 @@ class _Findings:
 
 
 async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout_s: float = INFO_TIMEOUT_S,
-                         probe_timeout_s: float = PROBE_TIMEOUT_S) -> EndpointReport:
+                         probe_timeout_s: float = PROBE_TIMEOUT_S,
+                         longest: tuple[str, int] | None = None) -> EndpointReport:
     """Every check of one endpoint. Never raises for the endpoint's faults: they are in the report.
 
     `report.ok` says whether the endpoint may get work; `report.reachable` False means it did not answer
-    (or did not generate) and may come back; `report.problems` non-empty means it is misconfigured."""
+    (or did not generate) and may come back; `report.problems` non-empty means it is misconfigured.
+    `longest`: (what, tokens) of the longest sequence a hidden-state pass will prefill, checked against the
+    server's chunked_prefill_size."""
     report = EndpointReport(label=client.label, url=client.url)
-    models_r, minfo_r, sinfo_r = await asyncio.gather(
+    models_r, (minfo_path, minfo_r), (sinfo_path, sinfo_r) = await asyncio.gather(
         _get(client, "/v1/models", info_timeout_s),
-        _get(client, "/get_model_info", info_timeout_s),
-        _get(client, "/get_server_info", info_timeout_s),
+        _info(client, "model", info_timeout_s),
+        _info(client, "server", info_timeout_s),
     )
     # 1. /v1/models: is anything there?
     if isinstance(models_r, EndpointDown):
@@ -132,7 +152,7 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
 
     # 2. SGLang information endpoints (404: not SGLang).
     server_info: dict[str, Any] | None = None
-    for path, result in (("/get_model_info", minfo_r), ("/get_server_info", sinfo_r)):
+    for path, result in ((minfo_path, minfo_r), (sinfo_path, sinfo_r)):
         if isinstance(result, EndpointDown):
             report.warnings.append(f"{path} did not answer ({result.message}); the checks that need it are skipped")
             continue
@@ -144,8 +164,9 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
             report.warnings.append(f"{path} answered {status}; the checks that need it are skipped")
             continue
         report.sglang = True
-        if path == "/get_model_info":
+        if path == minfo_path:
             report.model_path = info.get("model_path") or None
+            report.preferred_sampling = info.get("preferred_sampling_params")
             report.weight_version = info.get("weight_version") or report.weight_version
             if "reasoning_parser" in info:
                 report.reasoning_parser = info.get("reasoning_parser")
@@ -161,6 +182,8 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
             if "disable_radix_cache" in info:
                 report.radix_cache = not bool(info["disable_radix_cache"])
 
+    client.engine = report.engine = engine_for(body, server_info)
+    report.deterministic = report.engine.deterministic
     found = _Findings()
     thinking = bool(cfg.template_kwargs().get("thinking"))
     hidden = cfg.hidden_states.enabled
@@ -190,10 +213,10 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
             report.warnings.append("the server runs without a reasoning parser and the config leaves thinking to "
                                    "the server's default (Kimi thinks by default): its reasoning would end up in "
                                    "content. Set `thinking:` or launch with --reasoning-parser kimi_k2")
-        if hidden and server_info.get("enable_return_hidden_states") is False:
-            found.add("hidden_off", "the server reports enable_return_hidden_states: false")
         if hidden and server_info.get("disable_radix_cache") is False:
             found.add("radix", "the server reports disable_radix_cache: false")
+    if isinstance(report.engine, SGLangAdapter):
+        _version_checks(report.engine, cfg, report, found, server_info or {}, longest)
 
     # 4. The tiny generations, concurrently.
     probes = [_chat_probe(client, cfg, report, found, probe_timeout_s)]
@@ -211,10 +234,9 @@ async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
                             "temperature": 0.0, "rid": probe_rid()}
     if cfg.template_kwargs():
         body["chat_template_kwargs"] = cfg.template_kwargs()
-    # what the run's chat requests will ask for (with hidden states, the ids come from /generate instead)
-    wants_ids = cfg.return_token_ids and not cfg.stream and not cfg.hidden_states.enabled
-    if wants_ids:
-        body.update(return_token_ids=True, return_prompt_token_ids=True)
+    wants_ids = wants_output_ids(cfg) and not cfg.stream  # the probe itself does not stream
+    body.update(client.settings.sampling().fields())
+    body.update(client.engine.chat_extras(want_ids=wants_ids, stream=False))
     try:
         status, answer = await client.post_json("/v1/chat/completions", body, timeout_s=timeout_s)
     except EndpointDown as exc:
@@ -234,7 +256,7 @@ async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
     except (KeyError, IndexError, TypeError, AttributeError):
         found.other.append("a tiny chat generation returned an unreadable answer (no choices[0].message)")
         return
-    if wants_ids and not output_token_ids(choice):
+    if wants_ids and "ids" not in found.evidence and not client.engine.output_ids(choice):
         if report.sglang:
             version = f"SGLang {report.sglang_version}" if report.sglang_version else "SGLang of unknown version"
             way_out = ("SGLang returns them from 0.5.17 on (choices[0].response_token_ids from 0.5.18): upgrade the "
@@ -251,6 +273,36 @@ async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
                             f"its content is {str(message.get('content') or '')[:40]!r}")
 
 
+def wants_output_ids(cfg: RunConfig) -> bool:
+    """What the run's chat requests ask for (with hidden states, the ids come from /generate instead)."""
+    return cfg.return_token_ids and not cfg.hidden_states.enabled
+
+
+def _version_checks(engine: SGLangAdapter, cfg: RunConfig, report: EndpointReport, found: _Findings,
+                    server_info: dict[str, Any], longest: tuple[str, int] | None) -> None:
+    """What this SGLang version can and cannot do for the run, read from its version and launch arguments."""
+    warning = engine.version_warning()
+    if warning:
+        report.warnings.append(warning)
+    if wants_output_ids(cfg):
+        problem = engine.output_ids_problem()
+        if problem is None and cfg.stream and not engine.stream_ids:
+            problem = (f"SGLang {engine.version} sends no token ids on a stream (0.5.23 sends them in the final "
+                       "sglext chunk): set `stream: false`, upgrade the server, or set `return_token_ids: false`")
+        if problem:
+            found.add("ids", problem)
+    if cfg.hidden_states.enabled and server_info:
+        if not engine.hidden_states_on(server_info):
+            found.add("hidden_off", "the server reports enable_return_hidden_states: false, no "
+                                    "return_hidden_states_mode full and no aux capture")
+        aux = engine.aux_problem(server_info, cfg.hidden_states.expected_width, KIMI_LAYER_WIDTH)
+        if aux:
+            found.add("aux", aux)
+        chunked = engine.chunked_prefill_problem(server_info, longest[1], longest[0]) if longest else None
+        if chunked:
+            found.other.append(chunked)
+
+
 def _probe_text() -> str:
     # A fresh nonce first, so no earlier request shares a prefix with the first probe.
     return f"[{uuid.uuid4().hex}] regen preflight probe: name three colours of the rainbow."
@@ -259,8 +311,9 @@ def _probe_text() -> str:
 async def _hidden_probe(client: EndpointClient, cfg: RunConfig, report: EndpointReport, found: _Findings,
                         timeout_s: float, server_info: dict | None) -> None:
     text = _probe_text()
+    sampling = client.engine.generate_sampling(client.settings.sampling(), HIDDEN_PROBE_TOKENS, None)
     body = {"text": text, "return_hidden_states": True,
-            "sampling_params": {"max_new_tokens": HIDDEN_PROBE_TOKENS, "temperature": 0.0, "ignore_eos": True}}
+            "sampling_params": {**sampling, "temperature": 0.0, "ignore_eos": True}}
     rows: list[tuple[int, int]] = []  # (n_prefill, prompt_tokens) per probe
     for attempt in (1, 2):  # the same text twice: the second finds it in a radix cache if one is on
         try:
@@ -326,6 +379,8 @@ def _describe(found: _Findings, cfg: RunConfig, report: EndpointReport, server_i
     def why(kind: str) -> str:
         return "; ".join(ev[kind])
 
+    if "ids" in ev:
+        out.append(f"returns no output token ids, and the run asks for them (return_token_ids): {why('ids')}")
     if "parser" in ev:
         out.append("thinking is requested (chat_template_kwargs thinking: true) but the server splits no "
                    f"reasoning out: {why('parser')}. Launch SGLang with --reasoning-parser kimi_k2")
@@ -333,16 +388,21 @@ def _describe(found: _Findings, cfg: RunConfig, report: EndpointReport, server_i
         out.append("hidden states are requested (hidden_states.enabled) but the server is not configured to "
                    f"return them: {why('hidden_off')}. Launch it with --enable-return-hidden-states")
     width, expected = report.hidden_width, cfg.hidden_states.expected_width
-    if cfg.hidden_states.enabled and width is not None and width != expected:
+    engine = report.engine if isinstance(report.engine, SGLangAdapter) else SGLangAdapter()
+    if "aux" in ev and (width is None or width != expected):
+        measured = f"returns {width}-wide hidden states, expected {expected} (hidden_states.expected_width): " \
+            if width is not None else ""
+        out.append(measured + why("aux"))
+    elif cfg.hidden_states.enabled and width is not None and width != expected:
         text = f"returns {width}-wide hidden states, expected {expected} (hidden_states.expected_width)"
         if width == KIMI_LAYER_WIDTH and expected == 3 * KIMI_LAYER_WIDTH:
             flags = ""
             if server_info is not None:
                 flags = (f" (it reports speculative_algorithm: {server_info.get('speculative_algorithm')}, "
-                         f"enable_return_aux_hidden_states: {server_info.get('enable_return_aux_hidden_states')})")
+                         f"aux capture: {engine.aux_capture(server_info)})")
             text += (f": {width} is a single layer, not EAGLE-3's three auxiliary layers (3 x {KIMI_LAYER_WIDTH}). "
-                     "The server probably runs --speculative-algorithm EAGLE instead of EAGLE3, or lacks "
-                     f"--enable-return-aux-hidden-states{flags}")
+                     "The server probably runs --speculative-algorithm EAGLE instead of EAGLE3, or captures no "
+                     f"auxiliary layers{flags}. Launch it with {engine.aux_flags()}")
         else:
             text += ": check the server's model and hidden-state flags, or set hidden_states.expected_width"
         out.append(text)

@@ -72,9 +72,7 @@ class HiddenTurns:
                    seed: int | None) -> Completion:
         s = self.client.settings
         ids = await prompt_ids(self.client, messages)
-        sampling: dict[str, Any] = {"max_new_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p}
-        if seed is not None:
-            sampling["sampling_seed"] = seed
+        sampling = self.client.engine.generate_sampling(s.sampling(), s.max_tokens, seed)
         body = {"input_ids": ids, "sampling_params": sampling, "return_hidden_states": True,
                 "rid": uuid.uuid4().hex}
         started = time.monotonic()
@@ -104,4 +102,6 @@ class HiddenTurns:
             model=self.client.settings.model, weight_version=meta.get("weight_version"), latency_s=latency_s,
             request_id=str(meta.get("id", "")), prompt_token_ids=list(ids), output_token_ids=list(result.output_ids),
             hidden_part=part, hidden_row=rows[(prompt_id, turn_index)],
+            weight_versions=self.client.engine.weight_versions(meta) or None,
+            deterministic=self.client.engine.deterministic,
         )

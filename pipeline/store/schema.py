@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: `deterministic`
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 
@@ -42,6 +42,8 @@ RECORDS = pa.schema(
         ("latency_s", pa.float64()),
         ("attempts", pa.int32()),
         ("seed", pa.int64()),
+        # The endpoint ran --enable-deterministic-inference (SGLang ignores the seed without it); null: unknown.
+        ("deterministic", pa.bool_()),
         ("request_id", pa.string()),
         # Exact token ids from the server, null where it cannot give them (e.g. llama.cpp).
         ("prompt_token_ids", pa.list_(pa.int32())),

@@ -1,0 +1,97 @@
+"""What the emulator does differently for the SGLang version it claims (`--sglang-version`), as each version's
+own code does it (read from the wheels of 0.5.14, 0.5.17, 0.5.18 and 0.5.23; the conformance test checks the
+emulator's answers against that version's own models).
+
+The emulator imports nothing of regen, so this table is its own copy of the facts.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """"0.5.23" -> (0, 5, 23); a suffix such as "rc1" or ".post1" is ignored."""
+    numbers = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        numbers.append(int(digits or 0))
+    return tuple(numbers)
+
+
+# 0.5.23's /generate contract gate (sglang/api/v1/api_types.py): the sampling_params it admits, in its order.
+GENERATE_SAMPLING_FIELDS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
+    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+)
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    version: tuple[int, ...]
+
+    def _from(self, *floor: int) -> bool:
+        return self.version >= floor
+
+    @property
+    def return_token_ids(self) -> bool:
+        """Chat `return_token_ids` exists (before 0.5.17 it is an unknown field: ignored)."""
+        return self._from(0, 5, 17)
+
+    @property
+    def output_ids_field(self) -> str | None:
+        if not self.return_token_ids:
+            return None
+        return "response_token_ids" if self._from(0, 5, 18) else "token_ids"
+
+    @property
+    def model_info_names_parser(self) -> bool:
+        """/model_info reports served_model_name and reasoning_parser."""
+        return self._from(0, 5, 18)
+
+    @property
+    def stream_ids_in_sglext(self) -> bool:
+        return self._from(0, 5, 23)
+
+    @property
+    def hidden_states_mode(self) -> bool:
+        """`--return-hidden-states-mode {last,full}` exists."""
+        return self._from(0, 5, 17)
+
+    @property
+    def aux_without_draft(self) -> bool:
+        """`--enable-return-aux-hidden-states`: aux capture on the target alone; older versions capture the aux
+        layers only for an EAGLE3 speculative draft."""
+        return self._from(0, 5, 23)
+
+    @property
+    def weight_version_spans(self) -> bool:
+        return self._from(0, 5, 23)
+
+    @property
+    def generate_contract(self) -> bool:
+        """/generate refuses unknown sampling_params fields with 400 {"error": "<text>"}."""
+        return self._from(0, 5, 23)
+
+    @property
+    def no_hidden_states_message(self) -> str:
+        if not self.hidden_states_mode:
+            return ("The server is not configured to return the hidden states. "
+                    "Please set `--enable-return-hidden-states` to enable this feature.")
+        return ("The server is not configured to return hidden states. Please set `--return-hidden-states-mode "
+                "last`, `--return-hidden-states-mode full`, or the legacy `--enable-return-hidden-states` flag.")
+
+
+def behaviour(sglang_version: str) -> Behaviour:
+    return Behaviour(version_tuple(sglang_version))
+
+
+def contract_error(sampling_params: dict) -> str | None:
+    """0.5.23's text for the first unknown sampling_params field (None: all known)."""
+    for key in sampling_params:
+        if key not in GENERATE_SAMPLING_FIELDS:
+            listed = ", ".join(f"`{f}`" for f in GENERATE_SAMPLING_FIELDS)
+            return f"unknown field `{key}`, expected one of {listed}"
+    return None

@@ -1,0 +1,240 @@
+"""Conformance with SGLang's own code, versions 0.5.14, 0.5.17, 0.5.18 and 0.5.23 (issue 14).
+
+The authority is each version's wheel, unpacked by `make sglang-wheels` into ~/.cache/regen/sglang/<version>
+(REGEN_SGLANG_CACHE overrides). Per version, one emulator claims that version and regen's own code (the
+preflight, the chat client streamed and not, the hidden-state route) talks to it with the emulator logging
+every body; then one subprocess, with that wheel first on its PYTHONPATH, checks those bodies and the emulator's
+answers against the version's own models (tests/conformance/sglang_checks.py). The error texts are read out of
+the wheels' sources here, so a message SGLang renames fails instead of being misclassified.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.core.config import RunConfig
+from pipeline.core.errors import EndpointFatal, Retryable, TerminalForPrompt
+from pipeline.emulator import expected_chat, make_config, start_emulator
+from pipeline.endpoints import client as client_module
+from pipeline.endpoints.client import ClientSettings, EndpointClient, classify
+from pipeline.endpoints.probes import check_endpoint
+from pipeline.hidden.capture import HiddenRoute, HiddenTurns
+from tests.conformance.sglang_source import as_pattern, render, templates_with
+from tests.helpers import prompt_source, run_regen, write_config
+
+VERSIONS = ("0.5.14", "0.5.17", "0.5.18", "0.5.23")
+CACHE = Path(os.environ.get("REGEN_SGLANG_CACHE", Path.home() / ".cache/regen/sglang"))
+WORKTREE = Path(__file__).resolve().parent.parent
+MODEL = "moonshotai/Kimi-K2.5"
+MESSAGES = [{"role": "user", "content": "Why is the sky blue? Answer briefly."}]
+TM, UTILS = "sglang/srt/managers/tokenizer_manager.py", "sglang/srt/managers/utils.py"
+CHAT = "sglang/srt/entrypoints/openai/serving_chat.py"
+
+
+def wheel(version: str) -> Path:
+    root = CACHE / version
+    if not (root / ".installed").exists():
+        pytest.skip(f"SGLang {version} is not unpacked in {CACHE}: run `make sglang-wheels`")
+    return root
+
+
+def run_config(url: str, **overrides) -> RunConfig:
+    values = {"run_name": "c", "model": MODEL, "thinking": True, "sources": [{"spec": "unused.yaml"}],
+              "endpoints": [{"url": url, "name": "e"}], "sampling": {"max_tokens": 24}, **overrides}
+    return RunConfig.model_validate(values)
+
+
+def settings(cfg: RunConfig, report, stream: bool) -> ClientSettings:
+    return ClientSettings(model=cfg.model, temperature=0.0, top_p=1.0, max_tokens=24,
+                          chat_template_kwargs=cfg.template_kwargs(), stream=stream,
+                          engines={"e": report.engine}, **cfg.sampling.explicit())
+
+
+async def drive_regen(url: str, run_dir: Path) -> dict:
+    """Every kind of request regen sends, through regen's own code; returns the preflight reports."""
+    reports = {}
+    for name, overrides in (("ids", {}), ("stream", {"stream": True}),
+                            ("hidden", {"hidden_states": {"enabled": True}})):
+        cfg = run_config(url, **overrides)
+        probe = EndpointClient(url, "e", settings(cfg, SimpleNamespace(engine=None), False))
+        try:
+            reports[name] = await check_endpoint(probe, cfg, longest=("the longest prompt", 100))
+        finally:
+            await probe.close()
+    cfg = run_config(url)
+    for stream in (False, True):
+        chat = EndpointClient(url, "e", settings(cfg, reports["ids"], stream))
+        try:
+            await chat.chat(MESSAGES, seed=7)
+        finally:
+            await chat.close()
+    hidden = EndpointClient(url, "e", settings(cfg, reports["hidden"], False))
+    try:
+        await HiddenTurns(hidden, HiddenRoute(21504, str(run_dir), True), tag="c").turn("p", 0, MESSAGES, 7)
+    finally:
+        await hidden.close()
+    return reports
+
+
+@pytest.fixture(scope="module", params=VERSIONS)
+def version(request, tmp_path_factory):
+    root = wheel(request.param)
+    tmp = tmp_path_factory.mktemp(f"sglang-{request.param}")
+    log = tmp / "requests.jsonl"
+    server = start_emulator(sglang_version=request.param, preset="kimi-eagle3", chunked_prefill_size=8192,
+                            request_log=str(log), request_log_bodies=True)
+    try:
+        reports = asyncio.run(drive_regen(server.url, tmp / "run"))
+        out = tmp / "results.json"
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.conformance.sglang_checks", "--root", str(root), "--bodies", str(log),
+             "--emulator", server.url, "--out", str(out)],
+            cwd=WORKTREE, env={**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{WORKTREE}"},
+            capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        yield SimpleNamespace(name=request.param, root=root, server=server, tmp=tmp, reports=reports,
+                              results=json.loads(out.read_text()), log=log)
+    finally:
+        server.stop()
+
+
+def _check(version, name: str, at_least: int) -> None:
+    result = version.results[name]
+    assert result["ok"], f"SGLang {version.name}, {name}:\n  " + "\n  ".join(result["detail"])
+    assert result["checked"] >= at_least, result
+
+
+# --- per version: regen's bodies, the emulator's answers -------------------------------------------------------
+def test_every_request_body_is_declared_by_the_version(version):
+    routes = {json.loads(line)["route"] for line in version.log.read_text().splitlines()}
+    assert {"/v1/chat/completions", "/generate"} <= routes  # chat, stream, probes, prompt ids, /generate
+    _check(version, "requests", 8)
+
+
+def test_every_emulator_answer_parses_with_the_version_models(version):
+    _check(version, "responses", 8)
+
+
+def test_server_info_names_only_the_version_arguments(version):
+    _check(version, "server_info", 2)
+
+
+def test_kimi_split_matches_sglang_reasoning_parser(version):
+    _check(version, "kimi_split", 10)
+
+
+def test_preflight_knows_the_version(version):
+    ids, stream, hidden = (version.reports[k] for k in ("ids", "stream", "hidden"))
+    assert ids.engine.version == version.name == ids.sglang_version
+    if version.name == "0.5.14":
+        [problem] = ids.problems
+        assert "SGLang 0.5.14" in problem and "upgrade" in problem and "return_token_ids: false" in problem
+    else:
+        assert ids.ok, ids.problems
+    if version.name == "0.5.23":  # stream ids come in the final sglext chunk
+        assert stream.ok, stream.problems
+    elif version.name == "0.5.14":  # no output ids at all
+        assert "SGLang 0.5.14" in stream.problems[0]
+    else:
+        assert any("stream" in p for p in stream.problems), stream.problems
+    assert hidden.ok and hidden.hidden_width == 21504, hidden.problems  # EAGLE3 aux layers, by version
+
+
+def test_short_run_stores_the_exact_ids_or_is_refused(version, tmp_path):
+    cfg_path = write_config(tmp_path, [{"url": version.server.url, "concurrency": 2}], [prompt_source(tmp_path, 3)],
+                            model=MODEL, thinking=True, sampling={"temperature": 0.0, "max_tokens": 24},
+                            stream=version.name == "0.5.23")
+    done = run_regen("generate", "--config", str(cfg_path), timeout=180)
+    if version.name == "0.5.14":
+        assert done.returncode == 1, done.stderr[-2000:]
+        assert "SGLang 0.5.14 returns no output token ids" in done.stderr
+        assert "upgrade the server" in done.stderr and "return_token_ids: false" in done.stderr
+        return
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = pq.read_table(tmp_path / "out" / "t" / "data").to_pylist()
+    assert len(rows) == 3
+    for row in rows:
+        want = expected_chat({"messages": row["messages"], "max_tokens": 24, "temperature": 0.0,
+                              "chat_template_kwargs": {"thinking": True}}, make_config(preset="kimi-eagle3"))
+        assert row["output_token_ids"] == want["output_ids"] and row["prompt_token_ids"] == want["prompt_ids"]
+        assert row["deterministic"] is False  # the emulator runs without --enable-deterministic-inference
+    manifest = json.loads((tmp_path / "out" / "t" / "run.json").read_text())
+    assert manifest["deterministic"] is False
+    assert manifest["generation"]["explicit_sampling"] == {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+# --- the error texts, read out of the wheels ---------------------------------------------------------------------
+CONTEXT = "context overflow"
+ERROR_TEXTS = [  # (phrase that finds the text in the wheel, files, class, classify's message prefix, from version)
+    ("is longer than the model's context length", (TM,), TerminalForPrompt, CONTEXT, "0.5.14"),
+    ("exceeds the model's maximum context length", (TM,), TerminalForPrompt, CONTEXT, "0.5.14"),
+    ("exceeds the maximum allowed length", (UTILS,), TerminalForPrompt, CONTEXT, "0.5.14"),
+    ("max_completion_tokens is too large", (CHAT,), TerminalForPrompt, CONTEXT, "0.5.14"),
+    ("not configured to return", (TM,), EndpointFatal, "", "0.5.14"),
+    ("return_hidden_states mode exceeds", (TM,), EndpointFatal, "", "0.5.17"),
+    ("Duplicate request ID", (TM,), Retryable, "", "0.5.14"),
+]
+
+
+@pytest.mark.parametrize("name", VERSIONS)
+def test_every_400_text_of_the_wheel_is_classified(name):
+    root = wheel(name)
+    for phrase, files, cls, prefix, since in ERROR_TEXTS:
+        templates = [t for t in templates_with(root, files, phrase) if not t.startswith("\x00")]
+        if VERSIONS.index(name) < VERSIONS.index(since):
+            continue
+        assert templates, f"SGLang {name} no longer says {phrase!r} in {files}: the classifier needs its new text"
+        for template in templates:
+            error = classify(400, render(template))
+            assert type(error) is cls and error.message.startswith(prefix), (name, template, error)
+
+
+def test_every_sglang_marker_of_the_classifier_is_in_a_wheel():
+    """A marker no checked version sends is dead (or SGLang renamed the text): it must not hide there."""
+    roots = [wheel(v) for v in VERSIONS]
+    markers = [m for m in client_module._CONTEXT_OVERFLOW if "context size" not in m]  # that one is llama.cpp
+    markers += list(client_module._NO_HIDDEN_STATES) + [client_module._DUPLICATE_RID]
+    for marker in markers:
+        assert any(templates_with(root, (TM, UTILS, CHAT), marker) for root in roots), marker
+
+
+def test_emulator_messages_are_the_wheel_texts(version):
+    """The emulator's 400s are the version's own texts, and its total-token check is `>` (one more is 400)."""
+    tight = start_emulator(sglang_version=version.name, context_length=64)
+    try:
+        def post(path: str, body: dict) -> tuple[int, dict]:
+            request = urllib.request.Request(tight.url + path, data=json.dumps(body).encode(), method="POST",
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as resp:
+                    return resp.status, json.loads(resp.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, json.loads(exc.read())
+
+        prompt = expected_chat({"messages": MESSAGES, "max_tokens": 1}, make_config())["prompt_tokens"]
+        status, _ = post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 64 - prompt})
+        assert status == 200  # prompt + max_tokens == context: admitted (`>`, not `>=`)
+        cases = [
+            (("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 65 - prompt}), TM,
+             "exceeds the model's maximum context length"),
+            (("/v1/chat/completions", {"messages": MESSAGES * 20, "max_tokens": 1}), TM,
+             "is longer than the model's context length"),
+            (("/generate", {"text": "hi", "return_hidden_states": True, "sampling_params": {"max_new_tokens": 2}}),
+             TM, "not configured to return"),
+        ]
+        for (path, body), file, phrase in cases:
+            status, answer = post(path, body)
+            message = answer.get("message") or answer["error"]["message"]
+            templates = templates_with(version.root, (file,), phrase)
+            assert status == 400 and any(as_pattern(t).match(message) for t in templates), (message, templates)
+    finally:
+        tight.stop()
