@@ -205,7 +205,8 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, pro
     log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed), len(failed))
     prepare_hidden_states(cfg, opts, run_dir, prompts, pending)
     builder = RecordBuilder(prompts, cfg)
-    committer = Committer(run_dir, done, cfg.flush_records, cfg.flush_interval_s)
+    committer = Committer(run_dir, done, cfg.flush_records, cfg.flush_interval_s,
+                          schema.records_schema(run_dir.read_manifest().get("schema_version")))
     stop = StopFlag()
     try:
         with local_fleet(cfg, run_dir):

@@ -251,8 +251,10 @@ class Committer:
     """The single committer: buffers results, drops any prompt already committed or buffered, and
     commits a part when the buffer is full or old enough. A SIGKILL loses only the buffer."""
 
-    def __init__(self, run_dir: RunDir, done: set[str], flush_records: int, flush_interval_s: float):
+    def __init__(self, run_dir: RunDir, done: set[str], flush_records: int, flush_interval_s: float,
+                 records_schema: pa.Schema = schema.RECORDS):
         self.run_dir = run_dir
+        self.records_schema = records_schema  # the run's own (schema.records_schema of its run.json)
         self.done = done  # committed data + terminal failures (unless retried)
         self.flush_records, self.flush_interval_s = flush_records, flush_interval_s
         self.records: list[dict[str, Any]] = []
@@ -311,7 +313,7 @@ class Committer:
         """Rows leave the buffer only once their part is known to be committed. A commit whose outcome is
         unknown (an error after the rename, or a second signal in the middle) is remembered and resolved
         by looking at the store before anything else is written, so a buffer is never committed twice."""
-        folder, part_schema = ((self.run_dir.data, schema.RECORDS) if kind == "records"
+        folder, part_schema = ((self.run_dir.data, self.records_schema) if kind == "records"
                                else (self.run_dir.failures, schema.FAILURES))
         unsettled = self._unsettled.get(kind)
         if unsettled is not None:

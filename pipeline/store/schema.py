@@ -1,10 +1,12 @@
-"""Explicit Arrow schemas of everything a run writes. Bump SCHEMA_VERSION when a column is added;
-added columns are nullable so parts written by older code still load as one table."""
+"""Explicit Arrow schemas of everything a run writes. Bump SCHEMA_VERSION when a column is added, and name the
+column in RECORDS_ADDED: a run keeps the schema it was created with (run.json `schema_version`), so every part of
+one run has the same columns and `datasets.load_dataset` reads them as one table; added columns are nullable."""
 from __future__ import annotations
 
 import pyarrow as pa
 
 SCHEMA_VERSION = 2  # 2: `deterministic`
+RECORDS_ADDED = {"deterministic": 2}  # column -> the schema version that added it
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 
@@ -97,3 +99,9 @@ REJECTS = pa.schema(
         ("raw", pa.string()),
     ]
 )
+
+
+def records_schema(version: int | None) -> pa.Schema:
+    """The record columns of a run created at schema `version` (runs from before versions were kept are 1)."""
+    version = version or 1
+    return pa.schema([f for f in RECORDS if RECORDS_ADDED.get(f.name, 1) <= version])
