@@ -2,7 +2,7 @@
 
 The driver keeps exactly one `exchange` call outstanding per actor. Each answer brings finished
 outcomes and the actor's demand (free slots plus a small prefetch), and the next call carries that
-many new prompts, chosen by the router (routing.py: prefix affinity bounded by work stealing). A slow
+many new prompts, chosen by the router (routing.py: prefix affinity bounded by SGLang router's two balance thresholds, then work stealing). A slow
 endpoint asks for less, so it simply takes less. Work held by an actor that dies or whose circuit
 opens goes back to the queue; the committer drops late duplicates.
 

@@ -3,7 +3,7 @@
 1. The server templates the prompt itself: a chat request with `return_prompt_token_ids` (and one token of
    output) returns the exact prompt ids its chat template renders, with the run's template kwargs.
 2. `/generate` on those `input_ids`, with the run's sampling and `return_hidden_states`.
-3. The body is parsed at the byte level (hidden.py), aligned (row i belongs to token i of prompt +
+3. The body is parsed at the byte level (hidden/parse.py), aligned (row i belongs to token i of prompt +
    completion), and written by this actor as a hidden part, before the data row that will reference it.
 Reasoning is split at `</think>` here, since /generate returns the raw text.
 """
