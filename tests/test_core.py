@@ -184,15 +184,19 @@ def test_cleanup_removes_only_temporary_files(tmp_path):
 
 
 def test_resolve_run_dir_new_run_makes_a_successor(tmp_path):
-    first = resolve_run_dir(tmp_path, "r", "fp1", new_run=False)
+    def matches(fingerprint):
+        return lambda manifest: manifest["fingerprint"] == fingerprint
+
+    first = resolve_run_dir(tmp_path, "r", new_run=False)
     first.create()
     first.write_manifest({"fingerprint": "fp1"})
-    assert resolve_run_dir(tmp_path, "r", "fp2", new_run=False).path == first.path, "drift guard decides"
-    second = resolve_run_dir(tmp_path, "r", "fp2", new_run=True)
+    assert resolve_run_dir(tmp_path, "r", False, matches("fp2")).path == first.path, "drift guard decides"
+    assert resolve_run_dir(tmp_path, "r", True, matches("fp1")).path == first.path, "--new-run resumes a match"
+    second = resolve_run_dir(tmp_path, "r", True, matches("fp2"))
     assert second.path.name == "r-r2"
     second.create()
     second.write_manifest({"fingerprint": "fp2"})
-    assert resolve_run_dir(tmp_path, "r", "fp2", new_run=False).path == second.path, "resume the newest run"
+    assert resolve_run_dir(tmp_path, "r", False, matches("fp3")).path == second.path, "resume the newest run"
 
 
 def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):

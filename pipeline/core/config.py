@@ -4,16 +4,15 @@ Every section rejects unknown keys, so a typo such as `concurency:` is an error 
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any, Literal
 
-import orjson
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, SecretMissing
+from .identity import current_identity, identity_fingerprint
 from .uri import check_uri
 
 
@@ -187,7 +186,9 @@ class RunConfig(_Strict):
             kwargs["thinking"] = self.thinking
         return kwargs
 
-    # --- identity ------------------------------------------------------------------------------
+    # --- identity (core/identity.py: how a resume compares it, and how older run.json files are read) ---
+    # Adding a key to the run identity is one line in one of these two documents; runs started before it
+    # resume (the key is recorded on their next start and compared from then on).
     def generation_identity(self) -> dict[str, Any]:
         """What shapes each record. Changing any of it on resume is drift."""
         return {
@@ -196,8 +197,11 @@ class RunConfig(_Strict):
             "sampling": self.sampling.model_dump(include={"temperature", "top_p", "max_tokens"}),
             "explicit_sampling": self.sampling.explicit(),  # the values sent in place of generation_config's
             "chat_template_kwargs": self.template_kwargs(),
+            # layers_note is informational (recorded for the exports, never compared)
             "hidden_states": self.hidden_states.model_dump(exclude={"max_in_memory"})
             if self.hidden_states.enabled else None,
+            "return_token_ids": self.return_token_ids,  # rows with and without token ids never mix in a run
+            "stream": self.stream,
         }
 
     def prompt_identity(self) -> dict[str, Any]:
@@ -207,8 +211,13 @@ class RunConfig(_Strict):
             "selection_seed": self.selection_seed,
         }
 
+    def identity(self) -> dict[str, Any]:
+        """Both documents as run.json stores them."""
+        return current_identity(self.generation_identity(), self.prompt_identity())
+
     def fingerprint(self) -> str:
-        return fingerprint_of(self.generation_identity())
+        """The hash of the compared generation identity; a run keeps the one it was created with."""
+        return identity_fingerprint(self.generation_identity())
 
     def api_key(self, endpoint: Endpoint) -> str | None:
         """Read an endpoint's key from the environment, at the moment it is needed."""
@@ -246,10 +255,6 @@ def read_endpoints_file(path: str | Path, concurrency: int, api_key_env: str | N
         except (ValueError, ValidationError) as exc:
             raise ConfigError(f"{path}:{number}: {line.strip()!r}: {exc}") from None
     return endpoints
-
-
-def fingerprint_of(identity: dict[str, Any]) -> str:
-    return hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
 def _describe(error: ValidationError, path: Path) -> str:

@@ -19,14 +19,15 @@ class SecretMissing(ConfigError):
 
 
 class DriftError(RegenError):
-    """Resuming a run whose data-shaping config changed."""
+    """Resuming a run whose identity changed: generation config, prompt-set config or weight version."""
 
     def __init__(self, run_dir: str, diff: list[str]):
         self.run_dir, self.diff = run_dir, diff
         lines = "\n  ".join(diff)
         super().__init__(
-            f"{run_dir} was started with another generation config:\n  {lines}\n"
-            "Pass --new-run to start a new run with this config, or restore the old values to resume."
+            f"{run_dir} was started with another config:\n  {lines}\n"
+            "Pass --new-run to start a new run directory with this config (or, if only the sources changed, "
+            "--refresh-prompts to add their new prompts to this run), or restore the old values to resume."
         )
 
 

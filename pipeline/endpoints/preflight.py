@@ -161,7 +161,7 @@ def preflight(cfg: RunConfig, api_keys: dict[str, str | None], **timeouts: float
 def run_preflight_command(config_path: str) -> int:
     """Load the config, check secrets, run the preflight and print the table. 0: passed; 1: refused; 2: bad config.
 
-    A config with `local_fleet` gets its llama.cpp servers started for the check (running ones are reused)."""
+    A config with `local_fleet` gets its llama.cpp servers started for the check (a port in use is refused)."""
     from ..core.config import load_config
     from .preflight_table import render_table
 

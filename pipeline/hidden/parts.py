@@ -186,6 +186,17 @@ def garbage_hidden_parts(run_dir: RunLike, referenced: set[str] | None = None) -
     return garbage + sorted(p for p in hidden_dir(run_dir).iterdir() if p.name.startswith(TMP_PREFIX))
 
 
+def remove_garbage_hidden_parts(run_dir: RunLike) -> int:
+    """Delete what `garbage_hidden_parts` lists (left by a kill, a retried request or a hedged copy). The driver
+    does this at every start, before any writer starts, also when nothing is pending. Returns how many."""
+    if not any(True for _ in hidden_dir(run_dir).iterdir()):
+        return 0  # no hidden states in this run: do not read the data parts
+    garbage = garbage_hidden_parts(run_dir)
+    for part in garbage:
+        part.unlink()
+    return len(garbage)
+
+
 class HiddenMatrix:
     """Shape accessors of anything holding a `hidden` [rows, width] matrix."""
 

@@ -17,12 +17,14 @@ class RecordBuilder:
     """Turns an outcome into data rows (one per regenerated turn) or a failure row. The prompt set stays
     an Arrow table: a prompt's messages become Python objects only when it is sent or recorded."""
 
-    def __init__(self, prompts: pa.Table, cfg: RunConfig):
+    def __init__(self, prompts: pa.Table, cfg: RunConfig, fingerprint: str | None = None):
+        """`fingerprint`: the run's, from its run.json (a run keeps the one it was created with)."""
         self.index = {pid: i for i, pid in enumerate(prompts.column("prompt_id").to_pylist())}
         self.sources = prompts.column("source").to_pylist()
         self.references = prompts.column("reference").to_pylist()
         self.messages = prompts.column("messages").combine_chunks()
-        self.fingerprint, self.temperature, self.mode = cfg.fingerprint(), cfg.sampling.temperature, cfg.mode
+        self.fingerprint = fingerprint or cfg.fingerprint()
+        self.temperature, self.mode = cfg.sampling.temperature, cfg.mode
         self.affinity_chars = cfg.prefix_affinity_chars
 
     def messages_of(self, i: int) -> list[dict[str, str]]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from os import PathLike
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 import pyarrow as pa
@@ -228,23 +228,41 @@ def now_utc() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def resolve_run_dir(output_dir: str | PathLike[str], run_name: str, fingerprint: str, new_run: bool) -> RunDir:
-    """`outputs/<run>` or its successors `<run>-r2`, `<run>-r3`, ... created by --new-run.
+def _numbered_runs(output_dir: str | PathLike[str], run_name: str) -> dict[int, Location]:
+    """`<run>` (number 1) and its successors `<run>-rN` that exist, with or without a run.json."""
+    root = Location.at(output_dir)
+    runs = {}
+    for path in root.iterdir():
+        suffix = path.name[len(run_name) + 2:]
+        if path.name == run_name:
+            runs[1] = path
+        elif path.name.startswith(f"{run_name}-r") and suffix.isdigit() and int(suffix) >= 2:
+            runs[int(suffix)] = path
+    return runs
+
+
+def resolve_run_dir(output_dir: str | PathLike[str], run_name: str, new_run: bool,
+                    resumable: Callable[[dict[str, Any]], bool] = lambda manifest: True) -> RunDir:
+    """`outputs/<run>` or its successors `<run>-r2`, `<run>-r3`, ... started by --new-run.
 
     Without --new-run the newest run of that name is resumed (the drift guard then checks it).
-    With --new-run, the newest run is reused only if it already has this fingerprint.
+    With --new-run the newest run is resumed only if `resumable(its run.json)`; otherwise a successor starts.
     """
-    root = Location.at(output_dir)
-    successors = [p for p in root.iterdir()
-                  if p.name.startswith(f"{run_name}-r") and p.name[len(run_name) + 2 :].isdigit()]
-    candidates = [root / run_name] + sorted(successors, key=lambda p: int(p.name[len(run_name) + 2 :]))
-    existing = [RunDir(p) for p in candidates if (p / "run.json").exists()]
-    if not existing:
-        return RunDir(root / run_name)
-    newest = existing[-1]
-    if not new_run or newest.read_manifest().get("fingerprint") == fingerprint:
+    runs = _numbered_runs(output_dir, run_name)
+    started = [runs[n] for n in sorted(runs) if (runs[n] / "run.json").exists()]
+    if not started:
+        return RunDir(Location.at(output_dir) / run_name)
+    newest = RunDir(started[-1])
+    if not new_run or resumable(newest.read_manifest()):
         return newest
-    return RunDir(root / f"{run_name}-r{len(candidates) + 1}")
+    return successor_run_dir(output_dir, run_name)
+
+
+def successor_run_dir(output_dir: str | PathLike[str], run_name: str) -> RunDir:
+    """The next successor: one past the highest number that exists, so a deleted one's number is never reused
+    while a later one exists (a directory without run.json, left by a start that was killed, counts too)."""
+    runs = _numbered_runs(output_dir, run_name)
+    return RunDir(Location.at(output_dir) / f"{run_name}-r{max(runs, default=1) + 1}")
 
 
 class Committer:

@@ -1,0 +1,133 @@
+"""The run identity in run.json: what a resume compares, and how a run.json written by older code is read.
+
+run.json holds two identity documents, built by `RunConfig.generation_identity()` (what shapes each record) and
+`RunConfig.prompt_identity()` (what selects the prompt set). A resume compares the stored documents with the
+config's:
+- a key the stored document lacks is not compared: older code did not record it. The resume then records the
+  config's value, and compares it from then on (`identity_upgrades` in run.json says when and what);
+- a key in INFORMATIONAL is recorded for readers (the hidden-state exports read `layers_note`) but never
+  compared and not fingerprinted;
+- a SECTION is compared key by key; any other value (a list, a user's dict such as chat_template_kwargs) whole.
+
+Adding a key to the identity is one line in `generation_identity()` or `prompt_identity()` (a new field of
+`Sampling` or `HiddenStates` is in it already). Runs started before it resume. Add it as a key of a section, e.g.
+`prompts.source_files: [...]` beside `prompts.sources`: a field added inside a value (each item of the `sources`
+list) changes that whole value, which is drift for every older run. Removing a key, or changing what a stored
+value means, needs IDENTITY_VERSION bumped and a step in UPGRADES that rewrites the older run.json.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import orjson
+
+# 1: run.json without `identity_version` (regen up to c15f75f).
+# 2: records return_token_ids and stream; hidden_states.layers_note is no longer compared.
+IDENTITY_VERSION = 2
+SECTIONS = frozenset({"generation", "generation.sampling", "generation.hidden_states", "prompts"})
+INFORMATIONAL = frozenset({"generation.hidden_states.layers_note"})
+# version n -> a function rewriting a version-n run.json into version n + 1. Version 1 -> 2 only adds keys.
+UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+@dataclass
+class IdentityCheck:
+    """The outcome of comparing a stored run.json with the config."""
+
+    drift: list[str] = field(default_factory=list)  # "key: stored -> config" lines: the resume is refused
+    adopted: dict[str, Any] = field(default_factory=dict)  # keys the stored run.json lacked -> the config's value
+
+    @property
+    def resumable(self) -> bool:
+        return not self.drift
+
+
+def _json(value: Any) -> Any:
+    """The value as it reads back from run.json (tuples become lists, and so on)."""
+    return orjson.loads(orjson.dumps(value, option=orjson.OPT_SORT_KEYS))
+
+
+def _compare(stored: Any, current: Any, path: str, check: IdentityCheck) -> None:
+    if path in INFORMATIONAL:
+        return
+    if path in SECTIONS and isinstance(stored, dict) and isinstance(current, dict):
+        for key in sorted(current):
+            sub = f"{path}.{key}"
+            if key in stored:
+                _compare(stored[key], current[key], sub, check)
+            elif sub not in INFORMATIONAL:
+                check.adopted[sub] = current[key]
+    elif stored != current:
+        check.drift.append(f"{path}: {stored!r} -> {current!r}")
+
+
+def current_identity(generation: dict[str, Any], prompts: dict[str, Any]) -> dict[str, Any]:
+    return {"generation": _json(generation), "prompts": _json(prompts)}
+
+
+def upgraded(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A stored run.json in the form of IDENTITY_VERSION (a newer version is read as it is)."""
+    version = manifest.get("identity_version", 1)
+    while version < IDENTITY_VERSION:
+        step = UPGRADES.get(version)
+        manifest = step(manifest) if step else manifest
+        version += 1
+    return manifest
+
+
+def check_identity(manifest: dict[str, Any], identity: dict[str, Any], *, refresh_prompts: bool) -> IdentityCheck:
+    """Compare a stored run.json with the config's identity. With --refresh-prompts the prompt set may change."""
+    stored = upgraded(manifest)
+    check = IdentityCheck()
+    version = stored.get("identity_version", 1)
+    if version > IDENTITY_VERSION:
+        check.drift.append(f"identity_version: {version} (run.json was written by a newer regen, which compares "
+                           f"keys this one, at {IDENTITY_VERSION}, does not know: resume with that regen)")
+        return check
+    for section in ("generation", "prompts"):
+        if section == "prompts" and refresh_prompts:
+            continue
+        if section not in stored:
+            check.adopted[section] = identity[section]
+        else:
+            _compare(stored[section], identity[section], section, check)
+    return check
+
+
+def resumed_manifest(manifest: dict[str, Any], identity: dict[str, Any], check: IdentityCheck) -> dict[str, Any]:
+    """run.json after a resume the check allowed: at IDENTITY_VERSION, with the config's identity (equal to the
+    stored one wherever both have a key), and a note of what this resume adopted. The fingerprint is the run's,
+    fixed when it was created: every record of a run carries the same one."""
+    old_version = manifest.get("identity_version", 1)
+    manifest = upgraded(manifest)
+    updated = {**manifest, "identity_version": IDENTITY_VERSION}
+    for section, document in identity.items():
+        updated[section] = _merged(manifest.get(section), document, section)
+    if check.adopted or old_version < IDENTITY_VERSION:
+        note = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "from_version": old_version,
+                "adopted": check.adopted}
+        updated["identity_upgrades"] = [*manifest.get("identity_upgrades", []), note]
+    return updated
+
+
+def identity_fingerprint(generation: dict[str, Any]) -> str:
+    """A short hash of the compared part of the generation identity."""
+    compared = _without_informational(_json(generation), "generation")
+    return hashlib.sha256(orjson.dumps(compared, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+def _without_informational(value: Any, path: str) -> Any:
+    if not isinstance(value, dict) or path not in SECTIONS:
+        return value
+    return {key: _without_informational(item, f"{path}.{key}") for key, item in value.items()
+            if f"{path}.{key}" not in INFORMATIONAL}
+
+
+def _merged(stored: Any, current: Any, path: str) -> Any:
+    """The config's identity, keeping keys only the stored run.json has (they are not compared)."""
+    if path in SECTIONS and isinstance(stored, dict) and isinstance(current, dict):
+        return {**stored, **{key: _merged(stored.get(key), item, f"{path}.{key}") for key, item in current.items()}}
+    return current

@@ -1,0 +1,134 @@
+"""The local llama.cpp fleet dies with its driver, and a port already in use is refused, never reused.
+
+Real servers (xllamacpp + SmolLM2-135M), a real driver process killed with SIGKILL, psutil to find what is
+left; and a stand-in for a stale server: a plain HTTP server on 127.0.0.1 that answers /health."""
+from __future__ import annotations
+
+import http.server
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pipeline.core.config import LocalFleet
+from pipeline.core.errors import RunFatal
+from pipeline.endpoints import localfleet
+from pipeline.endpoints.localfleet import LocalFleetProcesses
+from tests.helpers import (
+    committed_ids, data_parts, free_port, run_regen, sigkill, start_regen, wait_for, write_config, write_prompts,
+    write_source,
+)
+
+
+def port_in_use(port: int) -> bool:
+    """Something listens on 127.0.0.1:port."""
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def server_processes(driver_pid: int) -> list[psutil.Process]:
+    return [p for p in psutil.Process(driver_pid).children(recursive=True)
+            if "pipeline.endpoints.localfleet" in " ".join(p.cmdline())]
+
+
+def kill_leftovers(processes: list[psutil.Process]) -> None:
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(processes, timeout=10)
+
+
+@pytest.mark.llama
+def test_local_servers_die_with_a_sigkilled_driver(tmp_path):
+    pytest.importorskip("xllamacpp")
+    port = free_port()
+    driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from pipeline.core.config import LocalFleet
+        from pipeline.endpoints.localfleet import LocalFleetProcesses
+        fleet = LocalFleet(servers=2, base_port={port}, slots=1, ctx_per_slot=256, threads=1)
+        LocalFleetProcesses(fleet, Path({str(tmp_path)!r})).start()
+        print("serving", flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    servers: list[psutil.Process] = []
+    try:
+        assert driver.stdout.readline().strip() == "serving"
+        servers = server_processes(driver.pid)
+        assert len(servers) == 2 and port_in_use(port) and port_in_use(port + 1)
+        sigkill(driver)
+        gone, alive = psutil.wait_procs(servers, timeout=30)
+        assert not alive, f"servers outlived their driver: {[p.pid for p in alive]}"
+        assert not port_in_use(port) and not port_in_use(port + 1), "their ports are free again"
+    finally:
+        if driver.poll() is None:
+            sigkill(driver)
+        kill_leftovers(servers)
+
+
+class _StaleServer(http.server.BaseHTTPRequestHandler):
+    requests: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.requests.append(self.path)
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b'{"status": "ok"}')
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_port_in_use_is_refused_and_never_talked_to(tmp_path, monkeypatch):
+    monkeypatch.setattr(localfleet, "PORT_RELEASE_WAIT_S", 1.0, raising=False)  # how long a port may take to free
+    port = free_port()
+    stale = http.server.ThreadingHTTPServer(("127.0.0.1", port), _StaleServer)
+    threading.Thread(target=stale.serve_forever, daemon=True).start()
+    try:
+        fleet = LocalFleetProcesses(LocalFleet(servers=2, base_port=port), tmp_path)
+        with pytest.raises(RunFatal, match=f"127.0.0.1:{port} is in use"):
+            fleet.start()
+        assert _StaleServer.requests == [], "regen never talks to a server it did not start"
+        assert fleet.processes == []
+    finally:
+        stale.shutdown()
+        stale.server_close()
+
+
+@pytest.mark.llama
+@pytest.mark.slow
+def test_a_sigkilled_regen_leaves_no_server_and_its_resume_starts_its_own(tmp_path, ray_cluster):
+    pytest.importorskip("xllamacpp")
+    prompts = tmp_path / "p.jsonl"
+    write_prompts(prompts, 24)
+    port = free_port()
+    config = write_config(tmp_path, [], [write_source(tmp_path, prompts)], return_token_ids=False,
+                          sampling={"temperature": 0.0, "max_tokens": 8}, flush_records=4, dead_fleet_deadline_s=60,
+                          local_fleet={"servers": 2, "base_port": port, "slots": 2, "ctx_per_slot": 512})
+    run = tmp_path / "out" / "t"
+    driver = start_regen("generate", "--config", str(config), log=tmp_path / "log")
+    servers: list[psutil.Process] = []
+    try:
+        wait_for(lambda: len(server_processes(driver.pid)) == 2, 60, what="the local servers")
+        servers = server_processes(driver.pid)
+        wait_for(lambda: len(data_parts(run)) >= 1, 180, what="a committed part")
+        sigkill(driver)
+        gone, alive = psutil.wait_procs(servers, timeout=30)
+        assert not alive, f"servers outlived regen: {[p.pid for p in alive]}"
+        resumed = run_regen("generate", "--config", str(config))
+        assert resumed.returncode == 0, resumed.stderr
+        ids = committed_ids(run)
+        assert len(ids) == len(set(ids)) == 24
+        assert not port_in_use(port) and not port_in_use(port + 1), "the resume stopped its servers"
+    finally:
+        if driver.poll() is None:
+            sigkill(driver)
+        kill_leftovers(servers)

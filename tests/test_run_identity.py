@@ -1,0 +1,281 @@
+"""The run's identity through the real `regen generate`: what a resume compares (the fingerprint), a run.json
+written by older code, --new-run out of every kind of drift, successor numbers, and signals before dispatch.
+
+Where a test needs only the drift guard, the fleet is one endpoint where nothing listens: a resume the guard
+allows goes on to the preflight, which gives up on it (exit 1, "no endpoint is reachable"); one it refuses
+exits 3 first. Neither needs Ray."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from pipeline.core.config import load_config
+from pipeline.emulator import start_emulator
+from pipeline.hidden.parts import hidden_parts, iter_hidden
+from tests.helpers import committed_ids, data_parts, free_port, regen_cmd, wait_for, write_config, write_prompts, write_source
+
+REPO = Path(__file__).resolve().parent.parent
+OLD_RUN = REPO / "tests" / "data" / "run_c15f75f"  # written by regen at c15f75f: see its config.yaml
+MODEL = "moonshotai/Kimi-K2.5"
+REFUSED, STOPPED_AT_PREFLIGHT = 3, 1
+
+
+def regen(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`regen` run from the repository (the old run's sources are named relative to it)."""
+    return subprocess.run(regen_cmd(*args), capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=os.environ.copy())
+
+
+def dead_fleet() -> dict:
+    return {"endpoints": [{"url": f"http://127.0.0.1:{free_port()}", "name": "dead"}], "dead_fleet_deadline_s": 0.5}
+
+
+def manifest(run: Path) -> dict:
+    return orjson.loads((run / "run.json").read_bytes())
+
+
+def sample_config(tmp_path: Path, n: int = 6, **overrides) -> Path:
+    """tmp_path/config.yaml over n prompts (the same file on every call); `overrides` are config keys."""
+    prompts = tmp_path / "p.jsonl"
+    if not prompts.exists():
+        write_prompts(prompts, n)
+    endpoints = overrides.pop("endpoints")
+    return write_config(tmp_path, endpoints, [write_source(tmp_path, prompts)], model=MODEL, **overrides)
+
+
+# --- the fingerprint (issue 13, defect 11) ----------------------------------------------------------------
+def test_editing_the_layers_note_keeps_the_fingerprint_and_the_run_resumes(tmp_path):
+    hidden = {"enabled": True, "expected_width": 96, "layers_note": "aux layers [2, 16, 29]"}
+    config = sample_config(tmp_path, hidden_states=hidden, **dead_fleet())
+    fingerprint = load_config(config).fingerprint()
+    assert regen("generate", "--config", str(config)).returncode == STOPPED_AT_PREFLIGHT
+    run = tmp_path / "out" / "t"
+    before = manifest(run)
+
+    edited = sample_config(tmp_path, hidden_states={**hidden, "layers_note": "a comment, reworded"}, **dead_fleet())
+    assert load_config(edited).fingerprint() == fingerprint
+    resumed = regen("generate", "--config", str(edited))
+    assert resumed.returncode == STOPPED_AT_PREFLIGHT, resumed.stderr
+    assert "no endpoint is reachable" in resumed.stderr and "started with another config" not in resumed.stderr
+    after = manifest(run)
+    assert after["fingerprint"] == before["fingerprint"]
+    assert after["generation"]["hidden_states"]["layers_note"] == "a comment, reworded", "the exports read the note"
+
+
+@pytest.mark.parametrize("key, changed", [("return_token_ids", False), ("stream", True)])
+def test_token_ids_and_streaming_are_part_of_the_identity(tmp_path, key, changed):
+    config = sample_config(tmp_path, **dead_fleet())
+    fingerprint = load_config(config).fingerprint()
+    assert regen("generate", "--config", str(config)).returncode == STOPPED_AT_PREFLIGHT
+    other = sample_config(tmp_path, **{key: changed}, **dead_fleet())
+    assert load_config(other).fingerprint() != fingerprint
+    refused = regen("generate", "--config", str(other))
+    assert refused.returncode == REFUSED, refused.stderr
+    assert f"generation.{key}: {not changed!r} -> {changed!r}" in refused.stderr and "--new-run" in refused.stderr
+
+
+# --- the mechanism: keys a stored run.json lacks --------------------------------------------------------
+def test_a_key_older_code_did_not_record_is_adopted_but_a_users_template_key_is_compared(tmp_path):
+    from pipeline.core.identity import IDENTITY_VERSION, check_identity
+
+    cfg = load_config(sample_config(tmp_path, thinking=True, **dead_fleet()))
+    identity = cfg.identity()
+    older = orjson.loads(orjson.dumps(identity))
+    del older["generation"]["sampling"]["top_p"]  # as if top_p had been added to Sampling after this run began
+    check = check_identity(older, identity, refresh_prompts=False)
+    assert check.resumable and check.adopted == {"generation.sampling.top_p": 1.0}
+
+    without_thinking = orjson.loads(orjson.dumps(identity))
+    without_thinking["generation"]["chat_template_kwargs"] = {}
+    check = check_identity(without_thinking, identity, refresh_prompts=False)
+    assert check.drift == ["generation.chat_template_kwargs: {} -> {'thinking': True}"], "a value, not a section"
+
+    newer = {**identity, "identity_version": IDENTITY_VERSION + 1}
+    assert not check_identity(newer, identity, refresh_prompts=False).resumable, "unknown keys cannot be checked"
+
+
+# --- a run.json written by the code at c15f75f ------------------------------------------------------------
+def old_run_config(tmp_path: Path, servers, **changes) -> Path:
+    cfg = yaml.safe_load((OLD_RUN / "config.yaml").read_text())
+    cfg.update(output_dir=str(tmp_path / "out"), dead_fleet_deadline_s=20,
+               endpoints=[{"url": s.url, "concurrency": 2, "name": f"emu-{i}"} for i, s in enumerate(servers)])
+    for key, value in changes.items():
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def test_a_run_written_by_c15f75f_resumes_and_records_what_it_lacked(tmp_path, ray_cluster):
+    run = tmp_path / "out" / "old"
+    shutil.copytree(OLD_RUN / "old", run)
+    old_manifest = (run / "run.json").read_bytes()
+    old_parts = {p.name: p.read_bytes() for p in data_parts(run)}
+    old_ids = committed_ids(run)
+    assert 0 < len(old_ids) < 12 and "identity_version" not in orjson.loads(old_manifest)
+    server = start_emulator(preset="kimi")
+    try:
+        changed = regen("generate", "--config", str(old_run_config(tmp_path, [server], sampling={"max_tokens": 9})))
+        assert changed.returncode == REFUSED and "sampling.max_tokens: 8 -> 9" in changed.stderr
+        assert (run / "run.json").read_bytes() == old_manifest, "a refused resume changes nothing"
+
+        resumed = regen("generate", "--config", str(old_run_config(tmp_path, [server])))
+        assert resumed.returncode == 0, resumed.stderr
+        ids = committed_ids(run)
+        assert len(ids) == len(set(ids)) == 12
+        assert {p.name: p.read_bytes() for p in data_parts(run) if p.name in old_parts} == old_parts
+        from pipeline.core.identity import IDENTITY_VERSION
+
+        new = manifest(run)
+        old = orjson.loads(old_manifest)
+        assert new["identity_version"] == IDENTITY_VERSION and new["fingerprint"] == old["fingerprint"]
+        assert new["generation"]["return_token_ids"] is True and new["generation"]["stream"] is False
+        assert new["identity_upgrades"][0]["from_version"] == 1
+        assert set(new["identity_upgrades"][0]["adopted"]) == {"generation.return_token_ids", "generation.stream",
+                                                                     "generation.explicit_sampling"}
+        fingerprints = {r for p in data_parts(run) for r in pq.read_table(p).column("config_fingerprint").to_pylist()}
+        assert fingerprints == {old["fingerprint"]}, "one fingerprint in one run"
+
+        streamed = regen("generate", "--config", str(old_run_config(tmp_path, [server], stream=True)))
+        assert streamed.returncode == REFUSED and "generation.stream: False -> True" in streamed.stderr, \
+            "a key recorded on resume is compared from then on"
+    finally:
+        server.stop()
+
+
+# --- --new-run and successors (defects 9 and 13) -----------------------------------------------------
+def test_new_run_starts_a_successor_when_the_prompt_set_config_changed(tmp_path, ray_cluster):
+    server = start_emulator(preset="kimi")
+    try:
+        endpoint = [{"url": server.url, "concurrency": 4, "name": "emu"}]
+        prompts = tmp_path / "p.jsonl"
+        write_prompts(prompts, 8)
+        spec = write_source(tmp_path, prompts)
+        config = write_config(tmp_path, endpoint, [spec], model=MODEL)
+        assert regen("generate", "--config", str(config)).returncode == 0
+        first = tmp_path / "out" / "t"
+        first_manifest = (first / "run.json").read_bytes()
+
+        limited = write_config(tmp_path, endpoint, [spec], model=MODEL, sources=[{"spec": str(spec), "limit": 5}])
+        refused = regen("generate", "--config", str(limited))
+        assert refused.returncode == REFUSED and "sources" in refused.stderr and "--new-run" in refused.stderr
+        fresh = regen("generate", "--config", str(limited), "--new-run")
+        assert fresh.returncode == 0, fresh.stderr
+        successor = tmp_path / "out" / "t-r2"
+        assert len(set(committed_ids(successor))) == len(committed_ids(successor)) == 5
+        assert (first / "run.json").read_bytes() == first_manifest and len(committed_ids(first)) == 8
+        again = regen("generate", "--config", str(limited))
+        assert again.returncode == 0 and f"{successor} is complete" in again.stderr, "the successor is resumed"
+    finally:
+        server.stop()
+
+
+def weights_config(tmp_path: Path, server, **overrides) -> Path:
+    return sample_config(tmp_path, 20, endpoints=[{"url": server.url, "concurrency": 1, "name": "emu"}],
+                         sampling={"temperature": 0.0, "max_tokens": 16}, **overrides)
+
+
+def test_new_run_starts_a_successor_when_the_fleet_serves_other_weights(tmp_path, ray_cluster):
+    first, second, third = (tmp_path / "out" / name for name in ("t", "t-r2", "t-r3"))
+    slow = start_emulator(preset="kimi", weight_version="w1", tok_per_s=40)
+    try:  # a run stopped half way at weights w1
+        proc = subprocess.Popen(regen_cmd("generate", "--config", str(weights_config(tmp_path, slow))), cwd=REPO,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: len(committed_ids(first)) >= 2, 120, what="the first records")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        slow.stop()
+    done_at_w1 = committed_ids(first)
+    assert 2 <= len(done_at_w1) < 20
+    server = start_emulator(preset="kimi", weight_version="w2")
+    try:
+        config = weights_config(tmp_path, server)
+        refused = regen("generate", "--config", str(config))
+        assert refused.returncode == REFUSED, refused.stderr
+        assert "weight_version: 'w1' -> 'w2'" in refused.stderr and "--new-run" in refused.stderr
+        fresh = regen("generate", "--config", str(config), "--new-run")
+        assert fresh.returncode == 0, fresh.stderr
+        rows = [r for p in data_parts(second) for r in pq.read_table(p).to_pylist()]
+        assert len(rows) == len({r["prompt_id"] for r in rows}) == 20 and {r["weight_version"] for r in rows} == {"w2"}
+        assert manifest(second)["weight_version"] == "w2" and committed_ids(first) == done_at_w1
+    finally:
+        server.stop()
+    server = start_emulator(preset="kimi", weight_version="w3")
+    try:  # a complete run is probed too when --new-run is asked for
+        config = weights_config(tmp_path, server)
+        assert "is complete" in regen("generate", "--config", str(config)).stderr, "a plain rerun does not probe"
+        fresh = regen("generate", "--config", str(config), "--new-run")
+        assert fresh.returncode == 0, fresh.stderr
+        assert manifest(third)["weight_version"] == "w3" and len(set(committed_ids(third))) == 20
+    finally:
+        server.stop()
+
+
+def test_a_successor_is_numbered_past_the_highest_even_after_one_was_deleted(tmp_path):
+    out = tmp_path / "out"
+    for temperature in (0.0, 0.1, 0.2):
+        config = sample_config(tmp_path, sampling={"temperature": temperature, "max_tokens": 8}, **dead_fleet())
+        assert regen("generate", "--config", str(config), "--new-run").returncode == STOPPED_AT_PREFLIGHT
+    assert sorted(p.name for p in out.iterdir()) == ["t", "t-r2", "t-r3"]
+    shutil.rmtree(out / "t-r2")
+    r3 = (out / "t-r3" / "run.json").read_bytes()
+
+    config = sample_config(tmp_path, sampling={"temperature": 0.3, "max_tokens": 8}, **dead_fleet())
+    result = regen("generate", "--config", str(config), "--new-run")
+    assert result.returncode == STOPPED_AT_PREFLIGHT, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["t", "t-r3", "t-r4"]
+    assert (out / "t-r3" / "run.json").read_bytes() == r3
+    assert manifest(out / "t-r4")["generation"]["sampling"]["temperature"] == 0.3
+
+
+# --- hidden parts (defect 10) ---------------------------------------------------------------------------
+def test_unreferenced_hidden_parts_are_removed_when_nothing_is_pending(tmp_path, ray_cluster):
+    server = start_emulator(preset="kimi-eagle3", hidden_width=32)
+    try:
+        config = sample_config(tmp_path, 6, endpoints=[{"url": server.url, "concurrency": 2, "name": "emu"}],
+                               thinking=True, sampling={"temperature": 0.0, "max_tokens": 12},
+                               hidden_states={"enabled": True, "expected_width": 96})
+        assert regen("generate", "--config", str(config)).returncode == 0
+    finally:
+        server.stop()
+    run = tmp_path / "out" / "t"
+    referenced = {p.name for p in hidden_parts(run)}
+    # what a retried request or a hedged copy leaves: a whole hidden part no data row points to
+    stray = run / "hidden" / "part-emu-stray-0-000001.parquet"
+    shutil.copyfile(run / "hidden" / sorted(referenced)[0], stray)
+    result = regen("generate", "--config", str(config))  # the fleet is gone: nothing pending needs it
+    assert result.returncode == 0 and "nothing pending" in result.stderr, result.stderr
+    assert {p.name for p in hidden_parts(run)} == referenced
+    assert len(list(iter_hidden(run))) == 6
+
+
+# --- signals before dispatch (defect 13) -------------------------------------------------------------
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_the_preflight_wait_exits_130(tmp_path, signum):
+    config = sample_config(tmp_path, endpoints=dead_fleet()["endpoints"], dead_fleet_deadline_s=300)
+    log = tmp_path / "log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(regen_cmd("generate", "--config", str(config)), cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: b"no endpoint is reachable yet" in log.read_bytes(), 60, what="the preflight wait")
+        started = time.monotonic()
+        proc.send_signal(signum)
+        assert proc.wait(timeout=30) == 130
+        assert time.monotonic() - started < 15
+        assert "interrupted" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
