@@ -337,7 +337,8 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
     from .endpoints.preflight import preflight
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
-    weight_version = pin_weight_version(run_dir, preflight(cfg, api_keys))
+    reports = preflight(cfg, api_keys)
+    weight_version = pin_weight_version(run_dir, reports)
     init_ray(cfg.ray.address)
     stop.install()
 
@@ -358,7 +359,8 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
     dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
                             make_actor_factory(cfg, client_settings(cfg, weight_version), cfg.api_key,
                                                run_dir.path.uri),
-                            fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None)
+                            fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
+                            unreachable={r.label for r in reports if not r.reachable})
     try:
         dispatcher.run()
     finally:
