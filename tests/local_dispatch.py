@@ -45,22 +45,26 @@ class LocalRun:
 
 def run_local(cfg: RunConfig, items: list[WorkItem], run_dir: str = "", time_limit_s: float = 60.0,
               fleet_watch: Callable | None = None, unreachable: set[str] = frozenset(),
-              factory: Callable | None = None, **worker_options: Any) -> LocalRun:
+              factory: Callable | None = None, transport: LocalTransport | None = None,
+              finished: dict | None = None, **worker_options: Any) -> LocalRun:
     """Dispatch `items` until every one has a final outcome, or time_limit_s (then the run stops, as on SIGINT).
-    Raises what the dispatcher raises (RunFatal); `LocalRun.seconds` is the wall time."""
+    Raises what the dispatcher raises (RunFatal): `finished`, if given, still holds what was finished before.
+    `LocalRun.seconds` is the wall time."""
     worker_options = {"backoff_initial_s": 0.05, "backoff_max_s": 0.5, **worker_options}
     factory = factory or local_worker_factory(cfg, client_settings(cfg), cfg.api_key, run_dir, **worker_options)
-    transport = LocalTransport()
+    transport = transport or LocalTransport()
     started = time.monotonic()
     result: LocalRun | None = None
 
+    committed = collections.defaultdict(list) if finished is None else finished
+
     def on_outcome(outcome: Outcome, attempts: int) -> None:
-        result.finished[outcome.prompt_id].append((outcome, attempts))
+        committed.setdefault(outcome.prompt_id, []).append((outcome, attempts))
 
     dispatcher = Dispatcher(cfg, items, on_outcome, lambda _status: None,
                             lambda: time.monotonic() - started > time_limit_s, factory, fleet_watch=fleet_watch,
                             unreachable=unreachable, transport=transport)
-    result = LocalRun(dispatcher)
+    result = LocalRun(dispatcher, committed)
     try:
         dispatcher.run()
     finally:

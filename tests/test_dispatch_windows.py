@@ -94,3 +94,17 @@ def test_hidden_states_keep_the_endpoints_concurrency_in_flight(tmp_path):
     # each /generate takes 1 s at the server: 2 rounds of 8 in flight, where 2 at a time took 8 rounds
     assert result.seconds < 5, f"16 hidden-state prompts took {result.seconds:.1f}s at concurrency 8"
     assert 1 <= peak[0] <= 2, "at most max_in_memory answers held at once"
+
+
+def test_an_endpoint_half_open_at_the_tail_of_the_run_gets_its_one_request():
+    """Near the end of the run an endpoint's demand is cut by one concurrency (no prefetch). Before the fix that cut
+    also took a half-open (probing) endpoint's single request to nothing: it never closed again, and the run hung
+    with work queued. Found by the supervision property test (test_supervision.py)."""
+    with emulators(1, preset="kimi", poison_text="[busy]", poison_fault="503", poison_times=2) as (server,):
+        cfg = make_cfg([{"url": server.url, "name": "only", "concurrency": 4}], circuit_failures=2,
+                       attempts_per_endpoint=1, max_attempts=4)
+        items = [work_item(f"p{i}", f"[busy] Question {i}", cfg) for i in range(2)]  # both 503: the circuit opens
+        result = run_local(cfg, items, time_limit_s=30)
+    assert result.seconds < 15, f"the run hung with its only endpoint half-open ({result.seconds:.0f}s)"
+    assert result.kinds() == {"p0": [DONE], "p1": [DONE]}
+    assert result.dispatcher.slots["only"].stats["errors"].get("circuit_opened") == 1

@@ -147,8 +147,8 @@ class Dispatcher:
         the run the prefetch would strand work behind a slow endpoint, so there it gets free slots only,
         and once the queue is empty an idle endpoint re-runs the oldest work held by others (hedging:
         whichever answer comes first is committed, the late one is dropped)."""
-        if len(self.router) < sum(s.endpoint.concurrency for s in self.slots.values()):
-            demand = max(0, demand - slot.endpoint.concurrency)
+        if slot.state == "healthy" and len(self.router) < sum(s.endpoint.concurrency for s in self.slots.values()):
+            demand = max(0, demand - slot.endpoint.concurrency)  # a probing endpoint asks for its one request only
         elsewhere = any(s.state == "healthy" for s in self.slots.values() if s is not slot and not s.draining)
         batch = self.router.take(slot.label, demand, self.unfinished.__contains__, elsewhere)
         if self.cfg.hedge_tail and len(batch) < demand and not len(self.router) and slot.state == "healthy":
