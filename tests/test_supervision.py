@@ -38,6 +38,10 @@ class NeverSeenBefore(Exception):
     """An exception type no part of regen knows."""
 
 
+class LibrarysOwnBaseException(BaseException):
+    """Some libraries derive their own signals from BaseException: asyncio would end a task on it silently."""
+
+
 # Each entry makes a fresh exception. The taxonomy's own classes go through as they are; the rest become
 # Unexpected (retryable), named by type.
 CATALOGUE = {
@@ -57,6 +61,7 @@ CATALOGUE = {
     "TimeoutError": lambda: TimeoutError(),
     "CancelledError": lambda: asyncio.CancelledError(),  # a stray one: the worker's own task is not cancelled
     "NeverSeenBefore": lambda: NeverSeenBefore("whatever this is"),
+    "LibrarysOwnBaseException": lambda: LibrarysOwnBaseException("not an Exception at all"),
     "Retryable": lambda: errors.Retryable("503 The request queue is full.", status=503),
     "EndpointDown": lambda: errors.EndpointDown("connection failed: refused"),
     "ConnectionDropped": lambda: errors.ConnectionDropped("connection failed: peer closed the connection"),

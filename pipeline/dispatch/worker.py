@@ -41,11 +41,14 @@ class _Failed(Exception):
         self.error, self.attempts = error, attempts
 
 
-def _being_cancelled() -> bool:
-    """A CancelledError is a cancellation of this worker (close(), the loop ending) only if its task is being
-    cancelled; any other one (a library's stray cancel) is an error like any other."""
+def _must_propagate(exc: BaseException) -> bool:
+    """What may end a worker: an interrupt, or the cancellation of this worker itself (close(), the loop ending).
+    A CancelledError while the worker's task is not being cancelled (a library's stray cancel), or a library's
+    own BaseException subclass, is an error of the prompt like any other."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        return True
     task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
+    return isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling() > 0
 
 
 class EndpointWorker:
@@ -149,11 +152,9 @@ class EndpointWorker:
             self.in_flight += 1
             try:
                 outcome = await self._run(item)
-            except asyncio.CancelledError as exc:
-                if _being_cancelled():
+            except BaseException as exc:  # _run turns errors into outcomes; this catches a bug in that bookkeeping
+                if _must_propagate(exc):
                     raise
-                outcome = self._failed(item, unexpected(exc, self.label), 1)
-            except Exception as exc:  # _run turns errors into outcomes; this catches a bug in that bookkeeping
                 outcome = self._failed(item, unexpected(exc, self.label), 1)
             finally:
                 self.in_flight -= 1
@@ -185,11 +186,9 @@ class EndpointWorker:
             self.errors[RUN_FATAL] += 1
             self.last_error = f"{RUN_FATAL}: {type(exc).__name__}: {exc}"
             return Outcome(item.prompt_id, RUN_FATAL, self.label, 0, message=str(exc))
-        except asyncio.CancelledError as exc:
-            if _being_cancelled():
+        except BaseException as exc:  # e.g. a conversation this code cannot read
+            if _must_propagate(exc):
                 raise
-            return self._failed(item, unexpected(exc, self.label), failed + 1)
-        except Exception as exc:  # e.g. a conversation this code cannot read
             return self._failed(item, unexpected(exc, self.label), failed + 1)
         self.consecutive_failures = 0
         if self.state == "probing":
@@ -229,11 +228,9 @@ class EndpointWorker:
             return await self.client.chat(messages, seed)
         except (RequestError, RunFatal):
             raise
-        except asyncio.CancelledError as exc:
-            if _being_cancelled():
+        except BaseException as exc:
+            if _must_propagate(exc):
                 raise
-            raise unexpected(exc, self.label) from None
-        except Exception as exc:
             raise unexpected(exc, self.label) from exc
 
     def _failed(self, item: WorkItem, error: RequestError, attempts: int) -> Outcome:
