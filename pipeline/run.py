@@ -243,7 +243,7 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
         return report_complete(run_dir, progress())
     check_hidden_space(cfg, opts, run_dir, prompts, pending)
     with local_fleet(cfg.local_fleet, run_dir.local_logs()):
-        weight_version, engines = fleet_preflight(cfg, run_dir)
+        fleet = fleet_preflight(cfg, run_dir)
         if not pending:
             return report_complete(run_dir, progress())
         log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed),
@@ -253,8 +253,7 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
         committer = Committer(run_dir, done, cfg.flush_records, cfg.flush_interval_s,
                               schema.records_schema(manifest.get("schema_version")))
         try:
-            state = run_dispatch(cfg, run_dir, builder, pending, committer, run_progress, stop, weight_version,
-                                 engines)
+            state = run_dispatch(cfg, run_dir, builder, pending, committer, run_progress, stop, fleet)
         except BaseException as exc:
             salvage(committer, run_progress, "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
             raise
@@ -348,16 +347,26 @@ def init_ray(address: str | None) -> None:
             os.environ[LOOPBACK_SWITCH] = saved
 
 
-def fleet_preflight(cfg: RunConfig, run_dir: RunDir) -> tuple[str | None, dict]:
-    """Probe the fleet before any prompt; pin the run to the weight version it reports (or check it), record
-    whether it is deterministic, and return the pinned version and each endpoint's engine adapter."""
+@dataclass(frozen=True)
+class FleetFacts:
+    """What the preflight found that the dispatch needs."""
+
+    weight_version: str | None  # the version the run is pinned to (None: not reported)
+    engines: dict  # each endpoint's engine adapter, by label
+    unreachable: set[str]  # endpoints that did not answer: they start with their circuit open
+
+
+def fleet_preflight(cfg: RunConfig, run_dir: RunDir) -> FleetFacts:
+    """Probe the fleet before any prompt; pin the run to the weight version it reports (or check it) and
+    record whether it is deterministic."""
     from .endpoints.preflight import preflight
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
     reports = preflight(cfg, api_keys)
     weight_version = pin_weight_version(run_dir, reports)
     record_determinism(run_dir, reports)
-    return weight_version, {r.label: r.engine for r in reports if r.engine is not None}
+    return FleetFacts(weight_version, {r.label: r.engine for r in reports if r.engine is not None},
+                      {r.label for r in reports if not r.reachable})
 
 
 def pin_weight_version(run_dir: RunDir, reports) -> str | None:
@@ -411,7 +420,7 @@ class EndpointsFileWatch:
 
 
 def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,
-                 progress, stop: StopFlag, weight_version: str | None, engines: dict) -> str:
+                 progress, stop: StopFlag, fleet: "FleetFacts") -> str:
     from .dispatch.dispatcher import Dispatcher, client_settings, make_actor_factory
 
     stop.graceful = True  # from here a signal ends the dispatch and the buffer is committed
@@ -440,9 +449,10 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
         progress.tick(endpoints)
 
     dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
-                            make_actor_factory(cfg, client_settings(cfg, weight_version, engines), cfg.api_key,
-                                               run_dir.path.uri),
-                            fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None)
+                            make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines),
+                                               cfg.api_key, run_dir.path.uri),
+                            fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
+                            unreachable=fleet.unreachable)
     try:
         dispatcher.run()
     finally:

@@ -121,7 +121,8 @@ def test_chaos_exactly_once(tmp_path, ray_cluster):
         write_prompts(prompts, 2000)
         config = write_config(tmp_path, endpoints(servers), [write_source(tmp_path, prompts)], model=MODEL,
                               sampling={"temperature": 0.0, "max_tokens": 24}, request_timeout_s=3,
-                              max_attempts=10, flush_records=50, flush_interval_s=0.5, dead_fleet_deadline_s=60)
+                              max_attempts=10, flush_records=50, flush_interval_s=0.5, dead_fleet_deadline_s=60,
+                              max_connection_drops=10)  # servers are killed under prompts that are not poison
         # every committed part is readable after every kill
         kills = kill_the_driver_then_finish(config, tmp_path, 11, (4.0, 7.0), after_kill=lambda: committed_ids(run))
 

@@ -110,7 +110,8 @@ def test_chaos_on_s3_three_driver_kills_a_flapping_and_a_faulty_endpoint_exactly
                                          for i, s in enumerate(servers)],
                               [write_source(tmp_path, prompts)], model=MODEL, output_dir=out,
                               sampling={"temperature": 0.0, "max_tokens": 24}, request_timeout_s=3, max_attempts=10,
-                              flush_records=25, flush_interval_s=0.5, dead_fleet_deadline_s=60)
+                              flush_records=25, flush_interval_s=0.5, dead_fleet_deadline_s=60,
+                              max_connection_drops=10)  # servers are killed under prompts that are not poison
         kills = kill_the_driver_then_finish(config, tmp_path, 5, (4.0, 6.0))
     ids = [r["prompt_id"] for r in ledger_rows(run)]
     assert kills == 3, "the driver must have been killed three times mid-run"

@@ -133,6 +133,8 @@ class RunConfig(_Strict):
     # Retries and deadlines.
     max_attempts: int = Field(4, ge=1)  # HTTP attempts per prompt across all endpoints
     attempts_per_endpoint: int = Field(2, ge=1)
+    # A prompt on which servers dropped the connection (or crashed) this many times is terminal: a poison prompt.
+    max_connection_drops: int = Field(3, ge=1)
     request_timeout_s: float = Field(0.0, ge=0.0)  # 0: derived from max_tokens and min_tok_per_s
     min_tok_per_s: float = Field(2.0, gt=0.0)
     stream: bool = False  # SSE: detects a stalled request sooner, but gives no token ids

@@ -53,6 +53,17 @@ class EndpointDown(Retryable):
     it does not count against the prompt's attempts, and it feeds the endpoint's circuit breaker."""
 
 
+class ConnectionDropped(EndpointDown):
+    """The connection was lost after the request was sent (reset mid-request, the server died on it). It may be
+    the prompt's fault (a prompt that crashes the server): costs no attempt, but each prompt's drops are counted
+    and past `max_connection_drops` the prompt is terminal."""
+
+
+class Unexpected(Retryable):
+    """An exception outside this taxonomy (a malformed answer, a bug): counted as an attempt and a failure of the
+    endpoint, with the exception's type and message, and retried (elsewhere) like any transient error."""
+
+
 class TerminalForPrompt(RequestError):
     """This prompt can never succeed (context overflow, invalid request): one failure row, no retry."""
 

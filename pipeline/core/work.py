@@ -42,8 +42,10 @@ class WorkItem:
     affinity: int = 0  # prefix-affinity key (affinity_key; dispatch/routing.py); 0: none
 
 
-# What became of one work item at one endpoint.
+# What became of one work item at one endpoint. DROPPED: the connection was lost mid-request (counted per prompt);
+# RUN_FATAL: the actor cannot write the run's output (the run stops, resumable).
 DONE, RETRY, RETURNED, TERMINAL, ENDPOINT_FATAL = "done", "retryable", "returned", "terminal", "endpoint_fatal"
+DROPPED, RUN_FATAL = "dropped", "run_fatal"
 
 
 @dataclass

@@ -17,16 +17,38 @@ import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from ..core.config import RunConfig
-from ..core.errors import EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt
-from ..core.work import DONE, ENDPOINT_FATAL, RETRY, RETURNED, TERMINAL, Completion, Exchange, Outcome, WorkItem
-from ..endpoints.client import ClientSettings, EndpointClient
+from ..core.errors import (
+    ConnectionDropped, EndpointDown, EndpointFatal, RequestError, Retryable, RunFatal, TerminalForPrompt, Unexpected,
+)
+from ..core.work import (
+    DONE, DROPPED, ENDPOINT_FATAL, RETRY, RETURNED, RUN_FATAL, TERMINAL, Completion, Exchange, Outcome, WorkItem,
+)
+from ..endpoints.client import ClientSettings, EndpointClient, unexpected
 from ..hidden.capture import HiddenRoute, HiddenTurns
 from ..prompts.conversation import turn_history, user_turns
 
+# Error class -> outcome kind, most specific first.
+OUTCOME_OF: tuple[tuple[type[RequestError], str], ...] = (
+    (ConnectionDropped, DROPPED), (EndpointDown, RETURNED), (TerminalForPrompt, TERMINAL),
+    (EndpointFatal, ENDPOINT_FATAL), (Retryable, RETRY),
+)
+
 
 class _Failed(Exception):
+    """A turn failed for good on this endpoint; `attempts` counts the attempts that cost the prompt one."""
+
     def __init__(self, error: RequestError, attempts: int):
         self.error, self.attempts = error, attempts
+
+
+def _must_propagate(exc: BaseException) -> bool:
+    """What may end a worker: an interrupt, or the cancellation of this worker itself (close(), the loop ending).
+    A CancelledError while the worker's task is not being cancelled (a library's stray cancel), or a library's
+    own BaseException subclass, is an error of the prompt like any other."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        return True
+    task = asyncio.current_task()
+    return isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling() > 0
 
 
 class EndpointWorker:
@@ -120,6 +142,8 @@ class EndpointWorker:
         self.ready.set()
 
     async def _work(self) -> None:
+        """One long-lived worker. Every exception becomes an outcome for its prompt; only a cancellation of
+        the worker itself ends it (and then the driver has taken the work back already)."""
         while True:
             item = await self.inbox.get()
             if self.state in ("open", "fatal"):
@@ -127,38 +151,54 @@ class EndpointWorker:
                 continue
             self.in_flight += 1
             try:
-                self._emit(await self._run(item))
+                outcome = await self._run(item)
+            except BaseException as exc:  # _run turns errors into outcomes; this catches a bug in that bookkeeping
+                if _must_propagate(exc):
+                    raise
+                outcome = self._failed(item, unexpected(exc, self.label), 1)
             finally:
                 self.in_flight -= 1
+            self._emit(outcome)
 
     async def _run(self, item: WorkItem) -> Outcome:
-        """All turns of a prompt on this endpoint, in order. A failure redoes the whole prompt elsewhere."""
-        messages = orjson.loads(item.messages_json)
+        """All turns of a prompt on this endpoint, in order. A failure redoes the whole prompt elsewhere.
+        Only failed attempts count against the prompt: a DONE costs one attempt plus the failures before it."""
+        failed = 0
         completions: list[Completion] = []
-        attempts = 0
         try:
+            messages = orjson.loads(item.messages_json)
             if self.mode == "all_turns":
                 system, users = user_turns(messages)
                 for k in range(len(users)):
                     history = turn_history(system, users, [c.content for c in completions], k)
                     seed = None if item.seed is None else item.seed + k
                     completion, used = await self._request(item.prompt_id, k, history, seed)
-                    attempts += used
+                    failed += used - 1
                     completions.append(completion)
             else:
                 turn = sum(m["role"] == "assistant" for m in messages)
-                completion, attempts = await self._request(item.prompt_id, turn, messages, item.seed)
+                completion, used = await self._request(item.prompt_id, turn, messages, item.seed)
+                failed += used - 1
                 completions.append(completion)
-        except _Failed as failed:
-            return self._failed(item, failed.error, attempts + failed.attempts)
+        except _Failed as failure:
+            return self._failed(item, failure.error, failed + failure.attempts)
+        except RunFatal as exc:  # the actor cannot write the run's output (a hidden part): the run must stop
+            self.errors[RUN_FATAL] += 1
+            self.last_error = f"{RUN_FATAL}: {type(exc).__name__}: {exc}"
+            return Outcome(item.prompt_id, RUN_FATAL, self.label, 0, message=str(exc))
+        except BaseException as exc:  # e.g. a conversation this code cannot read
+            if _must_propagate(exc):
+                raise
+            return self._failed(item, unexpected(exc, self.label), failed + 1)
         self.consecutive_failures = 0
         if self.state == "probing":
             self.state = "healthy"
-        return Outcome(item.prompt_id, DONE, self.label, attempts, completions=completions)
+        return Outcome(item.prompt_id, DONE, self.label, failed + 1, completions=completions)
 
     async def _request(self, prompt_id: str, turn_index: int, messages: list[dict[str, str]],
                        seed: int | None) -> tuple[Completion, int]:
-        """One turn, with backoff and jitter on retryable errors, up to attempts_per_endpoint."""
+        """One turn, with backoff and jitter on retryable errors, up to attempts_per_endpoint.
+        Returns the completion and the attempts it took; raises _Failed with the attempts that count."""
         attempts = 0
         retrying = AsyncRetrying(
             # An unreachable endpoint is not retried here: the circuit breaker handles it.
@@ -172,23 +212,33 @@ class EndpointWorker:
                 with attempt:
                     self.requests += 1
                     attempts += 1
-                    if self.hidden:
-                        completion = await self.hidden.turn(prompt_id, turn_index, messages, seed)
-                    else:
-                        completion = await self.client.chat(messages, seed)
+                    completion = await self._attempt(prompt_id, turn_index, messages, seed)
         except RequestError as error:
-            raise _Failed(error, attempts) from None
+            # an unreachable endpoint, or a dropped connection, is not the prompt's attempt
+            raise _Failed(error, attempts - isinstance(error, EndpointDown)) from None
         self.completion_tokens += completion.completion_tokens
         return completion, attempts
 
+    async def _attempt(self, prompt_id: str, turn_index: int, messages: list[dict[str, str]],
+                       seed: int | None) -> Completion:
+        """The client boundary: what comes out is a completion or an error of the taxonomy."""
+        try:
+            if self.hidden:
+                return await self.hidden.turn(prompt_id, turn_index, messages, seed)
+            return await self.client.chat(messages, seed)
+        except (RequestError, RunFatal):
+            raise
+        except BaseException as exc:
+            if _must_propagate(exc):
+                raise
+            raise unexpected(exc, self.label) from exc
+
     def _failed(self, item: WorkItem, error: RequestError, attempts: int) -> Outcome:
         """The one place that turns an error class into an outcome and circuit bookkeeping."""
-        kind = {
-            EndpointDown: RETURNED,
-            TerminalForPrompt: TERMINAL,
-            EndpointFatal: ENDPOINT_FATAL,
-        }.get(type(error), RETRY)
+        kind = next(kind for cls, kind in OUTCOME_OF if isinstance(error, cls))
         self.errors[kind] += 1
+        if isinstance(error, Unexpected):
+            self.errors["unexpected"] += 1
         self.last_error = f"{kind}: {error.message}"
         if kind == TERMINAL:
             self.consecutive_failures = 0
@@ -198,8 +248,7 @@ class EndpointWorker:
             self.consecutive_failures += 1
             if self.consecutive_failures >= self.circuit_failures or self.state == "probing":
                 self._open_circuit()
-        counted = 0 if kind == RETURNED else attempts
-        return Outcome(item.prompt_id, kind, self.label, counted, message=error.message, status=error.status)
+        return Outcome(item.prompt_id, kind, self.label, attempts, message=error.message, status=error.status)
 
     # --- circuit breaker ----------------------------------------------------------------------------
     def _open_circuit(self) -> None:
@@ -217,10 +266,14 @@ class EndpointWorker:
         delay = self.backoff_initial_s
         await asyncio.sleep(self.backoff_initial_s if first_delay is None else first_delay)
         while self.state == "open":
-            if await self.client.healthy() and await self._passes_preflight():
-                self.state = "probing"  # half-open: one request decides
-                self.consecutive_failures = 0
-                return
+            try:
+                if await self.client.healthy() and await self._passes_preflight():
+                    self.state = "probing"  # half-open: one request decides
+                    self.consecutive_failures = 0
+                    return
+            except Exception as exc:  # a probe that fails oddly is a failed probe, never a silent end
+                self.errors["probe_error"] += 1
+                self.last_error = f"probe failed: {unexpected(exc).message}"
             await asyncio.sleep(delay)
             delay = min(self.backoff_max_s, delay * 2)
 
@@ -241,8 +294,9 @@ class EndpointWorker:
         return report.ok and not problems
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        for task in [*self._tasks, self._probe]:
+            if task is not None:
+                task.cancel()
         await self.client.close()
 
 

@@ -93,6 +93,11 @@ class EmulatorConfig:
     slow_stream_s: float = 0.0                    # extra delay between SSE chunks
     health_ok_while_hung: bool = False            # every generation hangs, /health still 200
     health_503: bool = False                      # /health and /health_generate answer 503
+    # A poison prompt: a generation request whose text contains `poison_text` always gets `poison_fault`
+    # (500, 503, 429, 400, hang, reset, abort), or only the first `poison_times` such requests (0: every one).
+    poison_text: str | None = None
+    poison_fault: str = "reset"
+    poison_times: int = 0
     # --- logging -----------------------------------------------------------------------------
     request_log: str | None = None
     request_log_bodies: bool = False              # each log line also holds the whole request body
@@ -237,10 +242,10 @@ _OPTIONS: list[tuple[str, Any, str]] = [
     ("health_check_timeout", float, "/health_generate gives up after this many seconds"),
     ("keepalive_timeout", float, "HTTP keep-alive timeout (SGLang: 5 s)"),
     ("fault_seed", int, "seed of the fault draws (one draw per generation request)"),
-    ("fault_500", float, "rate of 500 answers (mid-stream error for streams)"),
+    ("fault_500", float, "rate of 500 answers (mid-stream error event for streams)"),
     ("fault_503", float, "rate of 503 answers"),
     ("fault_429", float, "rate of 429 answers"),
-    ("fault_400", float, "rate of 400 answers"),
+    ("fault_400", float, "rate of 400 answers (mid-stream error event for streams)"),
     ("fault_hang", float, "rate of requests that never answer"),
     ("fault_reset", float, "rate of connections closed mid-body"),
     ("fault_abort", float, "rate of 200 answers with finish_reason abort"),
@@ -248,6 +253,9 @@ _OPTIONS: list[tuple[str, Any, str]] = [
     ("slow_stream_s", float, "delay between SSE chunks in seconds"),
     ("health_ok_while_hung", bool, "every generation hangs while /health stays 200"),
     ("health_503", bool, "/health and /health_generate answer 503"),
+    ("poison_text", str, "a generation request containing this text gets --poison-fault (a poison prompt)"),
+    ("poison_fault", str, "what a poison prompt gets: 500, 503, 429, 400, hang, reset or abort"),
+    ("poison_times", int, "only the first N poison requests get the fault (0: every one)"),
     ("request_log", str, "append one JSON line per generation request to this file"),
     ("request_log_bodies", bool, "log each request's whole body too (the conformance test checks them)"),
     ("log_level", str, "logging level"),
@@ -294,7 +302,7 @@ def make_config(**options: Any) -> EmulatorConfig:
             raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
         values.update(PRESETS[preset])
     values.update(options)
-    for k in ("reasoning_parser", "tool_call_parser", "speculative_algorithm", "request_log"):
+    for k in ("reasoning_parser", "tool_call_parser", "speculative_algorithm", "request_log", "poison_text"):
         if isinstance(values.get(k), str) and values[k].lower() in ("", "none", "null"):
             values[k] = None            # lets the CLI undo a preset: --reasoning-parser none
     known = {f.name for f in dataclasses.fields(EmulatorConfig)}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import time
+from http import HTTPStatus
 from typing import Any
 
 import orjson
@@ -44,7 +45,10 @@ def native_error(status: int, message: str) -> web.Response:
 
 
 def stream_error_event(status: int, message: str) -> bytes:
-    return b"data: " + orjson.dumps({"error": openai_error_body(status, message)}) + b"\n\n"
+    """An error after the stream started, as SGLang sends a request aborted with a status (serving_chat.py:
+    create_streaming_error_response(message, code.name, code.value)): the type is the HTTPStatus name."""
+    error = {"object": "error", "message": message, "type": HTTPStatus(status).name, "param": None, "code": status}
+    return b"data: " + orjson.dumps({"error": error}) + b"\n\n"
 
 
 def parse_json(raw: bytes) -> dict:

@@ -131,11 +131,12 @@ async def _run(request: web.Request, st: ServerState, job: Job) -> web.StreamRes
             job.fault = "hang"
         else:
             job.fault = st.draw_fault()
+        job.fault = st.poison(job.body) or job.fault
         if job.fault == "hang":
             st.count(route, "hang")
             st.log_request(route, job.rid, job.body, "hang")
             await _hang_forever()
-        if job.fault in ("400", "429", "503") or (job.fault == "500" and not job.stream):
+        if job.fault in ("429", "503") or (job.fault in ("400", "500") and not job.stream):
             status = int(job.fault)
             st.count(route, job.fault)
             st.log_request(route, job.rid, job.body, f"error:{status}", fault=True)
@@ -289,7 +290,7 @@ async def _stream(request: web.Request, st: ServerState, job: Job) -> web.Stream
     resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await resp.prepare(request)
     n = gen.completion_tokens
-    cut = n // 2 if job.fault in ("500", "reset") else None
+    cut = n // 2 if job.fault in ("400", "500", "reset") else None
     created = int(time.time())
     model = body_model(job.body, cfg)
     chat = job.route == CHAT
@@ -327,9 +328,10 @@ async def _stream(request: web.Request, st: ServerState, job: Job) -> web.Stream
             st.log_request(job.route, job.rid, job.body, "reset")
             _abort(request)
             return resp
+        status = int(job.fault)  # SGLang aborts the request with this status after the stream started
         st.count(job.route, "stream_error")
-        st.log_request(job.route, job.rid, job.body, "stream_error:500")
-        await resp.write(stream_error_event(500, _FAULT_MESSAGES[500]) + _DONE)
+        st.log_request(job.route, job.rid, job.body, f"stream_error:{status}")
+        await resp.write(stream_error_event(status, _FAULT_MESSAGES[status]) + _DONE)
         await resp.write_eof()
         return resp
     if chat:

@@ -112,6 +112,7 @@ class ServerState:
                 setattr(self.cfg, k, v)
         self.rng = random.Random(self.cfg.fault_seed)
         self._any_fault = self._compute_any_fault()
+        self.poison_hits = 0
         self.cache.clear()
         self.by_route: dict[str, collections.Counter] = {}
         self.in_flight = 0
@@ -205,6 +206,18 @@ class ServerState:
             self.rng = random.Random(self.cfg.fault_seed)
         self._any_fault = self._compute_any_fault()
         return self.cfg.faults()
+
+    def poison(self, body: dict) -> str | None:
+        """The poison fault, if this request carries the poison text (and the hits are not used up)."""
+        needle = self.cfg.poison_text
+        if not needle:
+            return None
+        parts = [body.get("text")] + [m.get("content") for m in body.get("messages") or [] if isinstance(m, dict)]
+        text = " ".join(p if isinstance(p, str) else str(p) for p in parts if p)
+        if needle not in text or (self.cfg.poison_times and self.poison_hits >= self.cfg.poison_times):
+            return None
+        self.poison_hits += 1
+        return self.cfg.poison_fault
 
     def draw_fault(self) -> str | None:
         """One uniform draw per generation request, tested against the cumulative rates in RATE_FIELDS order."""

@@ -6,17 +6,22 @@ of the error taxonomy, and nothing else in regen looks at error strings.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 import aiohttp
 import openai
 import orjson
 
 from ..core.work import Completion
-from ..core.errors import EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt
+from ..core.errors import (
+    ConnectionDropped, EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt, Unexpected,
+)
 from .engines import OpenAIAdapter, Sampling, StreamIds
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -39,12 +44,13 @@ _NO_HIDDEN_STATES = (
 _MODEL_MISSING = "does not exist"  # SGLang: 400 "The model `X` does not exist. The served model name is `Y`."
 
 
-def classify(status: int | None, message: str, endpoint: str = "") -> RequestError:
-    """Map an HTTP status and the server's message to the error class that decides what happens."""
+def classify(status: int | None, message: str, endpoint: str = "", *, dropped: bool = False) -> RequestError:
+    """Map an HTTP status and the server's message to the error class that decides what happens.
+    No status: the endpoint did not answer; `dropped` says the connection was lost after the request was sent."""
     text = message.lower()
     kwargs = {"status": status, "endpoint": endpoint}
     if status is None:
-        return EndpointDown(message, **kwargs)
+        return ConnectionDropped(message, **kwargs) if dropped else EndpointDown(message, **kwargs)
     if status == 400:
         if _DUPLICATE_RID in text:
             return Retryable(message, **kwargs)  # the retry gets a fresh rid
@@ -58,6 +64,48 @@ def classify(status: int | None, message: str, endpoint: str = "") -> RequestErr
     if status in RETRYABLE_STATUS or status >= 500:
         return Retryable(message, **kwargs)
     return TerminalForPrompt(message, **kwargs)
+
+
+def classify_stream_error(error: Any, endpoint: str = "") -> RequestError:
+    """An error SGLang raises after the first chunk arrives as an SSE event (serving_base.py,
+    create_streaming_error_response): `data: {"error": {"object": "error", "message": ..., "type": ...,
+    "param": null, "code": N}}`, N being the HTTP status it stands for (400 for a request it refuses, the abort's
+    status otherwise). It is classified like an answer with that status; an event without a code as a 500."""
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    status = code if isinstance(code, int) and not isinstance(code, bool) and 100 <= code < 600 else 500
+    return classify(status, _error_message({"error": error}, f"an error event in the stream: {error!r}"), endpoint)
+
+
+def unexpected(exc: BaseException, endpoint: str = "") -> Unexpected:
+    """An exception outside the taxonomy, named by its type and message: it becomes an outcome, never silence."""
+    return Unexpected(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, endpoint=endpoint)
+
+
+_NO_ROUTE = {errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL}
+
+
+def _dropped(exc: BaseException) -> bool:
+    """Was the connection lost after the request went out? One that was refused, or had no route or no address,
+    never reached the server. Told by the exception chain's types (the HTTP library wraps the socket's error)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (aiohttp.ClientConnectorError, socket.gaierror, ConnectionRefusedError)):
+            return False
+        if isinstance(exc, OSError) and exc.errno in _NO_ROUTE:
+            return False
+        exc = exc.__cause__ or exc.__context__
+    return True
+
+
+def parse_body(payload: bytes) -> Any:
+    """A body as JSON, or as text when it is not (a proxy's HTML page, a torn answer): never an exception."""
+    try:
+        return orjson.loads(payload) if payload else None
+    except orjson.JSONDecodeError:
+        return payload.decode(errors="replace")
 
 
 def _error_message(body: Any, fallback: str) -> str:
@@ -151,12 +199,11 @@ class StreamAccumulator:
     weight_version: str | None = None
     engine: OpenAIAdapter = field(default_factory=OpenAIAdapter)
     ids: StreamIds | None = None  # from the final sglext chunk, where the server sends one
+    endpoint: str = ""
 
     def add(self, chunk: dict[str, Any]) -> None:
-        if "error" in chunk:  # SGLang reports a mid-stream error as a data event
-            error = chunk["error"]
-            status = error.get("code") if isinstance(error, dict) else None
-            raise classify(int(status) if isinstance(status, int) else 500, _error_message(chunk, "stream error"))
+        if chunk.get("error"):  # SGLang reports a mid-stream error as a data event
+            raise classify_stream_error(chunk["error"], self.endpoint)
         self.model = chunk.get("model") or self.model
         self.request_id = chunk.get("id") or self.request_id
         self.weight_version = (chunk.get("metadata") or {}).get("weight_version", self.weight_version)
@@ -217,9 +264,12 @@ class EndpointClient:
             raise Retryable(f"no progress (deadline {s.timeout_s:.0f}s, stall {s.stall_timeout_s:.0f}s)",
                             endpoint=self.label) from None
         except openai.APIConnectionError as exc:
-            raise classify(None, f"connection failed: {exc.__cause__ or exc}", self.label) from None
-        except openai.APIError as exc:  # e.g. an error event in the middle of a stream
-            raise Retryable(f"stream error: {_error_message(exc.body, exc.message)}", endpoint=self.label) from None
+            cause = exc.__cause__ or exc
+            raise classify(None, f"connection failed: {cause or type(cause).__name__}", self.label,
+                           dropped=_dropped(exc)) from None
+        except openai.APIError as exc:  # the SDK raises this for an error event in the middle of a stream
+            raise classify_stream_error(exc.body if exc.body is not None else {"message": exc.message},
+                                        self.label) from None
         except (ValueError, KeyError, IndexError, TypeError) as exc:  # orjson.JSONDecodeError is a ValueError
             raise Retryable(f"unreadable response ({exc!r})", endpoint=self.label) from None
         return self.check_completion(completion)
@@ -228,7 +278,7 @@ class EndpointClient:
         """SSE: a request with no new chunk for stall_timeout_s made no progress and is cancelled."""
         stream = await self._openai.chat.completions.create(
             **request, stream=True, stream_options={"include_usage": True})
-        folded = StreamAccumulator(request_id=rid, engine=self.engine)
+        folded = StreamAccumulator(request_id=rid, engine=self.engine, endpoint=self.label)
         chunks = stream.__aiter__()
         try:
             while True:
@@ -261,37 +311,64 @@ class EndpointClient:
         """GET an information endpoint. Returns (status, parsed body or None); raises EndpointDown."""
         try:
             async with self._session().get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                payload = await resp.read()
-                try:
-                    return resp.status, orjson.loads(payload) if payload else None
-                except orjson.JSONDecodeError:
-                    return resp.status, payload.decode(errors="replace")
+                return resp.status, parse_body(await resp.read())
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EndpointDown(f"{path}: {exc or type(exc).__name__}", endpoint=self.label) from None
 
     async def post_json(self, path: str, body: dict[str, Any], timeout_s: float = 60.0) -> tuple[int, Any]:
-        """POST to a native endpoint (e.g. /generate). Returns (status, parsed body); raises EndpointDown."""
-        status, payload = await self.post_raw(path, body, timeout_s)
-        try:
-            return status, orjson.loads(payload) if payload else None
-        except orjson.JSONDecodeError:
-            return status, payload.decode(errors="replace")
-
-    async def post_raw(self, path: str, body: dict[str, Any], timeout_s: float = 60.0) -> tuple[int, bytes]:
-        """POST and return the body's bytes unparsed (hidden states are parsed at the byte level)."""
+        """POST a probe (the preflight's tiny generations). Returns (status, parsed body); any failure to answer,
+        a timeout included, is EndpointDown: the probe reports the endpoint as down. Run requests use `posted`."""
         session = self._session()
         try:
             async with session.post(self.url + path, data=orjson.dumps(body),
                                     headers={"Content-Type": "application/json"},
                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                return resp.status, await resp.read()
+                return resp.status, parse_body(await resp.read())
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EndpointDown(f"{path}: {exc or type(exc).__name__}", endpoint=self.label) from None
+
+    # --- native generation (/generate, the hidden-state route) ---------------------------------------------
+    @contextlib.asynccontextmanager
+    async def posted(self, path: str, body: dict[str, Any], timeout_s: float) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST a generation and yield the response once its status is in, its body unread (read it with
+        `read_body`), so a caller can bound the answers it holds in memory apart from the requests in flight.
+        Errors are of the taxonomy: refused, EndpointDown; lost after sending, ConnectionDropped; past the
+        deadline, Retryable (no progress)."""
+        try:
+            response = await self._session().post(self.url + path, data=orjson.dumps(body),
+                                                   headers={"Content-Type": "application/json"},
+                                                   timeout=aiohttp.ClientTimeout(total=timeout_s))
+        except TimeoutError:
+            raise self._no_progress(timeout_s) from None
+        except aiohttp.ClientError as exc:
+            raise classify(None, f"{path}: {exc or type(exc).__name__}", self.label, dropped=_dropped(exc)) from None
+        try:
+            yield response
+        finally:
+            response.release()
+
+    async def read_body(self, response: aiohttp.ClientResponse, timeout_s: float) -> bytes:
+        try:
+            return await response.read()
+        except TimeoutError:
+            raise self._no_progress(timeout_s) from None
+        except aiohttp.ClientError as exc:
+            raise classify(None, f"{response.url.path}: connection lost in the body ({exc or type(exc).__name__})",
+                           self.label, dropped=True) from None
+
+    async def generate_json(self, path: str, body: dict[str, Any], timeout_s: float) -> tuple[int, Any]:
+        """`posted` for a small answer: (status, parsed body, or its text if it is not JSON)."""
+        async with self.posted(path, body, timeout_s) as response:
+            return response.status, parse_body(await self.read_body(response, timeout_s))
+
+    def _no_progress(self, timeout_s: float) -> Retryable:
+        return Retryable(f"no progress (deadline {timeout_s:.0f}s)", endpoint=self.label)
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
             headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-            self._http = aiohttp.ClientSession(headers=headers)
+            # no connection cap of aiohttp's own (100): the worker's concurrency bounds the requests
+            self._http = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
         return self._http
 
     async def healthy(self) -> bool:

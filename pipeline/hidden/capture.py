@@ -16,9 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-from ..endpoints.client import EndpointClient, _error_message, classify
+from ..endpoints.client import EndpointClient, _error_message, classify, parse_body
 from ..core.errors import Retryable
 from .parse import align, parse_generate_response
 from .parts import HiddenPartWriter
@@ -51,21 +49,23 @@ async def prompt_ids(client: EndpointClient, messages: list[dict[str, str]]) -> 
                             "return_prompt_token_ids": True, "rid": uuid.uuid4().hex}
     if s.chat_template_kwargs:
         body["chat_template_kwargs"] = s.chat_template_kwargs
-    status, answer = await client.post_json("/v1/chat/completions", body, timeout_s=s.timeout_s)
+    status, answer = await client.generate_json("/v1/chat/completions", body, timeout_s=s.timeout_s)
     if status != 200:
         raise classify(status, _error_message(answer, f"/v1/chat/completions answered {status}"), client.label)
-    ids = answer["choices"][0].get("prompt_token_ids") if isinstance(answer, dict) else None
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    ids = choices[0].get("prompt_token_ids") if choices and isinstance(choices[0], dict) else None
     if not ids:
         raise Retryable("the server returned no prompt_token_ids (SGLang >= 0.5.9 is needed)", endpoint=client.label)
     return ids
 
 
 class HiddenTurns:
-    """Runs hidden-state turns for one endpoint actor, holding at most `max_in_memory` answers at once."""
+    """Runs hidden-state turns for one endpoint actor. Up to the endpoint's concurrency are in flight; at most
+    `max_in_memory` answers are read, parsed or written at once (one 4K-token answer is about 176 MB)."""
 
     def __init__(self, client: EndpointClient, route: HiddenRoute, tag: str):
         self.client, self.route, self.tag = client, route, tag
-        self.slots = asyncio.Semaphore(route.max_in_memory)
+        self.in_memory = asyncio.Semaphore(route.max_in_memory)
         self.part_counter = itertools.count(1)  # one per actor: with the sample's ids, part names never repeat
 
     async def turn(self, prompt_id: str, turn_index: int, messages: list[dict[str, str]],
@@ -76,13 +76,16 @@ class HiddenTurns:
         body = {"input_ids": ids, "sampling_params": sampling, "return_hidden_states": True,
                 "rid": uuid.uuid4().hex}
         started = time.monotonic()
-        async with self.slots:
-            status, payload = await self.client.post_raw("/generate", body, timeout_s=s.timeout_s)
-            if status != 200:
-                answer = orjson.loads(payload) if payload[:1] == b"{" else None
-                raise classify(status, _error_message(answer, f"/generate answered {status}"), self.client.label)
-            completion = await asyncio.to_thread(self._store, prompt_id, turn_index, ids, payload,
-                                                 time.monotonic() - started)
+        async with self.client.posted("/generate", body, timeout_s=s.timeout_s) as response:
+            if response.status != 200:
+                answer = parse_body(await self.client.read_body(response, s.timeout_s))
+                raise classify(response.status, _error_message(answer, f"/generate answered {response.status}"),
+                               self.client.label)
+            # the answer waits in the socket until a memory slot is free: only held answers are bounded
+            async with self.in_memory:
+                payload = await self.client.read_body(response, s.timeout_s)
+                completion = await asyncio.to_thread(self._store, prompt_id, turn_index, ids, payload,
+                                                     time.monotonic() - started)
         return self.client.check_completion(completion)
 
     def _store(self, prompt_id: str, turn_index: int, ids: list[int], payload: bytes, latency_s: float) -> Completion:

@@ -1,0 +1,84 @@
+"""The endpoint actors of a run: the settings every request carries, and where each actor is placed."""
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Callable
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ..core.config import Endpoint, RunConfig
+from ..endpoints.client import ClientSettings
+from ..hidden.capture import HiddenRoute
+from .worker import EndpointWorker
+
+ACTOR_NAMESPACE = "regen"
+
+
+def client_settings(cfg: RunConfig, weight_version: str | None = None,
+                    engines: dict | None = None) -> ClientSettings:
+    """`engines`: each endpoint's engine adapter by label, as the preflight identified it."""
+    return ClientSettings(
+        model=cfg.model,
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        max_tokens=cfg.sampling.max_tokens,
+        chat_template_kwargs=cfg.template_kwargs(),
+        timeout_s=cfg.request_timeout(),
+        return_token_ids=cfg.return_token_ids,
+        stream=cfg.stream,
+        stall_timeout_s=cfg.stall_timeout_s,
+        expected_weight_version=weight_version,
+        **cfg.sampling.explicit(),
+        engines=dict(engines or {}),
+    )
+
+
+def hidden_route(cfg: RunConfig, run_dir: str) -> HiddenRoute | None:
+    hidden = cfg.hidden_states
+    return HiddenRoute(hidden.expected_width, run_dir, cfg.template_kwargs().get("thinking"),
+                       hidden.max_in_memory) if hidden.enabled else None
+
+
+def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None],
+                       run_dir: str):
+    """Actors are spread round-robin over the cluster's live nodes (Ray's SPREAD leaves zero-CPU actors on
+    one node); an endpoint may pin its actor instead through Ray resources (e.g. `{"node:10.0.0.7": 0.01}`,
+    or a custom resource given to `ray start --resources`) or node labels (`ray start --labels rack=b`).
+    A replacement actor goes to a node still alive."""
+    remote_worker = ray.remote(EndpointWorker)
+    generation = itertools.count()
+    route = hidden_route(cfg, run_dir)
+
+    def factory(e: Endpoint, start_open: bool) -> ray.actor.ActorHandle:
+        n = next(generation)
+        # Named, so an operator (or a test) can find the actor of an endpoint in the cluster.
+        name = f"{cfg.run_name}:{os.getpid()}:{e.label}:{n}"
+        if e.ray_resources or e.ray_labels:
+            placement = {"resources": dict(e.ray_resources), "label_selector": dict(e.ray_labels)}
+        else:
+            nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
+            placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(nodes[n % len(nodes)], soft=False)}
+        return remote_worker.options(
+            num_cpus=cfg.ray.actor_num_cpus, max_concurrency=4, max_restarts=0, name=name,
+            namespace=ACTOR_NAMESPACE, **placement,
+        ).remote(
+            e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
+            cfg.circuit_failures, readmission=cfg, start_open=start_open, hidden=route,
+        )
+
+    return factory
+
+
+def local_worker_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None],
+                         run_dir: str, **worker_options) -> Callable[[Endpoint, bool], EndpointWorker]:
+    """EndpointWorkers in this process (for LocalTransport), built with the arguments the Ray actors get."""
+    route = hidden_route(cfg, run_dir)
+
+    def factory(e: Endpoint, start_open: bool) -> EndpointWorker:
+        return EndpointWorker(e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
+                              cfg.circuit_failures, readmission=cfg, start_open=start_open, hidden=route,
+                              **worker_options)
+
+    return factory

@@ -1,0 +1,307 @@
+"""Regression tests for the dispatch and worker defects of issue 13. Each failed on the code before its fix:
+
+3. a worker coroutine died on any exception outside RequestError (the run hung);
+4. an actor dying on every start never tripped the dead-fleet deadline;
+6. all_turns counted successful turns against max_attempts;
+7. an error event inside an SSE stream bypassed the classifier (a 400 was retried);
+8. a prompt that made the server drop the connection was retried forever;
+13. endpoints unreachable at the preflight started "healthy".
+The narrow windows of dispatch (hedging, a torn endpoints file, the hidden-state semaphore) are in
+test_dispatch_windows.py, and the property test of supervision in test_supervision.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from pathlib import Path
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.core.config import RunConfig
+from pipeline.core.errors import EndpointFatal, Retryable, RunFatal, TerminalForPrompt
+from pipeline.core.work import DONE, RETRY, WorkItem
+from pipeline.dispatch.worker import EndpointWorker
+from pipeline.endpoints.client import ClientSettings, StreamAccumulator
+from tests.helpers import (
+    committed_ids, data_parts, emulators, free_port, run_regen, write_config, write_prompts, write_source,
+)
+
+MODEL = "moonshotai/Kimi-K2.5"
+
+SETTINGS = ClientSettings(model=MODEL, temperature=0.0, top_p=1.0, max_tokens=16)
+
+
+def rows_of(run: Path) -> list[dict]:
+    return [r for part in data_parts(run) for r in pq.read_table(part).to_pylist()]
+
+
+def failures_of(run: Path) -> list[dict]:
+    return [r for p in sorted((run / "failures").glob("part-*.parquet")) for r in pq.read_table(p).to_pylist()]
+
+
+def prompt_text(run: Path, prompt_id: str) -> str:
+    prompts = pq.read_table(sorted((run / "prompts").glob("prompts-*.parquet"))[-1]).to_pylist()
+    return next(p["messages"][-1]["content"] for p in prompts if p["prompt_id"] == prompt_id)
+
+
+def status_of(run: Path) -> dict:
+    return orjson.loads((run / "status.json").read_bytes())
+
+
+def endpoints_of(servers, concurrency: int = 4) -> list[dict]:
+    return [{"url": s.url, "concurrency": concurrency, "name": f"emu-{i}"} for i, s in enumerate(servers)]
+
+
+def item(prompt_id: str, text: str = "Name one fact about owls.") -> WorkItem:
+    return WorkItem(prompt_id, orjson.dumps([{"role": "user", "content": text}]), None)
+
+
+# --- 3. no exception ends a worker silently --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server():
+    with emulators(1, preset="kimi") as servers:
+        yield servers[0]
+
+
+async def _exchange_until(worker: EndpointWorker, work: list[WorkItem], n: int, timeout_s: float = 5.0) -> list:
+    outcomes = list((await worker.exchange(work, wait_s=0.2)).outcomes)
+    deadline = time.monotonic() + timeout_s
+    while len(outcomes) < n and time.monotonic() < deadline:
+        outcomes += (await worker.exchange([], wait_s=0.2)).outcomes
+    return outcomes
+
+
+@pytest.mark.parametrize("error", [KeyError("choices"), ValueError("malformed error body"), RuntimeError("boom"),
+                                   AttributeError("'NoneType' object has no attribute 'get'"), ZeroDivisionError(),
+                                   OSError(5, "Input/output error"), asyncio.CancelledError()],
+                         ids=lambda e: type(e).__name__)
+def test_an_exception_of_any_type_at_the_client_becomes_an_outcome(server, error):
+    """One worker coroutine (concurrency 1): before the fix the exception ended it, its prompt never came back and
+    every later prompt waited forever in its inbox."""
+    async def scenario():
+        worker = EndpointWorker(server.url, "emu", 1, SETTINGS, attempts_per_endpoint=1)
+        real_chat, calls = worker.client.chat, []
+
+        async def chat(messages, seed):
+            calls.append(1)
+            if len(calls) == 1:
+                raise error
+            return await real_chat(messages, seed)
+
+        worker.client.chat = chat
+        try:
+            outcomes = await _exchange_until(worker, [item("p1"), item("p2")], 2)
+            return outcomes, worker.stats()
+        finally:
+            await worker.close()
+
+    outcomes, stats = asyncio.run(scenario())
+    by_prompt = {o.prompt_id: o for o in outcomes}
+    assert set(by_prompt) == {"p1", "p2"}, "every prompt comes back"
+    failed = by_prompt["p1"]
+    assert failed.kind == RETRY and failed.attempts == 1, "counted as an attempt, retried (elsewhere)"
+    assert failed.message.startswith(type(error).__name__), failed.message
+    assert by_prompt["p2"].kind == DONE, "the worker coroutine lives on"
+    assert stats["errors"]["unexpected"] == 1 and type(error).__name__ in stats["last_error"]
+
+
+@pytest.fixture
+def read_only_hidden(tmp_path):
+    """The run's hidden/ folder mounted read-only: every hidden-part write of the actor fails (EROFS)."""
+    hidden = tmp_path / "out" / "t" / "hidden"
+    hidden.mkdir(parents=True)
+    bind = subprocess.run(["mount", "--bind", str(hidden), str(hidden)], capture_output=True, text=True)
+    if bind.returncode != 0:
+        pytest.skip(f"cannot bind-mount here ({bind.stderr.strip()}): the test needs root")
+    subprocess.run(["mount", "-o", "remount,bind,ro", str(hidden)], check=True)
+    yield hidden
+    subprocess.run(["umount", "-l", str(hidden)], capture_output=True)
+
+
+def test_a_hidden_part_that_cannot_be_written_stops_the_run_and_resumes(tmp_path, ray_cluster, read_only_hidden):
+    """Before the fix the actor's worker coroutines died on the write error: the run hung for good."""
+    with emulators(1, preset="kimi-eagle3", hidden_width=32) as servers:
+        config = write_config(tmp_path, endpoints_of(servers), [write_source(tmp_path, tmp_path / "p.jsonl")],
+                              model=MODEL, sampling={"temperature": 0.0, "max_tokens": 8},
+                              hidden_states={"enabled": True, "expected_width": 96})
+        write_prompts(tmp_path / "p.jsonl", 12)
+        try:
+            stopped = run_regen("generate", "--config", str(config), timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run hung on a hidden part it could not write")
+        assert stopped.returncode == 1, stopped.stderr[-2000:]
+        assert "emu-0 cannot write the run's output" in stopped.stderr
+        assert "read-only" in stopped.stderr.lower() and "rerun to resume" in stopped.stderr
+        subprocess.run(["umount", "-l", str(read_only_hidden)], check=True)
+        resumed = run_regen("generate", "--config", str(config), timeout=120)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        ids = committed_ids(tmp_path / "out" / "t")
+        assert len(ids) == len(set(ids)) == 12
+        assert all(r["hidden_part"] for r in rows_of(tmp_path / "out" / "t"))
+
+
+# --- 4. an actor that dies on every start -------------------------------------------------------------------
+def test_an_actor_that_dies_on_every_start_trips_the_dead_fleet_deadline(ray_cluster):
+    """Before the fix each restart reset the actor's start time: it always looked new, and the run never stopped."""
+    import ray
+
+    from pipeline.dispatch.dispatcher import Dispatcher
+
+    @ray.remote(num_cpus=0)
+    class DiesOnStart:
+        def __init__(self):
+            raise RuntimeError("this actor cannot start")
+
+        def exchange(self, work, wait_s):
+            raise AssertionError("never reached")
+
+    from ray._private import ray_constants
+
+    cfg = RunConfig.model_validate({"run_name": "crashy", "model": MODEL, "sources": [{"spec": "unused.yaml"}],
+                                    "endpoints": [{"url": f"http://127.0.0.1:{free_port()}", "name": "crashy"}],
+                                    "dead_fleet_deadline_s": 4})
+    ray_constants.ENABLE_RAY_CLUSTER = False  # a loopback driver (Ray was imported before the fixture's switch)
+    ray.init(address=ray_cluster["address"])
+    try:
+        started = time.monotonic()
+        dispatcher = Dispatcher(cfg, [item("p")], lambda o, a: None, lambda s: None,
+                                lambda: time.monotonic() - started > 45, lambda e, start_open: DiesOnStart.remote())
+        with pytest.raises(RunFatal, match="no healthy endpoint"):
+            dispatcher.run()
+        dispatcher.shutdown()
+        assert time.monotonic() - started < 30
+        assert 1 <= dispatcher.actor_restarts <= 10, "restarts back off instead of spinning"
+    finally:
+        ray.shutdown()
+
+
+# --- 6. all_turns: only failed attempts count -------------------------------------------------------------------
+def write_conversations(path: Path, n: int, poison: str) -> None:
+    """n conversations of 3 user turns; conversation 0's last turn carries the poison text."""
+    lines = []
+    for i in range(n):
+        turns = []
+        for k in range(3):
+            text = f"Conversation {i}, question {k}: tell me about topic {i * 3 + k}."
+            turns += [{"from": "human", "value": text + (f" {poison}" if (i, k) == (0, 2) else "")},
+                      {"from": "gpt", "value": f"answer {k} of {i}"}]
+        lines.append(orjson.dumps({"id": f"c{i}", "conversations": turns}))
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def test_all_turns_counts_only_failed_attempts_and_retries_elsewhere(tmp_path, ray_cluster):
+    """Each server fails the third turn of conversation 0 once (503). Before the fix the two turns that had
+    succeeded counted as attempts too: 2 + 1 reached max_attempts=3 at the first failure, terminal at once."""
+    poison = "[503-once]"
+    with emulators(2, preset="kimi", poison_text=poison, poison_fault="503", poison_times=1) as servers:
+        write_conversations(tmp_path / "c.jsonl", 4, poison)
+        config = write_config(tmp_path, endpoints_of(servers), [write_source(tmp_path, tmp_path / "c.jsonl",
+                                                                             fmt="sharegpt")],
+                              model=MODEL, mode="all_turns", max_attempts=3, attempts_per_endpoint=1,
+                              sampling={"temperature": 0.0, "max_tokens": 8})
+        result = run_regen("generate", "--config", str(config))
+        assert result.returncode == 0, result.stderr[-2000:]
+    run = tmp_path / "out" / "t"
+    assert not failures_of(run), failures_of(run)
+    rows = rows_of(run)
+    assert len(rows) == 12, "4 conversations x 3 turns"
+    poisoned = [r for r in rows if r["n_turns"] == 3 and poison in r["messages"][-1]["content"]]
+    assert len(poisoned) == 1 and poisoned[0]["attempts"] == 3, "two failed attempts, then the one that worked"
+    assert {r["attempts"] for r in rows if r not in poisoned and r["prompt_id"] != poisoned[0]["prompt_id"]} == {1}
+
+
+# --- 7. error events inside a stream ---------------------------------------------------------------------------
+def sglang_stream_error(message: str, status: int, err_type: str) -> dict:
+    """serving_base.create_streaming_error_response of SGLang 0.5.17, 0.5.18 and 0.5.23: {"error": ErrorResponse}."""
+    return {"error": {"object": "error", "message": message, "type": err_type, "param": None, "code": status}}
+
+
+@pytest.mark.parametrize("event, expected", [
+    (sglang_stream_error("The input (300000 tokens) is longer than the model's context length (262144 tokens).",
+                         400, "BAD_REQUEST"), TerminalForPrompt),
+    (sglang_stream_error("Requested token count exceeds the model's maximum context length of 8 tokens.", 400,
+                         "BadRequestError"), TerminalForPrompt),  # a ValueError after the stream started
+    (sglang_stream_error("The server is not configured to return hidden states.", 400, "BAD_REQUEST"),
+     EndpointFatal),
+    (sglang_stream_error("Internal server error", 500, "INTERNAL_SERVER_ERROR"), Retryable),
+    (sglang_stream_error("Request waiting timeout reached.", 503, "SERVICE_UNAVAILABLE"), Retryable),
+    ({"error": {"message": "no code at all"}}, Retryable),
+])
+def test_stream_error_events_are_classified_by_their_code_and_message(event, expected):
+    from pipeline.endpoints.client import classify_stream_error
+
+    error = classify_stream_error(event["error"], "e0")
+    assert type(error) is expected and error.endpoint == "e0"
+    with pytest.raises(expected):
+        StreamAccumulator(endpoint="e0").add(event)
+
+
+def test_the_emulator_sends_sglangs_stream_error_event():
+    import urllib.request
+
+    with emulators(1, preset="kimi", poison_text="[400]", poison_fault="400") as (bad,):
+        request = urllib.request.Request(bad.url + "/v1/chat/completions", data=orjson.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi [400]"}], "max_tokens": 20,
+             "stream": True}), headers={"Content-Type": "application/json"})
+        events = [line[6:] for line in urllib.request.urlopen(request, timeout=10).read().split(b"\n")
+                  if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    assert orjson.loads(events[-2]) == sglang_stream_error("Invalid request (emulated fault).", 400, "BAD_REQUEST")
+
+
+def test_a_400_inside_a_stream_is_a_failure_after_one_attempt(tmp_path, ray_cluster):
+    """Before the fix the event became Retryable: the 400 was sent max_attempts times, each a failure of a
+    healthy endpoint's breaker."""
+    write_prompts(tmp_path / "p.jsonl", 12)
+    with emulators(1, preset="kimi", poison_text="(#3)", poison_fault="400") as servers:
+        config = write_config(tmp_path, endpoints_of(servers), [write_source(tmp_path, tmp_path / "p.jsonl")],
+                              model=MODEL, stream=True, sampling={"temperature": 0.0, "max_tokens": 16})
+        result = run_regen("generate", "--config", str(config))
+        assert result.returncode == 0, result.stderr[-2000:]
+    run = tmp_path / "out" / "t"
+    failures = failures_of(run)
+    assert len(failures) == 1 and failures[0]["attempts"] == 1
+    assert failures[0]["message"] == "invalid request: Invalid request (emulated fault)."
+    assert len(committed_ids(run)) == 11
+    errors = status_of(run)["endpoints"]["emu-0"]["errors"]
+    assert errors == {"terminal": 1}, errors
+
+
+# --- 8. a poison prompt that drops the connection --------------------------------------------------------------
+def test_a_prompt_that_drops_the_connection_is_terminal_after_the_bound(tmp_path, ray_cluster):
+    """Every server drops the connection mid-answer on prompt #5. Before the fix that cost no attempt: the prompt
+    went from endpoint to endpoint forever, opening their breakers, and the run never ended."""
+    write_prompts(tmp_path / "p.jsonl", 20)
+    with emulators(2, preset="kimi", poison_text="(#5)", poison_fault="reset") as servers:
+        config = write_config(tmp_path, endpoints_of(servers), [write_source(tmp_path, tmp_path / "p.jsonl")],
+                              model=MODEL, sampling={"temperature": 0.0, "max_tokens": 16}, dead_fleet_deadline_s=60)
+        try:
+            result = run_regen("generate", "--config", str(config), timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run never ended: the poison prompt was retried forever")
+        assert result.returncode == 0, result.stderr[-2000:]
+    run = tmp_path / "out" / "t"
+    failures = failures_of(run)
+    assert len(failures) == 1 and "(#5)" in prompt_text(run, failures[0]["prompt_id"])
+    assert failures[0]["message"].startswith("the server dropped the connection on this prompt 3 times")
+    assert len(committed_ids(run)) == 19
+
+
+# --- 13. smaller defects ---------------------------------------------------------------------------------------
+def test_an_endpoint_unreachable_at_the_preflight_gets_no_work(tmp_path, ray_cluster):
+    """Before the fix it started "healthy": it was sent work that failed until its breaker opened."""
+    write_prompts(tmp_path / "p.jsonl", 30)
+    with emulators(1, preset="kimi", tok_per_s=100) as servers:
+        dead = {"url": f"http://127.0.0.1:{free_port()}", "concurrency": 8, "name": "dead"}
+        config = write_config(tmp_path, endpoints_of(servers) + [dead],
+                              [write_source(tmp_path, tmp_path / "p.jsonl")], model=MODEL,
+                              sampling={"temperature": 0.0, "max_tokens": 16})
+        result = run_regen("generate", "--config", str(config))
+        assert result.returncode == 0, result.stderr[-2000:]
+    status = status_of(tmp_path / "out" / "t")
+    assert status["endpoints"]["dead"]["state"] == "open"
+    assert status["endpoints"]["dead"]["requests"] == 0 and status["requeued"] == 0, status
+    assert len(committed_ids(tmp_path / "out" / "t")) == 30

@@ -1,0 +1,110 @@
+"""The narrow windows of dispatch, reached on purpose with the real Dispatcher and real EndpointWorkers in this
+process (LocalTransport: no Ray) against real SGLang emulators. Each test failed on the code before its fix:
+a hedged copy's failure finished a prompt still running elsewhere; an endpoints-file read in the middle of a
+rewrite drained the fleet; hidden states ran only max_in_memory requests at once."""
+from __future__ import annotations
+
+import time
+
+from pipeline.core.work import DONE
+from pipeline.dispatch.routing import home_of
+from tests.helpers import emulators
+from tests.local_dispatch import make_cfg, run_local, work_item
+
+
+def test_a_hedged_copy_that_fails_never_finishes_a_prompt_still_running():
+    """A slow endpoint holds prompt 0; at the tail an idle fast endpoint re-runs it and gets a 400. Before the fix
+    that 400 finished the prompt as failed while the original was still running (and then succeeded)."""
+    with emulators(1, preset="kimi", tok_per_s=6) as (slow,), \
+            emulators(1, preset="kimi", poison_text="[hedge-me]", poison_fault="400") as (fast,):
+        cfg = make_cfg([{"url": slow.url, "name": "slow", "concurrency": 4},
+                        {"url": fast.url, "name": "fast", "concurrency": 4}],
+                       sampling={"temperature": 0.0, "max_tokens": 12})
+        labels = ["slow", "fast"]
+        text = next(t for t in (f"Prompt [hedge-me] {n}" for n in range(200))
+                    if home_of(work_item("x", t, cfg).affinity, labels) == "slow")
+        items = [work_item("target", text, cfg)] + [work_item(f"f{i}", f"Filler {i}", cfg) for i in range(12)]
+        result = run_local(cfg, items)
+    assert "target" in result.dispatcher.hedged, "the fast endpoint re-ran the straggler"
+    assert {pid: kinds for pid, kinds in result.kinds().items()} == {i.prompt_id: [DONE] for i in items}
+    outcome, attempts = result.finished["target"][0]
+    assert outcome.endpoint == "slow"
+
+
+def test_an_endpoints_file_read_in_the_middle_of_a_rewrite_changes_nothing(tmp_path):
+    """The run's own watcher reads the file once while it is being rewritten (truncated, not yet written). Before
+    the fix that read drained the whole fleet for an interval, and with no endpoint left the run stopped."""
+    from pipeline.run import EndpointsFileWatch
+
+    with emulators(2, preset="kimi", tok_per_s=40) as servers:
+        fleet = tmp_path / "fleet.txt"
+        content = "".join(f"{s.url} 4\n" for s in servers)
+        fleet.write_text(content)
+        cfg = make_cfg([], endpoints_file=str(fleet), endpoints_file_interval_s=0.5)
+        watch, reads = EndpointsFileWatch(cfg), []
+
+        def torn_watch():
+            if time.monotonic() < watch.next_read:
+                return watch()  # between reads: None
+            reads.append(1)
+            if len(reads) != 3:
+                return watch()
+            fleet.write_text("")  # the operator's editor has truncated the file and not yet written it
+            try:
+                return watch()
+            finally:
+                fleet.write_text(content)
+
+        items = [work_item(f"p{i}", f"Question {i}", cfg) for i in range(60)]
+        result = run_local(cfg, items, fleet_watch=torn_watch)
+    assert len(reads) >= 4, "the torn read was followed by good ones"
+    assert result.dispatcher.fleet_changes == []
+    assert set(result.finished) == {i.prompt_id for i in items}
+
+
+def test_hidden_states_keep_the_endpoints_concurrency_in_flight(tmp_path):
+    """max_in_memory bounds the answers held in memory, not the requests: before the fix the semaphore was held
+    across the request, so only max_in_memory (2) requests ran at once."""
+    from pipeline.hidden import capture
+
+    with emulators(1, preset="kimi-eagle3", hidden_width=32, tok_per_s=8) as (server,):
+        cfg = make_cfg([{"url": server.url, "name": "h", "concurrency": 8}],
+                       hidden_states={"enabled": True, "expected_width": 96, "max_in_memory": 2},
+                       sampling={"temperature": 0.0, "max_tokens": 8})
+        (tmp_path / "hidden").mkdir()
+        held, peak = [0], [0]
+        store = capture.HiddenTurns._store
+
+        def counting_store(self, *args):
+            held[0] += 1
+            peak[0] = max(peak[0], held[0])
+            try:
+                time.sleep(0.05)
+                return store(self, *args)
+            finally:
+                held[0] -= 1
+
+        capture.HiddenTurns._store = counting_store
+        try:
+            result = run_local(cfg, [work_item(f"p{i}", f"Question {i}", cfg) for i in range(16)],
+                               run_dir=str(tmp_path))
+        finally:
+            capture.HiddenTurns._store = store
+    assert all(kinds == [DONE] for kinds in result.kinds().values()) and len(result.finished) == 16
+    # each /generate takes 1 s at the server: 2 rounds of 8 in flight, where 2 at a time took 8 rounds
+    assert result.seconds < 5, f"16 hidden-state prompts took {result.seconds:.1f}s at concurrency 8"
+    assert 1 <= peak[0] <= 2, "at most max_in_memory answers held at once"
+
+
+def test_an_endpoint_half_open_at_the_tail_of_the_run_gets_its_one_request():
+    """Near the end of the run an endpoint's demand is cut by one concurrency (no prefetch). Before the fix that cut
+    also took a half-open (probing) endpoint's single request to nothing: it never closed again, and the run hung
+    with work queued. Found by the supervision property test (test_supervision.py)."""
+    with emulators(1, preset="kimi", poison_text="[busy]", poison_fault="503", poison_times=2) as (server,):
+        cfg = make_cfg([{"url": server.url, "name": "only", "concurrency": 4}], circuit_failures=2,
+                       attempts_per_endpoint=1, max_attempts=4)
+        items = [work_item(f"p{i}", f"[busy] Question {i}", cfg) for i in range(2)]  # both 503: the circuit opens
+        result = run_local(cfg, items, time_limit_s=30)
+    assert result.seconds < 15, f"the run hung with its only endpoint half-open ({result.seconds:.0f}s)"
+    assert result.kinds() == {"p0": [DONE], "p1": [DONE]}
+    assert result.dispatcher.slots["only"].stats["errors"].get("circuit_opened") == 1

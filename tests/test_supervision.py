@@ -1,0 +1,241 @@
+"""Supervision: no exception of any type ends a worker coroutine silently.
+
+Exceptions of every kind (ones regen raises, and ones it never does: ValueError, KeyError, a stray CancelledError,
+...) are injected at the client boundary (EndpointClient.chat, and the hidden route's generate_json) and at the
+hidden-part writer (HiddenPartWriter.commit), into the real Dispatcher and real EndpointWorkers (in this process,
+no Ray) against real SGLang emulators. Whatever the plan, every prompt ends done or failed exactly once, every
+injected exception comes back as an outcome for its prompt naming its type, and each run ends: it completes, or
+it stops with RunFatal (every endpoint endpoint-fatal, or the output unwritable) and the resume finishes the rest.
+
+The plans are a seeded enumeration: each exception type x each position, at three of the first calls; then
+random mixes of types and positions. BaseExceptions that are not errors (KeyboardInterrupt, SystemExit) must
+propagate: the last test.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import random
+from dataclasses import dataclass, field
+
+import orjson
+import pytest
+
+from pipeline.core import errors
+from pipeline.core.work import DONE, RUN_FATAL, Outcome
+from pipeline.dispatch.transport import LocalTransport
+from pipeline.dispatch.worker import EndpointWorker
+from pipeline.endpoints.client import ClientSettings, EndpointClient
+from pipeline.hidden.parts import HiddenPartWriter
+from tests.helpers import emulators
+from tests.local_dispatch import MODEL, make_cfg, run_local, work_item
+
+WIDTH = 3 * 32
+N_PROMPTS = 10
+
+
+class NeverSeenBefore(Exception):
+    """An exception type no part of regen knows."""
+
+
+class LibrarysOwnBaseException(BaseException):
+    """Some libraries derive their own signals from BaseException: asyncio would end a task on it silently."""
+
+
+# Each entry makes a fresh exception. The taxonomy's own classes go through as they are; the rest become
+# Unexpected (retryable), named by type.
+CATALOGUE = {
+    "ValueError": lambda: ValueError("a malformed error body"),
+    "KeyError": lambda: KeyError("choices"),
+    "IndexError": lambda: IndexError("list index out of range"),
+    "TypeError": lambda: TypeError("'NoneType' object is not subscriptable"),
+    "AttributeError": lambda: AttributeError("'str' object has no attribute 'get'"),
+    "RuntimeError": lambda: RuntimeError("Event loop is closed"),
+    "ZeroDivisionError": lambda: ZeroDivisionError("division by zero"),
+    "RecursionError": lambda: RecursionError("maximum recursion depth exceeded"),
+    "MemoryError": lambda: MemoryError(),
+    "UnicodeDecodeError": lambda: UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
+    "JSONDecodeError": lambda: orjson.JSONDecodeError("unexpected character", "{", 0),
+    "OSError": lambda: OSError(errno.EIO, "Input/output error"),
+    "ConnectionResetError": lambda: ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+    "TimeoutError": lambda: TimeoutError(),
+    "CancelledError": lambda: asyncio.CancelledError(),  # a stray one: the worker's own task is not cancelled
+    "NeverSeenBefore": lambda: NeverSeenBefore("whatever this is"),
+    "LibrarysOwnBaseException": lambda: LibrarysOwnBaseException("not an Exception at all"),
+    "Retryable": lambda: errors.Retryable("503 The request queue is full.", status=503),
+    "EndpointDown": lambda: errors.EndpointDown("connection failed: refused"),
+    "ConnectionDropped": lambda: errors.ConnectionDropped("connection failed: peer closed the connection"),
+    "TerminalForPrompt": lambda: errors.TerminalForPrompt("invalid request: messages: field required", status=400),
+    "EndpointFatal": lambda: errors.EndpointFatal("The model `x` does not exist.", status=404),
+    "StorageError": lambda: errors.StorageError("cannot write hidden/part-x.parquet: no space left on device"),
+}
+POSITIONS = ("client", "writer")
+
+
+@dataclass
+class Plan:
+    """Which call at which position raises what: {position: {call number: exception name}}."""
+
+    faults: dict[str, dict[int, str]]
+    calls: dict[str, int] = field(default_factory=lambda: {p: 0 for p in POSITIONS})
+    run: int = 1  # the harness counts the runs (a RunFatal stop, then the resume)
+    injected: list[tuple[str, str, str, int]] = field(default_factory=list)  # (position, name, prompt text, run)
+
+    def fire(self, position: str, prompt_text: str) -> None:
+        self.calls[position] += 1
+        name = self.faults.get(position, {}).get(self.calls[position])
+        if name is not None:
+            self.injected.append((position, name, prompt_text, self.run))
+            raise CATALOGUE[name]()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with emulators(2, preset="kimi-eagle3", hidden_width=32) as running:
+        yield running
+
+
+@pytest.fixture
+def inject(monkeypatch):
+    """Install a plan at the client boundary and at the hidden-part writer; yields a setter."""
+    holder: dict[str, Plan] = {}
+    real_chat, real_generate_json, real_commit = EndpointClient.chat, EndpointClient.generate_json, \
+        HiddenPartWriter.commit
+
+    async def chat(self, messages, seed):
+        holder["plan"].fire("client", messages[-1]["content"])
+        return await real_chat(self, messages, seed)
+
+    async def generate_json(self, path, body, timeout_s):
+        if "messages" in body:  # the hidden route's client call (the prompt's token ids)
+            holder["plan"].fire("client", body["messages"][-1]["content"])
+        return await real_generate_json(self, path, body, timeout_s)
+
+    def commit(self):
+        holder["plan"].fire("writer", TEXT_OF[self._rows[0]["prompt_id"]] if self._rows else "")
+        return real_commit(self)
+
+    monkeypatch.setattr(EndpointClient, "chat", chat)
+    monkeypatch.setattr(EndpointClient, "generate_json", generate_json)
+    monkeypatch.setattr(HiddenPartWriter, "commit", commit)
+    yield lambda plan: holder.__setitem__("plan", plan)
+
+
+TEXT_OF = {f"p{i}": f"Supervised question {i}: name one fact about owls." for i in range(N_PROMPTS)}
+
+
+class RecordingTransport(LocalTransport):
+    """Every outcome an endpoint worker sent back, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outcomes: list[Outcome] = []
+
+    def result(self, call):
+        exchange = super().result(call)
+        self.outcomes += exchange.outcomes
+        return exchange
+
+
+@dataclass
+class Runs:
+    final: dict[str, list[Outcome]]  # each prompt's final outcomes, over all runs
+    seen: list[Outcome]  # every outcome a worker sent back
+    count: int
+    # Runs that stopped (RunFatal) or dropped an endpoint: outcomes still in such a worker's outbox are never
+    # collected (the prompts go back to the queue, or stay pending for the resume).
+    lossy: set[int]
+
+
+def run_until_complete(servers, tmp_path, plan: Plan, hidden: bool) -> Runs:
+    """Runs and resumes (as a user reruns the command) until nothing is pending."""
+    cfg = make_cfg([{"url": s.url, "name": f"emu-{i}", "concurrency": 3} for i, s in enumerate(servers)],
+                   attempts_per_endpoint=1, max_attempts=3, max_connection_drops=2, circuit_failures=4,
+                   dead_fleet_deadline_s=15, hedge_tail=False,
+                   hidden_states={"enabled": hidden, "expected_width": WIDTH},
+                   sampling={"temperature": 0.0, "max_tokens": 6})
+    (tmp_path / "hidden").mkdir(exist_ok=True)
+    runs = Runs({pid: [] for pid in TEXT_OF}, [], 0, set())
+    for number in range(1, 7):
+        plan.run = runs.count = number
+        pending = [work_item(pid, TEXT_OF[pid], cfg) for pid in TEXT_OF if not runs.final[pid]]
+        transport, finished = RecordingTransport(), {}
+        try:
+            result = run_local(cfg, pending, run_dir=str(tmp_path), time_limit_s=45, transport=transport,
+                               finished=finished)
+        except errors.RunFatal:
+            result = None
+            runs.lossy.add(number)
+        runs.seen += transport.outcomes
+        for pid, outcomes in finished.items():  # also what a stopped run finished before it stopped
+            runs.final[pid] += [o for o, _ in outcomes]
+        if result is not None:
+            assert result.seconds < 45, "the run hung: it ended only at the test's time limit"
+            if result.dispatcher.fleet_changes:
+                runs.lossy.add(number)
+            if all(runs.final.values()):
+                return runs
+    raise AssertionError(f"still pending after {runs.count} runs: {[p for p, o in runs.final.items() if not o]}")
+
+
+def check(plan: Plan, runs: Runs) -> None:
+    kinds = {pid: [o.kind for o in outcomes] for pid, outcomes in runs.final.items()}
+    assert all(len(k) == 1 for k in kinds.values()), f"each prompt ends exactly once: {kinds}"
+    assert all(k[0] in (DONE, "terminal") for k in kinds.values()), kinds
+    pid_of = {text: pid for pid, text in TEXT_OF.items()}
+    for position, name, text, number in plan.injected:
+        theirs = [o for o in runs.seen if o.prompt_id == pid_of.get(text) and o.kind != DONE]
+        if name == "StorageError":
+            came_back = any(o.kind == RUN_FATAL and CATALOGUE[name]().args[0] in o.message for o in theirs)
+        elif name in TAXONOMY:  # the dispatcher may have rewritten a last failure: "attempts exhausted (3): ..."
+            came_back = any(CATALOGUE[name]().message in o.message for o in theirs)
+        else:
+            came_back = any(o.message.startswith(name) or f": {name}" in o.message for o in theirs)
+        assert came_back or number in runs.lossy, (position, name, [(o.kind, o.message) for o in theirs])
+
+
+TAXONOMY = {"Retryable", "EndpointDown", "ConnectionDropped", "TerminalForPrompt", "EndpointFatal"}
+ENUMERATED = [(name, position) for name in CATALOGUE for position in POSITIONS]
+
+
+@pytest.mark.parametrize("name, position", ENUMERATED, ids=[f"{n}@{p}" for n, p in ENUMERATED])
+def test_each_exception_type_at_each_position_becomes_an_outcome(servers, tmp_path, inject, name, position):
+    plan = Plan({position: {1: name, 3: name, 4: name}})
+    inject(plan)
+    runs = run_until_complete(servers, tmp_path, plan, hidden=True)
+    assert len(plan.injected) == 3, "all three faults were reached"
+    check(plan, runs)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_mixes_of_exceptions_never_lose_double_or_hang(servers, tmp_path, inject, seed):
+    rng = random.Random(seed)
+    hidden = seed % 2 == 0
+    names = sorted(CATALOGUE)
+    faults = {position: {call: rng.choice(names) for call in range(1, 25) if rng.random() < 0.35}
+              for position in (POSITIONS if hidden else ("client",))}
+    plan = Plan(faults)
+    inject(plan)
+    runs = run_until_complete(servers, tmp_path, plan, hidden=hidden)
+    check(plan, runs)
+    assert plan.injected
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit], ids=lambda e: e.__name__)
+def test_an_interrupt_is_not_swallowed_by_a_worker(servers, stop):
+    """KeyboardInterrupt and SystemExit are not errors of a prompt: they propagate out of the worker."""
+    async def scenario():
+        worker = EndpointWorker(servers[0].url, "emu", 1, ClientSettings(model=MODEL, temperature=0.0, top_p=1.0,
+                                                                         max_tokens=4))
+
+        async def chat(messages, seed):
+            raise stop()
+
+        worker.client.chat = chat
+        try:
+            await worker._run(work_item("p", "q", make_cfg([{"url": servers[0].url}])))
+        finally:
+            await worker.client.close()
+
+    with pytest.raises(stop):
+        asyncio.run(scenario())
