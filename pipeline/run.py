@@ -20,7 +20,9 @@ from .store import schema
 from .core.config import RunConfig, flat_diff, load_config
 from .core.errors import ConfigError, DriftError, StorageError
 from .prompts.prompt_set import PromptSet, build_prompt_set
-from .prompts.sources import load_source_spec
+from .prompts.report import report_lines
+from .prompts.tokens import load_length_check
+from .store.promptset import StagedPromptSet, check_source_files, report_document, source_specs, stage_prompt_set
 from .store.rundir import Committer, RunDir, RunLock, now_utc, resolve_run_dir
 from .store.records import RecordBuilder
 from .core.work import DONE, Outcome
@@ -42,43 +44,33 @@ class GenerateOptions:
 
 # --- the prompt set ------------------------------------------------------------------------------
 def build_prompts(cfg: RunConfig) -> PromptSet:
-    specs = []
-    for ref in cfg.sources:
-        spec = load_source_spec(ref.spec)
-        specs.append((spec, ref.limit if ref.limit is not None else spec.limit))
-    return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed)
+    """The whole prompt set in memory (regen simulate); a run streams it through stage_prompt_set."""
+    specs = list(source_specs(cfg).values())
+    check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer or cfg.model)
+    return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed, length_check=check)
 
 
-def prompt_tables(prompt_set: PromptSet) -> tuple[pa.Table, pa.Table]:
-    prompts = pa.Table.from_pylist(
-        [
-            {"prompt_id": p.prompt_id, "source": p.source, "origin": p.origin, "source_ref": p.source_ref,
-             "messages": list(p.messages), "reference": p.reference}
-            for p in prompt_set.prompts
-        ],
-        schema=schema.PROMPTS,
-    )
-    rejects = pa.Table.from_pylist(
-        [{"source": r.source, "origin": r.origin, "reason": r.reason, "raw": r.raw} for r in prompt_set.rejects],
-        schema=schema.REJECTS,
-    )
-    return prompts, rejects
-
-
-def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool) -> pa.Table:
-    """The prompt set is read from the sources once; a resume uses the stored copy."""
+def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool, staged: StagedPromptSet | None = None) -> pa.Table:
+    """The prompt set is read from the sources once; a resume uses the stored copy. The sources are read into
+    a staged set first (`staged`: already read), so a source that fails writes nothing into the run."""
     existing = run_dir.load_prompt_set()
     if existing is not None and not refresh:
+        if staged is not None:
+            staged.discard()
         return existing
-    prompt_set = build_prompts(cfg)
-    prompts, rejects = prompt_tables(prompt_set)
-    for report in prompt_set.reports:
-        log.info("source %s: %d read, %d valid, %d rejected, %d selected, %d duplicates", report.name,
-                 report.read, report.valid, report.rejected, report.selected, report.duplicates)
-    if prompt_set.rejects:
-        log.warning("%d invalid prompts written to %s with their reasons", len(prompt_set.rejects), run_dir.rejects)
-    if prompt_set.duplicates:
-        log.info("%d duplicate prompts collapsed", prompt_set.duplicates)
+    staged = staged or stage_prompt_set(cfg)
+    report = report_document(staged)
+    for line in report_lines(report["sources"], indent=""):
+        log.info("%s", line)
+    if report["rejects"]:
+        log.warning("%d invalid prompts written to %s with their reasons", report["rejects"], run_dir.rejects)
+    if report["duplicates"]:
+        log.info("%d duplicate prompts collapsed", report["duplicates"])
+    staged.commit(run_dir)
+    prompts = run_dir.load_prompt_set()
+    # recorded once the set is committed: a kill before this leaves the old identity, refused as drift
+    run_dir.write_manifest({**run_dir.read_manifest(), "prompts": cfg.prompt_identity(),
+                            "source_files": staged.files, "prompt_report": report})
     if existing is not None:
         old, new = set(existing.column("prompt_id").to_pylist()), set(prompts.column("prompt_id").to_pylist())
         vanished = old - new
@@ -86,7 +78,6 @@ def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool) -> pa.Table:
                     len(new - old), len(vanished))
         for pid in sorted(vanished)[:20]:
             log.info("vanished prompt %s", pid)
-    run_dir.write_prompt_set(prompts, rejects)
     return prompts
 
 
@@ -107,12 +98,26 @@ def manifest_for(cfg: RunConfig, config_path: str) -> dict[str, Any]:
     }
 
 
-def check_drift(cfg: RunConfig, run_dir: RunDir, manifest: dict[str, Any], refresh: bool) -> None:
+def check_drift(cfg: RunConfig, run_dir: RunDir, manifest: dict[str, Any], refresh: bool) -> dict[str, Any]:
+    """Refuse a resume whose config changed (DriftError with a diff); returns run.json as it should now be."""
     diff = flat_diff(manifest["generation"], cfg.generation_identity())
-    if not refresh:
-        diff += [f"prompt set {line}" for line in flat_diff(manifest["prompts"], cfg.prompt_identity())]
-    if diff:
-        raise DriftError(str(run_dir.path), diff)
+    if refresh:  # the prompt identity is recorded once the new set is committed
+        if diff:
+            raise DriftError(str(run_dir.path), diff)
+        return manifest
+    stored, current = manifest.get("prompts") or {}, cfg.prompt_identity()
+    compared = [key for key in current if key in stored]  # keys an older run.json lacks are not compared
+    prompt_diff = flat_diff({k: stored[k] for k in compared}, {k: current[k] for k in compared})
+    files = check_source_files(cfg, manifest)
+    prompt_diff = [f"prompt set {line}" for line in prompt_diff] + files.drift
+    if prompt_diff:
+        prompt_diff.append("the prompt set changed: --refresh-prompts re-reads the sources into this run "
+                           "(done prompts are kept), --new-run starts a new run")
+    if diff or prompt_diff:
+        raise DriftError(str(run_dir.path), diff + prompt_diff)
+    for note in files.notes:
+        log.info("%s", note)
+    return {**manifest, "prompts": {**current, **stored}, "source_files": files.recorded}
 
 
 def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> None:
@@ -121,9 +126,9 @@ def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> None:
         log.info("removed uncommitted temporary file %s", tmp.name)
     if run_dir.exists():
         manifest = run_dir.read_manifest()
-        check_drift(cfg, run_dir, manifest, opts.refresh_prompts)
-        if opts.refresh_prompts and manifest["prompts"] != cfg.prompt_identity():
-            run_dir.write_manifest({**manifest, "prompts": cfg.prompt_identity()})
+        updated = check_drift(cfg, run_dir, manifest, opts.refresh_prompts)
+        if updated != manifest:
+            run_dir.write_manifest(updated)
     else:
         run_dir.write_manifest(manifest_for(cfg, opts.config))
 
@@ -168,6 +173,8 @@ def generate(opts: GenerateOptions) -> int:
     cfg = load_config(opts.config)
     cfg.check_secrets()
     run_dir = resolve_run_dir(cfg.output_dir, cfg.run_name, cfg.fingerprint(), opts.new_run)
+    # a new run reads its sources before it writes anything: a source that fails leaves no run directory
+    staged = None if run_dir.exists() else stage_prompt_set(cfg)
     with RunLock(run_dir) as lock:
         open_run(cfg, opts, run_dir)
         setup_logging(run_dir)
@@ -175,7 +182,7 @@ def generate(opts: GenerateOptions) -> int:
             log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
         log.info("run directory %s", run_dir.path)
         try:
-            prompts = materialise(cfg, run_dir, opts.refresh_prompts)
+            prompts = materialise(cfg, run_dir, opts.refresh_prompts, staged)
             return dispatch_pending(cfg, opts, run_dir, prompts)
         finally:
             try:
