@@ -29,18 +29,30 @@ def _status(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from .core.config import load_config
+    from .prompts.errors import SourceError
+    from .prompts.probe import probe_source
     from .prompts.sources import load_source_spec
 
     cfg = load_config(args.config)
+    unreadable = 0
     for ref in cfg.sources:
         spec = load_source_spec(ref.spec)
         print(f"source {spec.name}: {spec.kind} {spec.path} ({spec.format}), limit {ref.limit or spec.limit or 'none'}")
+        try:
+            print("\n".join(probe_source(spec).lines()))
+        except SourceError as exc:  # one line per source; the others are still looked at
+            unreadable += 1
+            print(f"  cannot read it: {exc.cause}" + (f"; {exc.hint}" if exc.hint else ""))
     for endpoint in cfg.all_endpoints():
         secret = ""
         if endpoint.api_key_env:
             state = "set" if os.environ.get(endpoint.api_key_env) else "NOT SET"
             secret = f", key from ${endpoint.api_key_env} ({state})"
         print(f"endpoint {endpoint.label}: {endpoint.url}, concurrency {endpoint.concurrency}{secret}")
+    if unreadable:
+        print(f"regen: error: {args.config}: {unreadable} of {len(cfg.sources)} sources cannot be read",
+              file=sys.stderr)
+        return 2
     print(f"{args.config} is valid: model {cfg.model}, fingerprint {cfg.fingerprint()}")
     return 0
 
@@ -100,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     preflight.add_argument("config")
     preflight.set_defaults(func=_preflight)
 
-    validate = sub.add_parser("validate", help="check a config without contacting anything")
+    validate = sub.add_parser("validate", help="check a config and read the first records of each source",
+                              description="Check a config, and read the first records of each source to say what "
+                                          "they are (a hub dataset is streamed); contacts no endpoint.")
     validate.add_argument("config")
     validate.set_defaults(func=_validate)
 

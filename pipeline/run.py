@@ -20,7 +20,10 @@ from .core.config import RunConfig, load_config
 from .core.errors import ConfigError, DriftError, StorageError
 from .core.identity import IDENTITY_VERSION, check_identity, resumed_manifest
 from .prompts.prompt_set import PromptSet, build_prompt_set
+from .prompts.report import report_lines
 from .prompts.sources import load_source_spec
+from .prompts.tokens import load_length_check
+from .store.promptset import StagedPromptSet, check_source_files, report_document, source_specs, stage_prompt_set
 from .store.rundir import Committer, RunDir, RunLock, now_utc, resolve_run_dir, successor_run_dir
 from .store.records import RecordBuilder
 from .core.work import DONE, Outcome
@@ -42,43 +45,33 @@ class GenerateOptions:
 
 # --- the prompt set ------------------------------------------------------------------------------
 def build_prompts(cfg: RunConfig) -> PromptSet:
-    specs = []
-    for ref in cfg.sources:
-        spec = load_source_spec(ref.spec)
-        specs.append((spec, ref.limit if ref.limit is not None else spec.limit))
-    return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed)
+    """The whole prompt set in memory (regen simulate); a run streams it through stage_prompt_set."""
+    specs = list(source_specs(cfg).values())
+    check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer or cfg.model)
+    return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed, length_check=check)
 
 
-def prompt_tables(prompt_set: PromptSet) -> tuple[pa.Table, pa.Table]:
-    prompts = pa.Table.from_pylist(
-        [
-            {"prompt_id": p.prompt_id, "source": p.source, "origin": p.origin, "source_ref": p.source_ref,
-             "messages": list(p.messages), "reference": p.reference}
-            for p in prompt_set.prompts
-        ],
-        schema=schema.PROMPTS,
-    )
-    rejects = pa.Table.from_pylist(
-        [{"source": r.source, "origin": r.origin, "reason": r.reason, "raw": r.raw} for r in prompt_set.rejects],
-        schema=schema.REJECTS,
-    )
-    return prompts, rejects
-
-
-def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool) -> pa.Table:
-    """The prompt set is read from the sources once; a resume uses the stored copy."""
+def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool, staged: StagedPromptSet | None = None) -> pa.Table:
+    """The prompt set is read from the sources once; a resume uses the stored copy. The sources are read into
+    a staged set first (`staged`: already read), so a source that fails writes nothing into the run."""
     existing = run_dir.load_prompt_set()
     if existing is not None and not refresh:
+        if staged is not None:
+            staged.discard()
         return existing
-    prompt_set = build_prompts(cfg)
-    prompts, rejects = prompt_tables(prompt_set)
-    for report in prompt_set.reports:
-        log.info("source %s: %d read, %d valid, %d rejected, %d selected, %d duplicates", report.name,
-                 report.read, report.valid, report.rejected, report.selected, report.duplicates)
-    if prompt_set.rejects:
-        log.warning("%d invalid prompts written to %s with their reasons", len(prompt_set.rejects), run_dir.rejects)
-    if prompt_set.duplicates:
-        log.info("%d duplicate prompts collapsed", prompt_set.duplicates)
+    staged = staged or stage_prompt_set(cfg)
+    report = report_document(staged)
+    for line in report_lines(report["sources"], indent=""):
+        log.info("%s", line)
+    if report["rejects"]:
+        log.warning("%d invalid prompts written to %s with their reasons", report["rejects"], run_dir.rejects)
+    if report["duplicates"]:
+        log.info("%d duplicate prompts collapsed", report["duplicates"])
+    staged.commit(run_dir)
+    prompts = run_dir.load_prompt_set()
+    # recorded once the set is committed: a kill before this leaves the old identity, refused as drift
+    run_dir.write_manifest({**run_dir.read_manifest(), "prompts": cfg.prompt_identity(),
+                            "source_files": staged.files, "prompt_report": report})
     if existing is not None:
         old, new = set(existing.column("prompt_id").to_pylist()), set(prompts.column("prompt_id").to_pylist())
         vanished = old - new
@@ -86,7 +79,6 @@ def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool) -> pa.Table:
                     len(new - old), len(vanished))
         for pid in sorted(vanished)[:20]:
             log.info("vanished prompt %s", pid)
-    run_dir.write_prompt_set(prompts, rejects)
     return prompts
 
 
@@ -119,9 +111,21 @@ def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> dict[str
     manifest = run_dir.read_manifest()
     identity = cfg.identity()
     check = check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts)
-    if check.drift:
-        raise DriftError(str(run_dir.path), check.drift)
+    # the source files: a changed size or mtime is drift only if the digest differs too (a copy is not drift)
+    files = None if opts.refresh_prompts else check_source_files(cfg, manifest)
+    drift = check.drift + (files.drift if files else [])
+    if (files and files.drift) or any(line.startswith("prompts.") for line in check.drift):
+        drift.append("the prompt set changed: --refresh-prompts re-reads the sources into this run (done prompts "
+                     "are kept), --new-run starts a new run")
+    if drift:
+        raise DriftError(str(run_dir.path), drift)
     updated = resumed_manifest(manifest, identity, check)
+    if opts.refresh_prompts and "prompts" in manifest:
+        updated["prompts"] = manifest["prompts"]  # recorded by materialise once the new set is committed
+    if files:
+        for note in files.notes:
+            log.info("%s", note)
+        updated["source_files"] = files.recorded
     if check.adopted:
         log.warning("run.json (identity version %s) did not record %s; recorded from this config, compared from "
                     "now on", manifest.get("identity_version", 1),
@@ -185,7 +189,9 @@ def generate(opts: GenerateOptions) -> int:
     identity = cfg.identity()
 
     def resumable(manifest: dict[str, Any]) -> bool:
-        return check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts).resumable
+        if not check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts).resumable:
+            return False
+        return opts.refresh_prompts or not check_source_files(cfg, manifest).drift
 
     # --new-run resumes the newest run only if nothing of its identity changed, else starts a successor
     run_dir = resolve_run_dir(cfg.output_dir, cfg.run_name, opts.new_run, resumable)
@@ -201,6 +207,8 @@ def generate(opts: GenerateOptions) -> int:
 
 
 def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: StopFlag) -> int:
+    # a new run reads its sources before it writes anything: a source that fails leaves no run directory
+    staged = None if run_dir.exists() else stage_prompt_set(cfg)
     with RunLock(run_dir) as lock:
         setup_logging(run_dir)
         manifest = open_run(cfg, opts, run_dir)
@@ -208,7 +216,7 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: St
             log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
         log.info("run directory %s", run_dir.path)
         try:
-            prompts = materialise(cfg, run_dir, opts.refresh_prompts)
+            prompts = materialise(cfg, run_dir, opts.refresh_prompts, staged)
             return dispatch_pending(cfg, opts, run_dir, manifest, prompts, stop)
         finally:
             try:

@@ -68,7 +68,7 @@ def test_all_turns_sends_the_whole_conversation_and_ids_only_system_and_user_tur
     ([user("  ")], RejectCode.BLANK_CONTENT),
     ([{"role": "tool", "content": "x"}], RejectCode.UNKNOWN_ROLE),
     ([{"role": None, "content": "x"}], RejectCode.UNKNOWN_ROLE),
-    ([asst("first"), user("then")], RejectCode.NOT_ALTERNATING),
+    ([user("a"), user("b")], RejectCode.NOT_ALTERNATING),
     ([user("a"), asst("b"), asst("c")], RejectCode.NOT_ALTERNATING),
     ([user("a"), {"role": "system", "content": "late"}], RejectCode.SYSTEM_NOT_FIRST),
 ])
@@ -111,7 +111,7 @@ def test_malformed_file_gives_one_reject_per_defect_naming_the_line():
 
 
 def test_reject_raw_is_truncated(tmp_path):
-    f = write_jsonl(tmp_path / "big.jsonl", [{"messages": [asst("x" * 5000)]}])
+    f = write_jsonl(tmp_path / "big.jsonl", [{"messages": [asst("x" * 5000)]}, {"messages": [user("ok?")]}])
     (r,) = build_prompt_set([(jsonl_source("big", f), None)]).rejects
     assert len(r.raw) == 2000 and r.code == RejectCode.NO_USER_TURN
 

@@ -98,7 +98,8 @@ def test_a_key_older_code_did_not_record_is_adopted_but_a_users_template_key_is_
     without_thinking = orjson.loads(orjson.dumps(identity))
     without_thinking["generation"]["chat_template_kwargs"] = {}
     check = check_identity(without_thinking, identity, refresh_prompts=False)
-    assert check.drift == ["generation.chat_template_kwargs: {} -> {'thinking': True}"], "a value, not a section"
+    # a value compared whole (not a section whose missing keys are adopted), shown key by key
+    assert check.drift == ["generation.chat_template_kwargs.thinking: '<absent>' -> True"] and not check.adopted
 
     newer = {**identity, "identity_version": IDENTITY_VERSION + 1}
     assert not check_identity(newer, identity, refresh_prompts=False).resumable, "unknown keys cannot be checked"
@@ -141,8 +142,9 @@ def test_a_run_written_by_c15f75f_resumes_and_records_what_it_lacked(tmp_path, r
         assert new["identity_version"] == IDENTITY_VERSION and new["fingerprint"] == old["fingerprint"]
         assert new["generation"]["return_token_ids"] is True and new["generation"]["stream"] is False
         assert new["identity_upgrades"][0]["from_version"] == 1
-        assert set(new["identity_upgrades"][0]["adopted"]) == {"generation.return_token_ids", "generation.stream",
-                                                                     "generation.explicit_sampling"}
+        assert set(new["identity_upgrades"][0]["adopted"]) == {
+            "generation.return_token_ids", "generation.stream", "generation.explicit_sampling",
+            "prompts.specs", "prompts.max_prompt_tokens", "prompts.tokenizer"}
         fingerprints = {r for p in data_parts(run) for r in pq.read_table(p).column("config_fingerprint").to_pylist()}
         assert fingerprints == {old["fingerprint"]}, "one fingerprint in one run"
 

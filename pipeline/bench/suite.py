@@ -14,6 +14,7 @@ process id), the emulators, the regen runs.
   hidden      hidden-state ingest (JSON -> bf16 Parquet) MB/s per core, peak memory, bytes on disk
   simulator   `regen simulate`'s predicted wall time against the actual emulated run
   production  the production shape: 88K prompts, 16 endpoints x 64, checkpointing on, lost/doubled, RSS, commits
+  sources     materialise a 1 GB JSON array of ShareGPT rows with limit 88,000: MB/s on one core, peak RSS
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from .cases import (
 )
 from .env import REPO
 from .scale import memory, production, resume
+from .sources import materialise_json
 
 def hidden_ingest(ctx: Ctx) -> Result:
     """Hidden-state JSON -> bf16 Parquet per core against naive json and orjson + numpy, peak memory, disk."""
@@ -91,7 +93,7 @@ def simulator_accuracy(ctx: Ctx) -> Result:
 
 BENCHES = {"overhead": overhead, "saturation": saturation, "stragglers": stragglers, "resume": resume,
            "memory": memory, "emulator": emulator_capacity, "hidden": hidden_ingest,
-           "simulator": simulator_accuracy, "production": production}
+           "simulator": simulator_accuracy, "production": production, "sources": materialise_json}
 
 
 def table(results: list[Result]) -> list[str]:

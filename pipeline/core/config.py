@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, SecretMissing
-from .identity import current_identity, identity_fingerprint
+from .identity import current_identity, flat_diff, identity_fingerprint  # noqa: F401 (flat_diff: its readers)
 from .uri import check_uri
 
 
@@ -130,6 +130,10 @@ class RunConfig(_Strict):
     # Ask the server for the exact token ids (SGLang: return_token_ids / return_prompt_token_ids).
     return_token_ids: bool = True
     min_prompt_tokens: int = Field(256, ge=1)  # preflight: context must hold max_tokens plus this much prompt
+    # Prompts longer than this (the chat template applied, counted with `tokenizer`, default: the model's) are
+    # rejected before sending; without a loadable tokenizer the server's 400 makes them terminal failures.
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    tokenizer: str | None = None
     # Retries and deadlines.
     max_attempts: int = Field(4, ge=1)  # HTTP attempts per prompt across all endpoints
     attempts_per_endpoint: int = Field(2, ge=1)
@@ -207,10 +211,17 @@ class RunConfig(_Strict):
         }
 
     def prompt_identity(self) -> dict[str, Any]:
-        """What selects the prompt set. Changing it needs --refresh-prompts."""
+        """What selects the prompt set. Changing it needs --refresh-prompts (or --new-run).
+
+        `specs` is each source spec file's content (its keys, so an edited comment is not drift). The source
+        files' size, modification time and digest are recorded beside it when the set is built (run.json
+        `source_files`, compared by run.py: a digest decides when size or time differ)."""
         return {
             "sources": [s.model_dump() for s in self.sources],
             "selection_seed": self.selection_seed,
+            "specs": {s.spec: spec_content(s.spec) for s in self.sources},
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "tokenizer": (self.tokenizer or self.model) if self.max_prompt_tokens else None,
         }
 
     def identity(self) -> dict[str, Any]:
@@ -259,6 +270,17 @@ def read_endpoints_file(path: str | Path, concurrency: int, api_key_env: str | N
     return endpoints
 
 
+def spec_content(path: str | Path) -> dict[str, Any]:
+    """A source spec file's keys and values, as its content in the prompt identity."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read source file: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return doc if isinstance(doc, dict) else {"content": doc}
+
+
 def _describe(error: ValidationError, path: Path) -> str:
     lines = []
     for item in error.errors():
@@ -286,16 +308,3 @@ def load_config(path: str | Path) -> RunConfig:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, path)) from None
-
-
-def flat_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """Readable `key: old -> new` lines between two nested dicts."""
-    lines = []
-    for key in sorted(set(old) | set(new)):
-        name = f"{prefix}{key}"
-        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
-        if isinstance(a, dict) and isinstance(b, dict):
-            lines += flat_diff(a, b, name + ".")
-        elif a != b:
-            lines.append(f"{name}: {a!r} -> {b!r}")
-    return lines

@@ -60,6 +60,8 @@ def _compare(stored: Any, current: Any, path: str, check: IdentityCheck) -> None
                 _compare(stored[key], current[key], sub, check)
             elif sub not in INFORMATIONAL:
                 check.adopted[sub] = current[key]
+    elif isinstance(stored, dict) and isinstance(current, dict):  # compared whole, shown key by key
+        check.drift += flat_diff(stored, current, f"{path}.")
     elif stored != current:
         check.drift.append(f"{path}: {stored!r} -> {current!r}")
 
@@ -131,3 +133,16 @@ def _merged(stored: Any, current: Any, path: str) -> Any:
     if path in SECTIONS and isinstance(stored, dict) and isinstance(current, dict):
         return {**stored, **{key: _merged(stored.get(key), item, f"{path}.{key}") for key, item in current.items()}}
     return current
+
+
+def flat_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Readable `key: old -> new` lines between two nested dicts."""
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        name = f"{prefix}{key}"
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            lines += flat_diff(a, b, name + ".")
+        elif a != b:
+            lines.append(f"{name}: {a!r} -> {b!r}")
+    return lines

@@ -17,6 +17,7 @@ import numpy as np
 import orjson
 
 from ..core.errors import RegenError
+from ..prompts.report import report_table
 from ..store.rundir import RunDir
 from ..store.storage import Location
 from .jsonl import read_run_manifest
@@ -105,7 +106,10 @@ def failure_and_reject_counts(run_dir: RunDir, committed: set[str]) -> tuple[int
             if row["prompt_id"] not in committed:  # a later retry that succeeded wins
                 failed[row["prompt_id"]] = row["error_class"] or "?"
     rejects = run_dir.rejects_table()
-    reject_reasons = Counter(rejects.column("reason").to_pylist()) if rejects is not None else Counter()
+    reject_reasons = Counter()
+    if rejects is not None:  # by reason code where the rejects carry one (older ones hold only the sentence)
+        codes = rejects.column("code").to_pylist() if "code" in rejects.column_names else [None] * rejects.num_rows
+        reject_reasons = Counter(code or reason for code, reason in zip(codes, rejects.column("reason").to_pylist()))
     return len(failed), Counter(failed.values()), sum(reject_reasons.values()), reject_reasons
 
 
@@ -172,6 +176,15 @@ def _compact_json(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
 
 
+def _prompt_sources(manifest: dict[str, Any]) -> list[str]:
+    reports = (manifest.get("prompt_report") or {}).get("sources")
+    if not reports:
+        return []
+    return ["How the prompt set was read from each source (duplicates: within the source, or held by an earlier "
+            "one; dropped turns: blank system messages and assistant turns before the first user turn):", "",
+            *report_table(reports), ""]
+
+
 def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents) -> str:
     generation = manifest.get("generation") or {}
     failed, failure_classes, rejected, reject_reasons = failure_and_reject_counts(run_dir, contents.prompts)
@@ -197,6 +210,7 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         f"- chat_template_kwargs: `{_compact_json(generation.get('chat_template_kwargs') or {})}`",
         f"- created: {manifest.get('created_at')}; schema version {manifest.get('schema_version')}", "",
         "## Sources", "", *_count_table("source", contents.by_source, contents.records), "",
+        *_prompt_sources(manifest),
         "## Finish reasons", "", *_count_table("finish_reason", contents.finish_reasons, contents.records), "",
         "## Quality flags", "",
         f"{contents.flagged_records} of {contents.records} records carry at least one flag "

@@ -2,30 +2,39 @@
 
 `prompt_id` hashes only the normalised messages that are sent plus the regeneration mode (DESIGN invariant 1), so it
 does not depend on the source name, file position, the reference answer or a source's own id field.
+
+The set is built in one streaming pass per source into a sink (a list for small uses, Parquet files for a run):
+rejects go to the sink as they come, a source without a limit passes its prompts on in file order, and a limit
+keeps a bounded heap (selection.py). Memory holds the ids seen, never the source.
 """
 from __future__ import annotations
 
 import hashlib
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import orjson
 
 from ..core.errors import ConfigError
-from .sources import (
-    RAW_MAX_CHARS, InvalidRecord, Reject, RejectCode, SourceSpec, read_records, source_ref, to_messages,
-)
+from .errors import NoValidPrompts
+from .records import RAW_MAX_CHARS, InvalidRecord, Reject, RejectCode
+from .report import SourceReport
+from .selection import BoundedSelection, rank
+from .sources import ReadStats, SourceSpec, read_records, source_ref, to_messages
 
 __all__ = [
-    "MODES", "Prompt", "PromptSet", "Reject", "RejectCode", "SourceReport", "InvalidRecord",
-    "prompt_id", "normalise", "build_prompt_set",
+    "MODES", "Prompt", "PromptSet", "Reject", "RejectCode", "SourceReport", "InvalidRecord", "BuildResult",
+    "prompt_id", "normalise", "build_prompt_set", "build_into",
 ]
 
 MODES = ("last_turn", "all_turns")
+# ShareGPT as it is in the wild: the role names of the dumps people download (SpecForge's prepare_data maps
+# the same ones).
 ROLE_MAP = {
     "user": "user", "human": "user",
-    "assistant": "assistant", "gpt": "assistant", "bot": "assistant", "chatgpt": "assistant",
+    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+    "bot": "assistant",
     "system": "system",
 }
 
@@ -40,22 +49,33 @@ class Prompt:
     source_ref: str | None = None
 
 
-@dataclass
-class SourceReport:
-    name: str
-    read: int = 0  # records read, including unparseable ones
-    valid: int = 0
-    rejected: int = 0
-    selected: int = 0  # prompts this source contributes to the set
-    duplicates: int = 0  # in-source duplicates plus prompts an earlier source already holds
+class PromptSink(Protocol):
+    def add_prompt(self, prompt: Prompt) -> None: ...
+
+    def add_reject(self, reject: Reject) -> None: ...
 
 
 @dataclass
 class PromptSet:
+    """A prompt set held in memory (tests, `regen simulate`); a run streams into Parquet instead."""
+
     prompts: list[Prompt] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)
     reports: list[SourceReport] = field(default_factory=list)
     duplicates: int = 0
+
+    def add_prompt(self, prompt: Prompt) -> None:
+        self.prompts.append(prompt)
+
+    def add_reject(self, reject: Reject) -> None:
+        self.rejects.append(reject)
+
+
+@dataclass
+class BuildResult:
+    reports: list[SourceReport]
+    duplicates: int
+    prompts: int
 
 
 def _check_mode(mode: str) -> None:
@@ -76,58 +96,74 @@ def prompt_id(messages: Iterable[Mapping[str, str]], mode: str = "last_turn") ->
     return hashlib.sha256(blob).hexdigest()[:32]
 
 
-def normalise(raw_messages: Any, mode: str = "last_turn") -> tuple[tuple[dict[str, str], ...], str | None]:
-    """Validate and normalise a conversation. Returns (messages to send, reference) or raises InvalidRecord."""
+def normalise(raw_messages: Any, mode: str = "last_turn",
+              dropped: dict[str, int] | None = None) -> tuple[tuple[dict[str, str], ...], str | None]:
+    """Validate and normalise a conversation. Returns (messages to send, reference) or raises InvalidRecord.
+
+    Blank system messages are dropped, as are assistant turns before the first user turn (SpecForge's
+    preprocessing drops a first message that is not the user's); NUL characters are removed. Each is counted
+    in `dropped` (blank_system, leading_assistant, nul)."""
     _check_mode(mode)
     if not isinstance(raw_messages, (list, tuple)):
         raise InvalidRecord(RejectCode.BAD_CONVERSATION, "the conversation is not a list of messages")
     if not raw_messages:
         raise InvalidRecord(RejectCode.EMPTY, "the conversation is empty")
+    dropped = dropped if dropped is not None else {}
 
-    conv: list[dict[str, str]] = []
+    conv: list[tuple[int, str, str]] = []  # (message number in the record, role, content)
     for i, m in enumerate(raw_messages, start=1):
-        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+        if not (type(m) is dict or isinstance(m, Mapping)) or "role" not in m or "content" not in m:
             raise InvalidRecord(RejectCode.BAD_MESSAGE, f"message {i} is not an object with a role and a content")
         raw_role, content = m["role"], m["content"]
-        role = ROLE_MAP.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
+        role = None
+        if isinstance(raw_role, str):
+            role = ROLE_MAP.get(raw_role) or ROLE_MAP.get(raw_role.strip().lower())
         if role is None:
             raise InvalidRecord(RejectCode.UNKNOWN_ROLE, f"message {i} has an unknown role {raw_role!r}")
-        if not isinstance(content, str):
+        if type(content) is not str and not isinstance(content, str):
             raise InvalidRecord(RejectCode.NON_STRING_CONTENT,
                                 f"message {i} ({role}) has non-string content ({type(content).__name__})")
+        if "\x00" in content:
+            dropped["nul"] = dropped.get("nul", 0) + content.count("\x00")
+            content = content.replace("\x00", "")
         content = unicodedata.normalize("NFC", content.strip())
         if not content:
+            if role == "system":
+                dropped["blank_system"] = dropped.get("blank_system", 0) + 1
+                continue
             raise InvalidRecord(RejectCode.BLANK_CONTENT, f"message {i} ({role}) is blank")
-        if role == "system" and i != 1:
+        conv.append((i, role, content))
+
+    for k, (i, role, _) in enumerate(conv):
+        if role == "system" and k != 0:
             raise InvalidRecord(RejectCode.SYSTEM_NOT_FIRST,
                                 f"message {i} is a system message, but a system message may only come first")
-        conv.append({"role": role, "content": content})
-
-    start = 1 if conv[0]["role"] == "system" else 0
-    body = conv[start:]
+    system = conv[:1] if conv and conv[0][1] == "system" else []
+    body = conv[len(system):]
+    leading = 0
+    while leading < len(body) and body[leading][1] == "assistant":
+        leading += 1
+    if leading:
+        dropped["leading_assistant"] = dropped.get("leading_assistant", 0) + leading
+        body = body[leading:]
     if not body:
+        if leading:
+            raise InvalidRecord(RejectCode.NO_USER_TURN, "the conversation has no user turn")
         raise InvalidRecord(RejectCode.NOTHING_TO_SEND,
                             "the conversation has nothing to send (it has only a system message)")
-    if all(m["role"] != "user" for m in body):
-        raise InvalidRecord(RejectCode.NO_USER_TURN, "the conversation has no user turn")
-    for k, m in enumerate(body):
+    for k, (i, role, _) in enumerate(body):
         expected = "user" if k % 2 == 0 else "assistant"
-        if m["role"] != expected:
-            raise InvalidRecord(
-                RejectCode.NOT_ALTERNATING,
-                f"roles do not alternate: message {start + k + 1} is {m['role']} where {expected} was expected"
-            )
+        if role != expected:
+            raise InvalidRecord(RejectCode.NOT_ALTERNATING,
+                                f"roles do not alternate: message {i} is {role} where {expected} was expected")
 
+    messages = [{"role": role, "content": content} for _, role, content in system + body]
     if mode == "all_turns":
-        return tuple(conv), None
+        return tuple(messages), None
     reference = None
-    if conv[-1]["role"] == "assistant":
-        reference = conv.pop()["content"]
-    return tuple(conv), reference
-
-
-def _rank(seed: int, pid: str) -> str:
-    return hashlib.sha256(f"{seed}:{pid}".encode()).hexdigest()
+    if messages[-1]["role"] == "assistant":
+        reference = messages.pop()["content"]
+    return tuple(messages), reference
 
 
 def _raw_text(data: Any) -> str:
@@ -138,62 +174,108 @@ def _raw_text(data: Any) -> str:
     return text[:RAW_MAX_CHARS]
 
 
-def _read_source(spec: SourceSpec, mode: str, report: SourceReport,
-                 rejects: list[Reject]) -> dict[str, Prompt]:
-    """Valid prompts of one source by prompt_id, first occurrence kept."""
-    found: dict[str, Prompt] = {}
-    for rec in read_records(spec):
-        report.read += 1
-        if isinstance(rec, Reject):
-            rejects.append(rec)
-            continue
-        try:
-            messages, reference = normalise(to_messages(spec, rec.data), mode)
-        except InvalidRecord as e:
-            rejects.append(Reject(spec.name, rec.origin, e.reason, _raw_text(rec.data), e.code.value))
-            continue
-        report.valid += 1
-        pid = prompt_id(messages, mode)
-        if pid in found:
-            report.duplicates += 1
-            continue
-        found[pid] = Prompt(pid, spec.name, messages, reference, rec.origin, source_ref(spec, rec.data))
-    report.rejected = report.read - report.valid
-    return found
+def _encode(p: Prompt) -> bytes:
+    return orjson.dumps([p.prompt_id, p.source, p.messages, p.reference, p.origin, p.source_ref])
 
 
-def build_prompt_set(sources: list[tuple[SourceSpec, int | None]], mode: str = "last_turn",
-                     seed: int = 0) -> PromptSet:
+def _decode(blob: bytes) -> Prompt:
+    pid, source, messages, reference, origin, ref = orjson.loads(blob)
+    return Prompt(pid, source, tuple(messages), reference, origin, ref)
+
+
+LengthCheck = Callable[[tuple[dict[str, str], ...]], None]  # raises InvalidRecord(TOO_LONG)
+
+
+def build_into(sink: PromptSink, sources: list[tuple[SourceSpec, int | None]], mode: str = "last_turn",
+               seed: int = 0, length_check: LengthCheck | None = None) -> BuildResult:
     """Read every source, keep its valid prompts, apply its limit, then dedup across sources in list order.
 
     A limit (the run's override, else the spec's own) keeps the N prompts of lowest sha256(f"{seed}:{prompt_id}"),
-    so the choice depends on content alone, not on the order of the file. The first source in the list keeps a
-    prompt that several sources share.
-    """
+    so the choice depends on content alone, not on the order of the file; they are passed on in that order. A
+    source without a limit passes its prompts on in file order. The first source in the list keeps a prompt
+    that several sources share. A source with no valid prompt raises NoValidPrompts."""
     _check_mode(mode)
     names = [spec.name for spec, _ in sources]
     dup_names = sorted({n for n in names if names.count(n) > 1})
     if dup_names:
         raise ConfigError(f"source names must be unique; repeated: {', '.join(dup_names)}")
-
-    out = PromptSet()
-    seen: set[str] = set()
+    limits = []
     for spec, override in sources:
         limit = override if override is not None else spec.limit
         if limit is not None and limit < 1:
             raise ConfigError(f"source {spec.name!r}: limit must be at least 1, got {limit}")
+        limits.append(limit)
+
+    held: set[str] = set()  # prompt_ids in the set so far, across sources
+    result = BuildResult([], 0, 0)
+    for (spec, _), limit in zip(sources, limits):
         report = SourceReport(spec.name)
-        found = _read_source(spec, mode, report, out.rejects)
-        ranked = sorted(found.values(), key=lambda p: _rank(seed, p.prompt_id))
-        if limit is not None:
-            ranked = ranked[:limit]
-        for p in ranked:
-            if p.prompt_id in seen:
+
+        def emit(prompt: Prompt) -> None:
+            if prompt.prompt_id in held:
                 report.duplicates += 1
-                continue
-            seen.add(p.prompt_id)
-            out.prompts.append(p)
+                return
+            held.add(prompt.prompt_id)
+            sink.add_prompt(prompt)
             report.selected += 1
-        out.duplicates += report.duplicates
-        out.reports.append(report)
+
+        selection = BoundedSelection(limit, _encode, _decode) if limit is not None else None
+        try:
+            _read_source(spec, mode, report, sink, length_check,
+                         emit if selection is None else lambda p: selection.offer(rank(seed, p.prompt_id), p))
+            if report.valid == 0:
+                raise NoValidPrompts(spec.name, report.read, report.top_reasons())
+            for prompt in selection.selected() if selection is not None else ():
+                emit(prompt)
+        finally:
+            if selection is not None:
+                selection.close()
+        result.duplicates += report.duplicates
+        result.prompts += report.selected
+        result.reports.append(report)
+    return result
+
+
+def _read_source(spec: SourceSpec, mode: str, report: SourceReport, sink: PromptSink,
+                 length_check: LengthCheck | None, keep: Callable[[Prompt], None]) -> None:
+    """Each valid prompt of one source, first occurrence only, to `keep`; rejects to the sink."""
+    seen: set[str] = set()
+    stats = ReadStats()
+    for rec in read_records(spec, stats):
+        report.read += 1
+        if isinstance(rec, Reject):
+            report.reject(rec.code, rec.reason)
+            sink.add_reject(rec)
+            continue
+        dropped: dict[str, int] = {}
+        try:
+            messages, reference = normalise(to_messages(spec, rec.data), mode, dropped)
+            if length_check is not None:
+                length_check(messages)
+        except InvalidRecord as e:
+            report.reject(e.code.value, e.reason)
+            sink.add_reject(Reject(spec.name, rec.origin, e.reason, _raw_text(rec.data), e.code.value))
+            continue
+        report.valid += 1
+        report.nul_removed += dropped.pop("nul", 0)
+        for kind, n in dropped.items():
+            report.dropped_turns[kind] = report.dropped_turns.get(kind, 0) + n
+        pid = prompt_id(messages, mode)
+        if pid in seen:
+            report.duplicates += 1
+            continue
+        seen.add(pid)
+        keep(Prompt(pid, spec.name, messages, reference, rec.origin, source_ref(spec, rec.data)))
+    report.rejected = report.read - report.valid
+    report.nul_removed += stats.nul_bytes_removed
+    report.containers = dict(stats.containers)
+    report.cuts = [cut.as_dict() for cut in stats.cuts]
+
+
+def build_prompt_set(sources: list[tuple[SourceSpec, int | None]], mode: str = "last_turn", seed: int = 0,
+                     length_check: LengthCheck | None = None) -> PromptSet:
+    """The whole set in memory: for tests and dry runs. A run streams through `build_into`."""
+    out = PromptSet()
+    result = build_into(out, sources, mode, seed, length_check)
+    out.reports, out.duplicates = result.reports, result.duplicates
     return out

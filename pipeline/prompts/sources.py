@@ -1,68 +1,39 @@
-"""Source definitions (one small YAML file per source), readers and format adapters.
+"""Source definitions (one small YAML file per source) and the readers of local files.
 
-A reader yields `RawRecord`s (or a `Reject` for a record that cannot even be parsed) and a format adapter turns a
-record into raw OpenAI-style messages. Validation of roles and contents is `prompts.normalise`'s job.
+A reader yields `RawRecord`s (or a `Reject` for a record that cannot even be parsed); a format adapter
+(`adapters.py`) turns a record into raw OpenAI-style messages; validation is `prompt_set.normalise`'s job.
+Readers stream: no file is ever read whole. What a reader saw (the container, salvaged cuts, NUL bytes)
+goes into a `ReadStats`.
 """
 from __future__ import annotations
 
 import glob as globlib
-from dataclasses import dataclass
-from enum import Enum
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import orjson
 import yaml
 
 from ..core.errors import ConfigError
+from .errors import Cut, SourceError, TruncatedSource, read_error
+from .adapters import source_ref, to_messages  # noqa: F401  (part of this module's interface)
+from .records import RAW_MAX_CHARS, InvalidRecord, RawRecord, Reject, RejectCode  # noqa: F401
 
-KINDS = ("jsonl", "parquet", "hf")
+KINDS = ("jsonl", "json", "parquet", "hf")
 FORMATS = ("sharegpt", "openai", "alpaca", "prompt")
 DEFAULT_FIELD = {"sharegpt": "conversations", "openai": "messages", "alpaca": "instruction", "prompt": "prompt"}
-RAW_MAX_CHARS = 2000
+BOM = b"\xef\xbb\xbf"
 _PARQUET_BATCH_ROWS = 1024
 
 
-class RejectCode(str, Enum):
-    """Why a record was rejected, for code and counts; the human sentence is `reason`."""
+@dataclass
+class ReadStats:
+    """What the readers of one source saw, beyond the records themselves."""
 
-    BAD_JSON = "bad_json"
-    NOT_OBJECT = "not_object"
-    MISSING_FIELD = "missing_field"
-    BAD_CONVERSATION = "bad_conversation"  # the conversation field is not a list
-    BAD_MESSAGE = "bad_message"  # a message is not an object or lacks its role/content key
-    EMPTY = "empty_conversation"
-    NO_USER_TURN = "no_user_turn"
-    NON_STRING_CONTENT = "non_string_content"
-    BLANK_CONTENT = "blank_content"
-    UNKNOWN_ROLE = "unknown_role"
-    NOT_ALTERNATING = "roles_not_alternating"
-    SYSTEM_NOT_FIRST = "system_not_first"
-    NOTHING_TO_SEND = "nothing_to_send"
-
-
-class InvalidRecord(ValueError):
-    """A record that cannot become a prompt. `reason` is a sentence meant for a human."""
-
-    def __init__(self, code: RejectCode, reason: str):
-        super().__init__(reason)
-        self.code, self.reason = code, reason
-
-
-@dataclass(frozen=True)
-class Reject:
-    source: str
-    origin: str
-    reason: str
-    raw: str  # the record text, truncated to RAW_MAX_CHARS
-    code: str = ""  # a RejectCode value
-
-
-@dataclass(frozen=True)
-class RawRecord:
-    source: str
-    origin: str  # "sample/sharegpt.jsonl:17", "data.parquet#3", "HuggingFaceH4/ultrachat_200k[train_sft]#1234"
-    data: Any
+    containers: dict[str, str] = field(default_factory=dict)  # file or dataset -> what it turned out to be
+    cuts: list[Cut] = field(default_factory=list)  # salvaged files: where each was cut
+    nul_bytes_removed: int = 0  # raw NUL bytes taken out of JSON text (JSON allows none outside escapes)
 
 
 @dataclass(frozen=True)
@@ -73,9 +44,12 @@ class SourceSpec:
     format: str
     split: str = "train"
     subset: str | None = None
-    field: str | None = None
+    field: str | None = None  # the conversation (or instruction, prompt) field of a record
     id_field: str | None = None
     limit: int | None = None
+    records_field: str | None = None  # kind json: the key (dotted for nesting) of the object holding the records
+    salvage: bool = False  # keep the complete records of a file cut short, and report the cut
+    data_files: tuple[str, ...] = ()  # kind hf: which files of the folder (or hub repository) to read
     spec_file: Path | None = None  # relative paths resolve against its directory (else the working directory)
 
     @property
@@ -85,6 +59,17 @@ class SourceSpec:
     @property
     def conversation_field(self) -> str:
         return self.field or DEFAULT_FIELD[self.format]
+
+    def local_path(self) -> Path:
+        path = Path(self.path).expanduser()
+        return path if path.is_absolute() else self.base_dir / path
+
+    def shown(self, file: Path) -> str:
+        """A file as messages and origins name it: relative to the spec's folder where it can be."""
+        try:
+            return file.relative_to(self.base_dir).as_posix()
+        except ValueError:
+            return str(file)
 
 
 # key -> (accepted types, required)
@@ -98,6 +83,9 @@ _SPEC_KEYS: dict[str, tuple[tuple[type, ...], bool]] = {
     "field": ((str,), False),
     "id_field": ((str,), False),
     "limit": ((int,), False),
+    "records_field": ((str,), False),
+    "salvage": ((bool,), False),
+    "data_files": ((str, list), False),
 }
 
 
@@ -119,216 +107,179 @@ def load_source_spec(path: str | Path) -> SourceSpec:
             raise ConfigError(f"{spec_file}: unknown key {key!r} (allowed: {allowed})")
         types, _ = _SPEC_KEYS[key]
         # bool is an int subclass; `limit: true` is a typo, not a number
-        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+        if value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
             want = " or ".join(t.__name__ for t in types)
             raise ConfigError(f"{spec_file}: key {key!r} must be a {want}, got {type(value).__name__} {value!r}")
     for key, (_, required) in _SPEC_KEYS.items():
         if required and doc.get(key) in (None, ""):
             raise ConfigError(f"{spec_file}: missing required key {key!r}")
 
-    if doc["kind"] not in KINDS:
-        raise ConfigError(f"{spec_file}: key 'kind' must be one of {', '.join(KINDS)}, got {doc['kind']!r}")
+    kind = doc["kind"]
+    if kind not in KINDS:
+        raise ConfigError(f"{spec_file}: key 'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
     if doc["format"] not in FORMATS:
         raise ConfigError(f"{spec_file}: key 'format' must be one of {', '.join(FORMATS)}, got {doc['format']!r}")
-    if doc.get("subset") is not None and doc["kind"] != "hf":
-        raise ConfigError(f"{spec_file}: key 'subset' applies only to kind 'hf'")
+    for key, kinds in (("subset", ("hf",)), ("data_files", ("hf",)), ("records_field", ("json", "hf"))):
+        if doc.get(key) is not None and kind not in kinds:
+            raise ConfigError(f"{spec_file}: key {key!r} applies only to kind {' or '.join(kinds)}")
     if doc.get("limit") is not None and doc["limit"] < 1:
         raise ConfigError(f"{spec_file}: key 'limit' must be at least 1, got {doc['limit']}")
-    for key in ("split", "field", "id_field", "subset"):
+    for key in ("split", "field", "id_field", "subset", "records_field"):
         if doc.get(key) == "":
             raise ConfigError(f"{spec_file}: key {key!r} must not be empty")
+    data_files = doc.get("data_files") or ()
+    data_files = (data_files,) if isinstance(data_files, str) else tuple(data_files)
+    if not all(isinstance(f, str) and f for f in data_files):
+        raise ConfigError(f"{spec_file}: key 'data_files' must be a file name, a glob, or a list of them")
 
     return SourceSpec(
-        name=doc["name"],
-        kind=doc["kind"],
-        path=doc["path"],
-        format=doc["format"],
-        split=doc.get("split") or "train",
-        subset=doc.get("subset"),
-        field=doc.get("field"),
-        id_field=doc.get("id_field"),
-        limit=doc.get("limit"),
+        name=doc["name"], kind=kind, path=doc["path"], format=doc["format"], split=doc.get("split") or "train",
+        subset=doc.get("subset"), field=doc.get("field"), id_field=doc.get("id_field"), limit=doc.get("limit"),
+        records_field=doc.get("records_field"), salvage=bool(doc.get("salvage")), data_files=data_files,
         spec_file=spec_file,
     )
 
 
 # --- readers -----------------------------------------------------------------------------------
-def read_records(spec: SourceSpec) -> Iterator[RawRecord | Reject]:
-    """Stream the records of a source, in file order. Unparseable records come out as `Reject`s."""
-    if spec.kind == "jsonl":
-        for file in _resolve_files(spec):
-            yield from _read_jsonl(spec, file)
-    elif spec.kind == "parquet":
-        for file in _resolve_files(spec):
-            yield from _read_parquet(spec, file)
-    elif spec.kind == "hf":
-        yield from _read_hf(spec)
-    else:
-        raise ConfigError(f"source {spec.name!r}: unknown kind {spec.kind!r}")
+def read_records(spec: SourceSpec, stats: ReadStats | None = None,
+                 stream_hub: bool = False) -> Iterator[RawRecord | Reject]:
+    """Stream the records of a source, in file order. Unparseable records come out as `Reject`s; a source that
+    cannot be read at all raises SourceError. `stream_hub`: stream a hub dataset rather than download it."""
+    stats = stats if stats is not None else ReadStats()
+    if spec.kind == "hf":
+        from .hf import read_hf
+
+        yield from read_hf(spec, stats, stream_hub)
+        return
+    for file in resolve_files(spec):
+        yield from read_file(spec, file, spec.kind, stats)
 
 
-def _resolve_files(spec: SourceSpec) -> list[Path]:
-    pattern = Path(spec.path)
-    if not pattern.is_absolute():
-        pattern = spec.base_dir / pattern
+def read_file(spec: SourceSpec, file: Path, kind: str, stats: ReadStats) -> Iterator[RawRecord | Reject]:
+    """One local file, read by the reader of `kind` (jsonl, json, parquet or arrow)."""
+    shown = spec.shown(file)
+    try:
+        if kind == "jsonl":
+            yield from _read_jsonl(spec, file, shown, stats)
+        elif kind == "json":
+            from .jsonarray import read_json
+
+            yield from read_json(spec, file, shown, stats)
+        elif kind == "parquet":
+            yield from _read_parquet(spec, file, shown, stats)
+        elif kind == "arrow":
+            yield from _read_arrow(spec, file, shown, stats)
+        else:
+            raise ConfigError(f"source {spec.name!r}: unknown kind {kind!r}")
+    except (SourceError, ConfigError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever a reader raises becomes one line naming source and cause
+        raise read_error(spec.name, exc, shown) from exc
+
+
+def resolve_files(spec: SourceSpec) -> list[Path]:
+    pattern = spec.local_path()
     if globlib.has_magic(str(pattern)):
         files = sorted(Path(p) for p in globlib.glob(str(pattern), recursive=True) if Path(p).is_file())
         if not files:
-            raise ConfigError(f"source {spec.name!r}: path {spec.path!r} matches no file (looked for {pattern})")
+            raise SourceError(spec.name, f"path {spec.path!r} matches no file (looked for {pattern})")
         return files
+    if pattern.is_dir():
+        raise SourceError(spec.name, f"path {spec.path!r} is a folder, not a file",
+                          "name a file or a glob such as 'data/*.jsonl', or use kind: hf for a dataset folder")
     if not pattern.is_file():
-        raise ConfigError(f"source {spec.name!r}: path {spec.path!r} is not a file (looked for {pattern})")
+        raise SourceError(spec.name, f"path {spec.path!r} is not a file (looked for {pattern})",
+                          "check `path`; a relative path is read from the spec file's folder")
     return [pattern]
 
 
-def _display(spec: SourceSpec, file: Path) -> str:
-    try:
-        return file.relative_to(spec.base_dir).as_posix()
-    except ValueError:
-        return str(file)
+def first_bytes(file: Path, n: int = 4096) -> bytes:
+    """The start of a file without its BOM and leading whitespace: enough to tell a JSON array from JSON Lines."""
+    with file.open("rb") as fh:
+        head = fh.read(n)
+    return head.removeprefix(BOM).lstrip()
 
 
-def _read_jsonl(spec: SourceSpec, file: Path) -> Iterator[RawRecord | Reject]:
-    shown = _display(spec, file)
+def _read_jsonl(spec: SourceSpec, file: Path, shown: str, stats: ReadStats) -> Iterator[RawRecord | Reject]:
+    _check_json_lines(spec, file, shown)
+    stats.containers[shown] = "JSON Lines"
+    size = file.stat().st_size
+    records, offset = 0, 0  # offset: where the current line starts, in the file's bytes
     with file.open("rb") as fh:
         for lineno, line in enumerate(fh, start=1):
+            start, offset = offset, offset + len(line)
+            if lineno == 1:
+                line = line.removeprefix(BOM)
+            if b"\x00" in line:
+                stats.nul_bytes_removed += line.count(b"\x00")
+                line = line.replace(b"\x00", b"")
             if not line.strip():
                 continue
             origin = f"{shown}:{lineno}"
             try:
                 data = orjson.loads(line)
             except orjson.JSONDecodeError as e:
+                if offset == size and not line.endswith(b"\n"):
+                    # the last line has no newline and does not parse: the file was cut in the middle of it
+                    cut_or_salvage(spec, Cut(shown, start, records, size, size, truncated=True), stats)
+                    return
                 text = line.decode("utf-8", errors="replace").rstrip("\r\n")
                 reason = f"the line is not valid JSON ({e})"
                 yield Reject(spec.name, origin, reason, text[:RAW_MAX_CHARS], RejectCode.BAD_JSON.value)
                 continue
+            records += 1
             yield RawRecord(spec.name, origin, data)
 
 
-def _read_parquet(spec: SourceSpec, file: Path) -> Iterator[RawRecord]:
+def _check_json_lines(spec: SourceSpec, file: Path, shown: str) -> None:
+    """A JSON document named as JSON Lines is said so at once, never rejected line by line."""
+    head = first_bytes(file)
+    first_line = head.split(b"\n", 1)[0].strip()
+    if head.startswith(b"["):
+        raise SourceError(spec.name, f"{shown} is one JSON array, not JSON Lines", "set `kind: json` in the spec")
+    whole_line = b"\n" in head  # the first line ends within what was read
+    if whole_line and (first_line == b"{" or (first_line.startswith(b"{") and first_line.endswith(b"["))):
+        raise SourceError(spec.name, f"{shown} is one JSON document spread over many lines, not JSON Lines",
+                          "set `kind: json` (and `records_field` to the key holding the records)")
+
+
+def cut_or_salvage(spec: SourceSpec, cut: Cut, stats: ReadStats) -> None:
+    """A file cut short: an error unless the spec salvages what came before the cut."""
+    if not spec.salvage:
+        raise TruncatedSource(spec.name, cut.file, cut)
+    stats.cuts.append(cut)
+
+
+def _read_parquet(spec: SourceSpec, file: Path, shown: str, stats: ReadStats) -> Iterator[RawRecord]:
     import pyarrow.parquet as pq
 
-    shown = _display(spec, file)
     row = 0
     with pq.ParquetFile(file) as pf:
+        stats.containers[shown] = f"Parquet, columns {', '.join(pf.schema_arrow.names)}"
         for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
             for data in batch.to_pylist():
                 yield RawRecord(spec.name, f"{shown}#{row}", data)
                 row += 1
 
 
-def _read_hf(spec: SourceSpec) -> Iterator[RawRecord]:
-    import datasets
+def _read_arrow(spec: SourceSpec, file: Path, shown: str, stats: ReadStats) -> Iterator[RawRecord]:
+    """An Arrow file as `datasets` writes it (the IPC stream format), or the IPC file format."""
+    import pyarrow as pa
 
-    local = Path(spec.path)
-    if not local.is_absolute():
-        local = spec.base_dir / local
-    label = spec.path + (f"/{spec.subset}" if spec.subset else "") + f"[{spec.split}]"
-    try:
-        if local.is_dir() and ((local / "dataset_info.json").exists() or (local / "dataset_dict.json").exists()):
-            ds = datasets.load_from_disk(str(local))
-            if isinstance(ds, datasets.DatasetDict):
-                if spec.split not in ds:
-                    raise ConfigError(
-                        f"source {spec.name!r}: {spec.path!r} has no split {spec.split!r} (has {', '.join(ds)})"
-                    )
-                ds = ds[spec.split]
-        else:
-            # A local directory of data files, or a dataset on the hub.
-            target = str(local) if local.exists() else spec.path
-            ds = datasets.load_dataset(target, name=spec.subset, split=spec.split)
-    except (FileNotFoundError, ValueError) as e:
-        # datasets reports a missing dataset, split or subset as FileNotFoundError / ValueError subclasses
-        raise ConfigError(f"source {spec.name!r}: cannot load {label}: {e}") from e
-    for i, data in enumerate(ds):
-        yield RawRecord(spec.name, f"{label}#{i}", data)
-
-
-# --- format adapters ---------------------------------------------------------------------------
-def to_messages(spec: SourceSpec, data: Any) -> list[dict[str, Any]]:
-    """Turn one record into raw `{"role", "content"}` messages; roles and contents are checked by `normalise`."""
-    if not isinstance(data, dict):
-        raise InvalidRecord(RejectCode.NOT_OBJECT, f"the record is a JSON {_json_type(data)}, not an object")
-    field = spec.conversation_field
-    if spec.format in ("sharegpt", "openai"):
-        return _conversation(data, field, spec.format)
-    if spec.format == "alpaca":
-        return _alpaca(data, field)
-    if spec.format == "prompt":
-        return _prompt(data, field)
-    raise ConfigError(f"source {spec.name!r}: unknown format {spec.format!r}")
-
-
-def source_ref(spec: SourceSpec, data: Any) -> str | None:
-    """The value of the source's id field, kept for traceability only."""
-    if spec.id_field is None or not isinstance(data, dict) or data.get(spec.id_field) is None:
-        return None
-    return str(data[spec.id_field])
-
-
-def _conversation(data: dict, field: str, fmt: str) -> list[dict[str, Any]]:
-    if field not in data or data[field] is None:
-        raise InvalidRecord(RejectCode.MISSING_FIELD, f"the record has no conversation field {field!r}")
-    conv = data[field]
-    if not isinstance(conv, list):
-        raise InvalidRecord(RejectCode.BAD_CONVERSATION,
-                            f"the conversation field {field!r} is a {_json_type(conv)}, not a list of messages")
-    if not conv:
-        raise InvalidRecord(RejectCode.EMPTY, "the conversation is empty")
-    # ShareGPT dumps sometimes use role/content inside `conversations`, and vice versa; accept both spellings.
-    primary = ("from", "value") if fmt == "sharegpt" else ("role", "content")
-    other = ("role", "content") if fmt == "sharegpt" else ("from", "value")
-    out = []
-    for i, item in enumerate(conv, start=1):
-        if not isinstance(item, dict):
-            raise InvalidRecord(RejectCode.BAD_MESSAGE, f"message {i} is a {_json_type(item)}, not an object")
-        rk, ck = other if primary[0] not in item and other[0] in item else primary
-        if rk not in item:
-            raise InvalidRecord(RejectCode.BAD_MESSAGE, f"message {i} has no role ({rk!r} is missing)")
-        if ck not in item:
-            raise InvalidRecord(RejectCode.BAD_MESSAGE, f"message {i} has no content ({ck!r} is missing)")
-        out.append({"role": item[rk], "content": item[ck]})
-    return out
-
-
-def _alpaca(data: dict, field: str) -> list[dict[str, Any]]:
-    if field not in data or data[field] is None:
-        raise InvalidRecord(RejectCode.MISSING_FIELD, f"the record has no instruction field {field!r}")
-    instruction, extra, output = data[field], data.get("input"), data.get("output")
-    for name, value in ((field, instruction), ("input", extra), ("output", output)):
-        if value is not None and not isinstance(value, str):
-            raise InvalidRecord(RejectCode.NON_STRING_CONTENT,
-                                f"the field {name!r} is a {_json_type(value)}, not a string")
-    text = instruction
-    if extra and extra.strip():
-        text = f"{instruction.strip()}\n\n{extra.strip()}"
-    msgs: list[dict[str, Any]] = [{"role": "user", "content": text}]
-    if output and output.strip():
-        msgs.append({"role": "assistant", "content": output})
-    return msgs
-
-
-def _prompt(data: dict, field: str) -> list[dict[str, Any]]:
-    if field not in data or data[field] is None:
-        raise InvalidRecord(RejectCode.MISSING_FIELD, f"the record has no prompt field {field!r}")
-    msgs: list[dict[str, Any]] = []
-    if data.get("system") is not None:
-        msgs.append({"role": "system", "content": data["system"]})
-    msgs.append({"role": "user", "content": data[field]})
-    return msgs
-
-
-def _json_type(value: Any) -> str:
-    if isinstance(value, dict):
-        return "object"
-    if isinstance(value, (list, tuple)):
-        return "list"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if value is None:
-        return "null"
-    return type(value).__name__
+    with pa.memory_map(str(file)) as source:
+        try:
+            reader = pa.ipc.open_stream(source)
+            batches = iter(reader)
+            names = reader.schema.names
+        except pa.ArrowInvalid:
+            source.seek(0)
+            file_reader = pa.ipc.open_file(source)
+            batches = (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
+            names = file_reader.schema.names
+        stats.containers[shown] = f"Arrow, columns {', '.join(names)}"
+        row = 0
+        for batch in batches:
+            for offset in range(0, batch.num_rows, _PARQUET_BATCH_ROWS):
+                for data in batch.slice(offset, _PARQUET_BATCH_ROWS).to_pylist():
+                    yield RawRecord(spec.name, f"{shown}#{row}", data)
+                    row += 1

@@ -97,6 +97,7 @@ REJECTS = pa.schema(
         ("origin", pa.string()),  # names the record: file:line or dataset[split]#row
         ("reason", pa.string()),
         ("raw", pa.string()),
+        ("code", pa.string()),  # the reason's RejectCode (null in rejects written by older code)
     ]
 )
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import orjson
 
+from ..prompts.fileid import file_states
+from ..prompts.report import report_lines
 from .rundir import RunDir, RunLock
 
 
@@ -46,8 +48,11 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
         return 2
     counts = ledger_counts(run_dir)
     live = run_dir.read_status() or {}
+    manifest = run_dir.read_manifest()
+    sources = (manifest.get("prompt_report") or {}).get("sources", [])
+    files = file_states(manifest.get("source_files") or {})
     report = {"run_dir": str(path), "state": run_state(run_dir, counts), **counts,
-              "fingerprint": run_dir.read_manifest().get("fingerprint"),
+              "fingerprint": manifest.get("fingerprint"), "sources": sources, "source_files": files,
               "last_update": live.get("updated_at"), "endpoints": live.get("endpoints", {}),
               "this_session": live.get("this_session", {})}
     if as_json:
@@ -56,6 +61,10 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
     print(f"{path}: {report['state']}")
     print(f"  prompts {counts['total']}: done {counts['done']}, failed {counts['failed']}, "
           f"pending {counts['pending']}; rejected inputs {counts['rejects']}; parts {counts['parts']}")
+    for line in report_lines(sources) + [f"  {line}" for line in files]:
+        print(line)
+    if not sources and counts["total"]:
+        print("  (no source report: the prompt set was built by an older regen)")
     session = report["this_session"]
     if session:
         print(f"  last session: {session.get('done', 0)} records, {session.get('tok_s', 0)} tok/s, "

@@ -26,6 +26,7 @@ import errno
 import functools
 import os
 import posixpath
+import shutil
 import signal
 import urllib.parse
 import uuid
@@ -165,6 +166,17 @@ class Location:
             self._posix_commit(lambda tmp: _write_file(tmp, data), fault_point, exclusive)
         else:
             self._object_commit(lambda stream: stream.write(data), fault_point, exclusive)
+
+    def copy_atomic(self, local_file: str, *, exclusive: bool = False) -> None:
+        """Like write_atomic, from a local file, streamed: its bytes are never all in memory."""
+        def copy(out) -> None:
+            with open(local_file, "rb") as src:
+                shutil.copyfileobj(src, out, 1 << 20)
+
+        if self.local:
+            self._posix_commit(lambda tmp: shutil.copyfile(local_file, tmp), False, exclusive)
+        else:
+            self._object_commit(copy, False, exclusive)
 
     def write_parquet_atomic(self, table: pa.Table, *, exclusive: bool = False, **options) -> None:
         """Like write_atomic, but the Parquet writer streams: the encoded file is never held in memory."""

@@ -1,0 +1,132 @@
+"""Why a source cannot become prompts. Each error is one line for the user: the source, the cause, what to do.
+
+`read_error` is the one place that maps an exception raised while opening or reading a source to its cause,
+by the exception's type (never by its text), as `endpoints/client.py: classify` does for HTTP.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.errors import ConfigError
+
+LOCAL_COPY_HINT = "download it and point the spec's `path` at the local copy (a file or a folder)"
+
+
+class SourceError(ConfigError):
+    """A source cannot be read (missing file, permission, unreachable hub, wrong kind, broken file)."""
+
+    def __init__(self, source: str, cause: str, hint: str = ""):
+        self.source, self.cause, self.hint = source, cause, hint
+        super().__init__(f"source {source!r}: {cause}" + (f"; {hint}" if hint else ""))
+
+
+class TruncatedSource(SourceError):
+    """A file ends (or stops being valid JSON) in the middle of a record, and the spec has no `salvage: true`."""
+
+    def __init__(self, source: str, file: str, cut: "Cut"):
+        self.file, self.cut = file, cut
+        where = (f"the last complete record (#{cut.records_kept - 1}) ends at byte {cut.offset:,}"
+                 if cut.records_kept else "it holds no complete record")
+        super().__init__(source, f"{file} {cut.problem} at byte {cut.error_at:,} of {cut.size:,}: {where}",
+                         f"nothing was run. Fix the file, or add `salvage: true` to the source spec to keep the "
+                         f"{cut.records_kept:,} complete records and drop the last {cut.bytes_dropped:,} bytes")
+
+
+class NoValidPrompts(ConfigError):
+    """A source gave no prompt at all: a run of it would do nothing and call itself complete."""
+
+    def __init__(self, source: str, read: int, top_reasons: list[tuple[str, int, str]]):
+        self.source, self.read, self.top_reasons = source, read, top_reasons
+        if not read:
+            detail = "it holds no records"
+        else:
+            reasons = "; ".join(f"{code} {count:,} (e.g. {example})" for code, count, example in top_reasons)
+            detail = f"all {read:,} records were rejected; the most common reasons: {reasons}"
+        super().__init__(f"source {source!r} has no valid prompt: {detail}. "
+                         "Nothing was written to the run directory; check the spec's kind, format and field")
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where a file stops being readable JSON: what was kept before it and what was dropped after it."""
+
+    file: str
+    offset: int  # the byte just after the last complete record
+    records_kept: int
+    size: int
+    error_at: int  # where the parser gave up (the end of the file when it is cut short)
+    truncated: bool  # True: the file ends early; False: invalid JSON before the end
+
+    @property
+    def bytes_dropped(self) -> int:
+        return self.size - self.offset
+
+    @property
+    def problem(self) -> str:
+        return "ends in the middle of a record" if self.truncated else "is not valid JSON"
+
+    def as_dict(self) -> dict[str, object]:
+        return {"file": self.file, "offset": self.offset, "records_kept": self.records_kept,
+                "bytes_dropped": self.bytes_dropped, "size": self.size, "problem": self.problem}
+
+
+def read_error(source: str, exc: BaseException, what: str) -> SourceError:
+    """The SourceError for an exception raised while opening or reading `what` (a file or a dataset)."""
+    if isinstance(exc, SourceError):
+        return exc
+    hub = _hub_cause(exc)
+    if hub is not None:
+        return SourceError(source, f"cannot load {what} from the Hugging Face hub: {hub}", LOCAL_COPY_HINT)
+    if isinstance(exc, FileNotFoundError):
+        return SourceError(source, f"{what} is missing ({_detail(exc)})",
+                           "check `path` (a relative path is read from the spec file's folder)")
+    if isinstance(exc, PermissionError):
+        return SourceError(source, f"{what}: permission denied ({_detail(exc)})", "make it readable by this user")
+    if isinstance(exc, IsADirectoryError):
+        return SourceError(source, f"{what} is a folder, not a file", "name a file or a glob, or use kind: hf")
+    if isinstance(exc, UnicodeDecodeError):
+        return SourceError(source, f"{what} is not UTF-8 text ({exc.reason} at byte {exc.start})")
+    if isinstance(exc, OSError):
+        return SourceError(source, f"cannot read {what}: {_detail(exc)}")
+    return SourceError(source, f"cannot read {what}: {type(exc).__name__}: {_detail(exc)}")
+
+
+def _detail(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _hub_cause(exc: BaseException) -> str | None:
+    """The cause of a hub failure, from the exception's type (and the types it was raised from)."""
+    try:
+        from huggingface_hub import errors as hub_errors
+    except ImportError:  # pragma: no cover - datasets depends on huggingface_hub
+        return None
+    chain = []
+    current: BaseException | None = exc
+    while current is not None and len(chain) < 8:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    for error in chain:
+        if isinstance(error, hub_errors.OfflineModeIsEnabled):
+            return "offline mode is on (HF_HUB_OFFLINE) and the dataset is not in the local cache"
+        if isinstance(error, (hub_errors.GatedRepoError,)):
+            return "the dataset is gated: accept its terms on the hub and log in (hf auth login)"
+        if isinstance(error, hub_errors.RepositoryNotFoundError):
+            return "no such dataset on the hub (or it is private)"
+        if isinstance(error, hub_errors.LocalEntryNotFoundError):
+            return "the hub is unreachable and the dataset is not in the local cache"
+    try:
+        from datasets.exceptions import DatasetNotFoundError
+    except ImportError:  # pragma: no cover
+        DatasetNotFoundError = ()  # type: ignore[assignment]
+    if DatasetNotFoundError and isinstance(exc, DatasetNotFoundError):
+        return "no such dataset on the hub (or it is private or gated)"
+    if isinstance(exc, ConnectionError) or any(isinstance(e, hub_errors.HfHubHTTPError) for e in chain):
+        from huggingface_hub import constants
+
+        if constants.HF_HUB_OFFLINE:
+            return "offline mode is on (HF_HUB_OFFLINE) and the dataset is not in the local cache"
+        return "the hub is unreachable"
+    return None

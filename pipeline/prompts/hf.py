@@ -1,0 +1,150 @@
+"""kind: hf: a Hugging Face dataset on the hub, a `save_to_disk` folder, or local data files and folders.
+
+- a hub name is loaded with `datasets.load_dataset(name, subset, split, data_files=...)` (downloaded and cached);
+- a `save_to_disk` folder with `datasets.load_from_disk`;
+- a local file, or the `data_files` of a local folder, by regen's own streaming readers, chosen by extension
+  (.jsonl, .json: JSON Lines or one array, .parquet, .arrow);
+- any other local folder (a hub repository downloaded as it is) with `datasets.load_dataset(folder, split,
+  streaming=True)`, which finds its splits as the hub does.
+A failure is one SourceError naming the source and the cause (hub unreachable, missing, permission...).
+"""
+from __future__ import annotations
+
+import contextlib
+import glob as globlib
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+from .errors import SourceError, read_error
+from .records import RawRecord, Reject
+from .jsonarray import json_lines
+from .sources import ReadStats, SourceSpec, read_file
+
+DATA_EXTENSIONS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+def read_hf(spec: SourceSpec, stats: ReadStats, stream_hub: bool = False) -> Iterator[RawRecord | Reject]:
+    """`stream_hub`: read a hub dataset as a stream instead of downloading it whole (to look at its first
+    records)."""
+    local = spec.local_path()
+    if local.is_file():
+        yield from _read_local_files(spec, [local], stats)
+    elif local.is_dir() and _saved_to_disk(local):
+        yield from _read_saved(spec, local, stats)
+    elif local.is_dir() and spec.data_files:
+        yield from _read_local_files(spec, _matching(spec, local), stats)
+    elif local.is_dir():
+        yield from _read_dataset(spec, str(local), stats, streaming=True)
+    elif local.exists() or _looks_local(spec.path):
+        raise SourceError(spec.name, f"path {spec.path!r} is neither a file nor a folder (looked for {local})",
+                          "check `path`; a relative path is read from the spec file's folder")
+    else:
+        yield from _read_dataset(spec, spec.path, stats, streaming=stream_hub)
+
+
+def local_data_files(spec: SourceSpec) -> list[Path]:
+    """The local files a kind-hf source reads (its identity): the file, the matching data files, or every file
+    of the folder that is not hidden. A hub name has none."""
+    local = spec.local_path()
+    if local.is_file():
+        return [local]
+    if not local.is_dir():
+        return []
+    if spec.data_files and not _saved_to_disk(local):
+        return _matching(spec, local)
+    return sorted(p for p in local.rglob("*") if p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(local).parts))
+
+
+def _looks_local(path: str) -> bool:
+    """A hub name is `owner/name`; anything with a leading ./, ~ or /, or a file extension, means a local path."""
+    return path.startswith((".", "/", "~")) or Path(path).suffix.lower() in DATA_EXTENSIONS or path.count("/") > 1
+
+
+def _saved_to_disk(folder: Path) -> bool:
+    return (folder / "dataset_info.json").exists() or (folder / "dataset_dict.json").exists()
+
+
+def _matching(spec: SourceSpec, folder: Path) -> list[Path]:
+    files: list[Path] = []
+    for pattern in spec.data_files:
+        matched = sorted(Path(p) for p in globlib.glob(str(folder / pattern), recursive=True) if Path(p).is_file())
+        if not matched:
+            raise SourceError(spec.name, f"data_files {pattern!r} matches no file in {folder}", "check `data_files`")
+        files += [f for f in matched if f not in files]
+    return files
+
+
+def _read_local_files(spec: SourceSpec, files: list[Path], stats: ReadStats) -> Iterator[RawRecord | Reject]:
+    for file in files:
+        kind = DATA_EXTENSIONS.get(file.suffix.lower())
+        if kind is None:
+            raise SourceError(spec.name, f"{spec.shown(file)} is not a data file regen reads "
+                                         f"({', '.join(DATA_EXTENSIONS)})", "select the data files with `data_files`")
+        if kind == "json" and not spec.records_field and json_lines(file):
+            kind = "jsonl"  # a .json file of one object per line, as `datasets` also reads it
+        yield from read_file(spec, file, kind, stats)
+
+
+def _read_saved(spec: SourceSpec, folder: Path, stats: ReadStats) -> Iterator[RawRecord]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(folder))
+    except Exception as exc:  # noqa: BLE001 - one line naming the source and the cause
+        raise read_error(spec.name, exc, spec.path) from exc
+    if isinstance(ds, datasets.DatasetDict):
+        if spec.split not in ds:
+            raise SourceError(spec.name, f"{spec.path!r} has no split {spec.split!r} (it has {', '.join(ds)})",
+                              "set `split`")
+        ds = ds[spec.split]
+    label = f"{spec.path}[{spec.split}]"
+    stats.containers[spec.path] = f"datasets save_to_disk folder, columns {', '.join(ds.column_names)}"
+    for i, data in enumerate(ds):
+        yield RawRecord(spec.name, f"{label}#{i}", data)
+
+
+def _read_dataset(spec: SourceSpec, target: str, stats: ReadStats, streaming: bool) -> Iterator[RawRecord]:
+    import datasets
+
+    label = spec.path + (f"/{spec.subset}" if spec.subset else "") + f"[{spec.split}]"
+    options: dict[str, Any] = {"name": spec.subset, "split": spec.split, "streaming": streaming}
+    if spec.data_files:
+        options["data_files"] = list(spec.data_files)
+    if spec.records_field:
+        options["field"] = spec.records_field
+    with _quiet_hub():
+        try:
+            ds = datasets.load_dataset(target, **options)
+            rows = iter(ds)
+            first = next(rows, None)
+        except Exception as exc:  # noqa: BLE001 - datasets raises many types; one line naming the cause
+            raise read_error(spec.name, exc, label) from exc
+    stats.containers[label] = ("Hugging Face dataset" + (" (streamed)" if streaming else "")
+                               + (f", columns {', '.join(ds.column_names)}" if ds.column_names else ""))
+    if first is None:
+        return
+    yield RawRecord(spec.name, f"{label}#0", first)
+    i = 1
+    while True:
+        try:
+            data = next(rows)
+        except StopIteration:
+            return
+        except Exception as exc:  # noqa: BLE001 - a read failing mid-stream (a file gone, the hub dropped)
+            raise read_error(spec.name, exc, f"{label} after {i} records") from exc
+        yield RawRecord(spec.name, f"{label}#{i}", data)
+        i += 1
+
+
+@contextlib.contextmanager
+def _quiet_hub():
+    """The hub client logs each retry of an unreachable hub as a warning: the one error line is enough."""
+    logger = logging.getLogger("huggingface_hub")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -1,0 +1,192 @@
+"""kind: json: one JSON array of records, or an object holding one under `records_field`, streamed.
+
+The file is fed in chunks to ijson's incremental parser (its C backend, yajl2_c): memory holds one chunk and
+one record, never the file. A UTF-8 BOM is skipped and raw NUL bytes (invalid anywhere in JSON text) are
+taken out. A file cut short, or invalid before its end, is a `Cut`: where the last complete record ends,
+found exactly by a second pass that feeds the parser one byte at a time in the chunks that matter.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import ijson
+import orjson
+
+from .errors import Cut, SourceError
+from .records import RawRecord
+from .sources import BOM, ReadStats, SourceSpec, cut_or_salvage, first_bytes
+
+log = logging.getLogger("regen")
+
+CHUNK_BYTES = 256 * 1024
+_SCAN_LIMIT = 16 * 1024 * 1024  # how far to look for the key of an object's first array, for an error message
+
+
+@functools.cache
+def backend() -> Any:
+    """ijson's C backend; its pure-Python one (about 30 times slower) only if the C one cannot be loaded."""
+    try:
+        return ijson.get_backend("yajl2_c")
+    except ImportError as exc:
+        log.warning("ijson's C backend yajl2_c is not available (%s): JSON sources are parsed by the pure-Python "
+                    "backend, about 30 times slower; reinstall ijson to get it back", exc)
+        return ijson.get_backend("python")
+
+
+def read_json(spec: SourceSpec, file: Path, shown: str, stats: ReadStats) -> Iterator[RawRecord]:
+    prefix = records_prefix(spec, file, shown)
+    stats.containers[shown] = (f"JSON object, records under {spec.records_field!r}" if spec.records_field
+                               else "JSON array")
+    size = file.stat().st_size
+    records, record_chunk, error_chunk = 0, -1, None
+    sink = ijson.sendable_list()
+    parser = backend().items_coro(sink, prefix, use_float=True)
+    for chunk_index, (_, _, clean) in enumerate(_chunks(file, stats)):
+        try:
+            parser.send(clean)
+        except ijson.JSONError:
+            error_chunk = chunk_index
+        if sink:
+            record_chunk = chunk_index
+        for data in sink:  # records completed before an error in the same chunk are whole: they count
+            yield RawRecord(spec.name, f"{shown}#{records}", data)
+            records += 1
+        del sink[:]
+        if error_chunk is not None:
+            break
+    if error_chunk is None:
+        try:
+            parser.close()
+        except ijson.JSONError:
+            error_chunk = -1  # the end of the file came inside a record
+    if error_chunk is None:
+        if records == 0 and spec.records_field:
+            raise SourceError(spec.name, f"{shown} has no records under {spec.records_field!r} (the key is missing, "
+                                         "or does not hold an array)", "check `records_field`")
+        return
+    offset, error_at = locate_cut(file, prefix, records, record_chunk, error_chunk)
+    cut_or_salvage(spec, Cut(shown, offset, records, size, size if error_chunk == -1 else error_at,
+                   truncated=error_chunk == -1), stats)
+
+
+def records_prefix(spec: SourceSpec, file: Path, shown: str) -> str:
+    """The ijson prefix of the records; a file of another shape is named at once, with the spec key to set."""
+    head = first_bytes(file)
+    if not head:
+        raise SourceError(spec.name, f"{shown} is empty")
+    if spec.records_field:
+        if not head.startswith(b"{"):
+            hint = "remove `records_field`: the records are the array itself" if head.startswith(b"[") else ""
+            raise SourceError(spec.name, f"{shown} is not a JSON object, so it has no key {spec.records_field!r}",
+                              hint)
+        return f"{spec.records_field}.item"
+    if head.startswith(b"["):
+        return "item"
+    if head.startswith(b"{"):
+        if json_lines(file):
+            raise SourceError(spec.name, f"{shown} holds one JSON object per line (JSON Lines)",
+                              "set `kind: jsonl` in the spec")
+        key = _first_array_key(file)
+        hint = (f"set `records_field: {key}` (its first key holding an array)" if key
+                else "set `records_field` to the key that holds the records")
+        raise SourceError(spec.name, f"{shown} is a JSON object, not an array of records", hint)
+    raise SourceError(spec.name, f"{shown} does not start with a JSON array or object (it starts with "
+                                 f"{head[:16]!r})", "for JSON Lines set `kind: jsonl`")
+
+
+def json_lines(file: Path) -> bool:
+    """One complete JSON object on the first line and more after it: JSON Lines."""
+    with file.open("rb") as fh:
+        first = fh.readline(1024 * 1024).removeprefix(BOM)
+        rest = fh.read(4096).strip()
+    if not first.strip().startswith(b"{"):
+        return False
+    try:
+        orjson.loads(first)
+    except orjson.JSONDecodeError:
+        return False
+    return bool(rest)
+
+
+def _first_array_key(file: Path) -> str | None:
+    key = None
+    with file.open("rb") as fh:
+        try:
+            for prefix, event, value in backend().parse(_Limited(fh, _SCAN_LIMIT), use_float=True):
+                if prefix == "" and event == "map_key":
+                    key = value
+                elif event == "start_array" and prefix == key:
+                    return key
+                elif prefix == "" and event == "end_map":
+                    return None
+        except ijson.JSONError:
+            return None
+    return None
+
+
+class _Limited:
+    """A file object that ends after `limit` bytes."""
+
+    def __init__(self, fh: Any, limit: int):
+        self.fh, self.left = fh, limit
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        data = self.fh.read(n)
+        self.left -= len(data)
+        return data.removeprefix(BOM)
+
+
+def _chunks(file: Path, stats: ReadStats | None = None) -> Iterator[tuple[int, bytes, bytes]]:
+    """(offset of the raw chunk, the raw chunk, what the parser gets: without the BOM and NUL bytes)."""
+    offset = 0
+    with file.open("rb") as fh:
+        while raw := fh.read(CHUNK_BYTES):
+            clean = raw.removeprefix(BOM) if offset == 0 else raw
+            if b"\x00" in clean:
+                if stats is not None:
+                    stats.nul_bytes_removed += clean.count(b"\x00")
+                clean = clean.replace(b"\x00", b"")
+            yield offset, raw, clean
+            offset += len(raw)
+
+
+def locate_cut(file: Path, prefix: str, records: int, record_chunk: int, error_chunk: int) -> tuple[int, int]:
+    """(the byte just after the last complete record, the byte where the parser gave up), exactly.
+
+    A second pass feeds whole chunks, except the chunk where the last record was completed and the chunk where
+    the parser failed (`error_chunk`, -1: at the end of the file), which it feeds one byte at a time."""
+    sink = ijson.sendable_list()
+    parser = backend().items_coro(sink, prefix, use_float=True)
+    count, offset = 0, 0 if records == 0 else None
+    end = 0
+    for index, (start, raw, clean) in enumerate(_chunks(file)):
+        end = start + len(raw)
+        if index not in (record_chunk, error_chunk):
+            try:
+                parser.send(clean)
+            except ijson.JSONError:
+                return offset or 0, end
+            count += len(sink)
+            del sink[:]
+            continue
+        skip = len(BOM) if start == 0 and raw.startswith(BOM) else 0
+        for i in range(skip, len(raw)):
+            byte = raw[i:i + 1]
+            if byte == b"\x00":
+                continue
+            try:
+                parser.send(byte)
+            except ijson.JSONError:
+                return offset or 0, start + i
+            if sink:
+                count += len(sink)
+                del sink[:]
+                if offset is None and count >= records:
+                    offset = start + i + 1
+                    if error_chunk == -1:
+                        return offset, file.stat().st_size
+    return offset or 0, end

@@ -1,0 +1,109 @@
+"""`regen validate`: read the first records of a source and say what they are, so that a wrong `kind`, `format`
+or `field` shows before a run. A hub dataset is streamed for this, never downloaded whole."""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .adapters import to_messages
+from .prompt_set import normalise
+from .records import InvalidRecord, Reject
+from .sources import BOM, ReadStats, SourceSpec, read_records, resolve_files
+
+PROBE_RECORDS = 20
+
+
+@dataclass
+class Probe:
+    spec: SourceSpec
+    read: int = 0
+    valid: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    keys: Counter = field(default_factory=Counter)  # top-level keys of the records
+    containers: dict[str, str] = field(default_factory=dict)
+    looks_like: tuple[str, str] | None = None  # (format, conversation field) the records seem to be
+    warnings: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        seen = "; ".join(f"{name}: {what}" for name, what in self.containers.items()) or "nothing"
+        out = [f"  reads as {seen}"]
+        summary = f"  first {self.read} records: {self.valid} valid"
+        if self.rejected:
+            summary += ", rejected " + ", ".join(f"{code} {n}" for code, n in self.rejected.most_common())
+        if self.keys:
+            summary += f"; keys {', '.join(k for k, _ in self.keys.most_common(8))}"
+        if self.looks_like:
+            summary += f"; they look like {self.looks_like[0]} (field {self.looks_like[1]!r})"
+        out.append(summary)
+        out += [f"  warning: {w}" for w in self.warnings]
+        return out
+
+
+def probe_source(spec: SourceSpec, records: int = PROBE_RECORDS) -> Probe:
+    """Raises SourceError when the source cannot be read at all."""
+    probe = Probe(spec)
+    stats = ReadStats()
+    reader = read_records(spec, stats, stream_hub=True)
+    try:
+        for rec in itertools.islice(reader, records):
+            probe.read += 1
+            if isinstance(rec, Reject):
+                probe.rejected[rec.code] += 1
+                continue
+            if isinstance(rec.data, dict):
+                probe.keys.update(rec.data.keys())
+                probe.looks_like = probe.looks_like or guess_format(rec.data)
+            try:
+                normalise(to_messages(spec, rec.data))
+                probe.valid += 1
+            except InvalidRecord as exc:
+                probe.rejected[exc.code.value] += 1
+    finally:
+        reader.close()
+    probe.containers = dict(stats.containers)
+    _check(probe)
+    return probe
+
+
+def guess_format(data: dict[str, Any]) -> tuple[str, str] | None:
+    for key, value in data.items():
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            if "from" in value[0] and "value" in value[0]:
+                return "sharegpt", key
+            if "role" in value[0] and "content" in value[0]:
+                return "openai", key
+    for fmt in ("instruction", "prompt"):
+        if isinstance(data.get(fmt), str):
+            return ("alpaca" if fmt == "instruction" else "prompt"), fmt
+    return None
+
+
+def _check(probe: Probe) -> None:
+    spec = probe.spec
+    if probe.read == 0:
+        probe.warnings.append("no records at all")
+    if probe.looks_like and probe.valid < probe.read:
+        fmt, key = probe.looks_like
+        if (fmt, key) != (spec.format, spec.conversation_field):
+            probe.warnings.append(f"the spec says format {spec.format} with field {spec.conversation_field!r}; "
+                                  f"the records look like {fmt} under {key!r}")
+    if probe.keys and spec.conversation_field not in probe.keys:
+        probe.warnings.append(f"no record has the field {spec.conversation_field!r} (set `field`)")
+    if spec.kind == "json":
+        for file in resolve_files(spec):
+            if not _ends_whole(file, b"}" if spec.records_field else b"]"):
+                probe.warnings.append(f"{spec.shown(file)} does not end as a JSON document does: it looks cut "
+                                      "short (a run names the cut; `salvage: true` keeps the complete records)")
+
+
+def _ends_whole(file: Path, closing: bytes) -> bool:
+    with file.open("rb") as fh:
+        fh.seek(max(0, file.stat().st_size - 4096))
+        tail = fh.read().removeprefix(BOM).rstrip()
+    return tail.endswith(closing)
+
+
+__all__ = ["Probe", "probe_source", "guess_format"]

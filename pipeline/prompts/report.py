@@ -1,0 +1,78 @@
+"""The report of one source: what was read, kept, rejected (by reason), selected, collapsed and dropped.
+
+Stored in run.json (`prompt_report`) when the prompt set is materialised; `regen status` and the card show it.
+The counts add up: read = valid + rejected; valid = selected + duplicates + (not chosen by the limit).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class SourceReport:
+    name: str
+    read: int = 0  # records read, including unparseable ones
+    valid: int = 0
+    rejected: int = 0
+    selected: int = 0  # prompts this source contributes to the set
+    duplicates: int = 0  # in-source duplicates plus selected prompts an earlier source already holds
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)  # RejectCode value -> records
+    reason_examples: dict[str, str] = field(default_factory=dict)  # RejectCode value -> its first reason
+    dropped_turns: dict[str, int] = field(default_factory=dict)  # leading_assistant, blank_system -> messages
+    nul_removed: int = 0  # NUL characters taken out of kept messages (escaped \u0000 and raw bytes)
+    containers: dict[str, str] = field(default_factory=dict)  # file or dataset -> what it turned out to be
+    cuts: list[dict[str, Any]] = field(default_factory=list)  # salvaged files: offset, records kept, bytes dropped
+
+    def reject(self, code: str, reason: str) -> None:
+        self.rejected_by_reason[code] = self.rejected_by_reason.get(code, 0) + 1
+        self.reason_examples.setdefault(code, reason)
+
+    def top_reasons(self, n: int = 3) -> list[tuple[str, int, str]]:
+        counts = Counter(self.rejected_by_reason).most_common(n)
+        return [(code, count, self.reason_examples.get(code, "")) for code, count in counts]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SourceReport":
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def report_lines(reports: list[dict[str, Any]], indent: str = "  ") -> list[str]:
+    """Human lines for `regen status`: one per source, plus one per salvaged cut."""
+    lines = []
+    for data in reports:
+        r = SourceReport.from_dict(data)
+        reasons = ", ".join(f"{code} {n:,}" for code, n, _ in r.top_reasons(len(r.rejected_by_reason)))
+        dropped = ", ".join(f"{kind} {n:,}" for kind, n in sorted(r.dropped_turns.items()) if n)
+        line = (f"{indent}source {r.name}: read {r.read:,}, valid {r.valid:,}, rejected {r.rejected:,}"
+                + (f" ({reasons})" if reasons else "")
+                + f", selected {r.selected:,}, duplicates {r.duplicates:,}"
+                + (f"; dropped turns: {dropped}" if dropped else "")
+                + (f"; NUL characters removed: {r.nul_removed:,}" if r.nul_removed else ""))
+        lines.append(line)
+        for cut in r.cuts:
+            lines.append(f"{indent}  salvaged {cut['file']}: {cut['problem']}; kept {cut['records_kept']:,} "
+                         f"records up to byte {cut['offset']:,}, dropped the last {cut['bytes_dropped']:,} bytes")
+    return lines
+
+
+def report_table(reports: list[dict[str, Any]]) -> list[str]:
+    """Markdown for the dataset card."""
+    lines = ["| source | read | valid | rejected | selected | duplicates | dropped turns | rejected by reason |",
+             "|---|---:|---:|---:|---:|---:|---|---|"]
+    for data in reports:
+        r = SourceReport.from_dict(data)
+        reasons = ", ".join(f"{code} {n}" for code, n, _ in r.top_reasons(len(r.rejected_by_reason))) or "-"
+        dropped = ", ".join(f"{kind} {n}" for kind, n in sorted(r.dropped_turns.items()) if n) or "-"
+        lines.append(f"| {r.name} | {r.read} | {r.valid} | {r.rejected} | {r.selected} | {r.duplicates} | "
+                     f"{dropped} | {reasons} |")
+        for cut in r.cuts:
+            lines.append(f"| {r.name}: salvaged `{cut['file']}` | | | | | | | {cut['problem']}: kept "
+                         f"{cut['records_kept']} records up to byte {cut['offset']}, {cut['bytes_dropped']} bytes "
+                         "dropped |")
+    return lines

@@ -1,0 +1,64 @@
+"""`max_prompt_tokens`: a prompt longer than the target accepts is rejected before it is sent, counted with the
+target's tokenizer (the chat template applied, as the server does) where one is available.
+
+Without a tokenizer the prompt is kept, and the server's 400 (context overflow) makes it a terminal failure.
+Most prompts are never tokenized: a token covers at least one byte of text, so a prompt whose UTF-8 length plus a
+generous template allowance fits is within the limit for certain.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .records import InvalidRecord, RejectCode
+
+log = logging.getLogger("regen")
+
+TEMPLATE_ALLOWANCE = 64  # tokens a chat template adds around a conversation, at most...
+MESSAGE_ALLOWANCE = 16  # ... and around each message
+
+
+class PromptLength:
+    """Call with a conversation: raises InvalidRecord(TOO_LONG) when it is over `max_tokens`."""
+
+    def __init__(self, tokenizer: Any, max_tokens: int, name: str):
+        self.tokenizer, self.max_tokens, self.name = tokenizer, max_tokens, name
+        self.tokenized = 0  # conversations that had to be tokenized (the rest fit by their byte length)
+
+    def count(self, messages: tuple[dict[str, str], ...]) -> int:
+        self.tokenized += 1
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding in newer transformers
+                ids = ids["input_ids"]
+            return len(ids)
+        # no template to apply: the contents' tokens, a lower bound of what the server counts
+        return sum(len(self.tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
+
+    def __call__(self, messages: tuple[dict[str, str], ...]) -> None:
+        allowance = TEMPLATE_ALLOWANCE + MESSAGE_ALLOWANCE * len(messages)
+        chars = sum(len(m["content"]) for m in messages)
+        if 4 * chars + allowance <= self.max_tokens:  # a character is at most 4 UTF-8 bytes
+            return
+        if sum(len(m["content"].encode()) for m in messages) + allowance <= self.max_tokens:
+            return
+        tokens = self.count(messages)
+        if tokens > self.max_tokens:
+            raise InvalidRecord(RejectCode.TOO_LONG, f"the prompt is {tokens:,} tokens ({self.name}'s tokenizer), "
+                                                     f"over max_prompt_tokens {self.max_tokens:,}")
+
+
+def load_length_check(max_tokens: int | None, tokenizer: str) -> PromptLength | None:
+    """The check for `max_prompt_tokens`, or None (with a warning) when no tokenizer can be loaded."""
+    if max_tokens is None:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        loaded = AutoTokenizer.from_pretrained(tokenizer)
+    except Exception as exc:  # noqa: BLE001 - any failure only means "no tokenizer": said once, then go on
+        log.warning("max_prompt_tokens %d: no tokenizer could be loaded from %r (%s: %s); prompts are not measured "
+                    "before sending, and the server refuses an over-long one (a terminal failure)", max_tokens,
+                    tokenizer, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+    return PromptLength(loaded, max_tokens, tokenizer)

@@ -1,0 +1,142 @@
+"""Materialising the prompt set: the config's sources are streamed into local temporary Parquet files, which
+are committed into the run directory only once every source has been read.
+
+So a source that cannot be read, is cut short, or has no valid prompt writes nothing into the run directory,
+and memory holds one batch of prompts or rejects at a time, never the set. The temporary files are removed when
+the set is committed or dropped (or when the process ends). Also here: the source files' identity (run.json
+`source_files`) and its check on resume.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..core.config import RunConfig
+from ..prompts.fileid import FilesCheck, compare_files, file_identity
+from ..prompts.prompt_set import BuildResult, Prompt, Reject, build_into
+from ..prompts.sources import SourceSpec, load_source_spec
+from ..prompts.tokens import load_length_check
+from . import schema
+from .rundir import RunDir
+
+BATCH_ROWS = 1024
+BATCH_CHARS = 1 << 20  # a batch is written once its text reaches this (memory holds a few times it meanwhile)
+
+
+class _BatchedWriter:
+    def __init__(self, path: Path, table_schema: pa.Schema):
+        self.path, self.schema = path, table_schema
+        self.rows: list[dict] = []
+        self.chars = 0
+        self.count = 0
+        self.writer = pq.ParquetWriter(str(path), table_schema, compression="zstd")
+
+    def add(self, row: dict, chars: int) -> None:
+        self.rows.append(row)
+        self.chars += chars
+        if len(self.rows) >= BATCH_ROWS or self.chars >= BATCH_CHARS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.rows:
+            self.writer.write_table(pa.Table.from_pylist(self.rows, schema=self.schema))
+            self.count += len(self.rows)
+            self.rows, self.chars = [], 0
+
+    def close(self) -> None:
+        self.flush()
+        self.writer.close()
+
+
+class StagedPromptSet:
+    """A PromptSink writing the prompts and rejects to temporary files; `commit` puts them in a run directory."""
+
+    def __init__(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="regen-prompts-")
+        folder = Path(self._tmp.name)
+        self.prompts = _BatchedWriter(folder / "prompts.parquet", schema.PROMPTS)
+        self.rejects = _BatchedWriter(folder / "rejects.parquet", schema.REJECTS)
+        self.closed = False
+        self.result: BuildResult | None = None
+        self.files: dict[str, dict[str, dict[str, Any]]] = {}  # the source files' identity, taken before reading
+
+    def add_prompt(self, p: Prompt) -> None:
+        chars = sum(len(m["content"]) for m in p.messages) + len(p.reference or "")
+        self.prompts.add({"prompt_id": p.prompt_id, "source": p.source, "origin": p.origin,
+                          "source_ref": p.source_ref, "messages": list(p.messages), "reference": p.reference}, chars)
+
+    def add_reject(self, r: Reject) -> None:
+        self.rejects.add({"source": r.source, "origin": r.origin, "reason": r.reason, "raw": r.raw,
+                          "code": r.code or None}, len(r.raw) + len(r.reason))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.prompts.close()
+            self.rejects.close()
+            self.closed = True
+
+    @property
+    def reject_count(self) -> int:
+        return self.rejects.count + len(self.rejects.rows)
+
+    def commit(self, run_dir: RunDir) -> None:
+        """The next prompt-set version of the run (RunDir.write_prompt_set's names): rejects first, then the
+        prompts, whose presence means the set is complete."""
+        self.close()
+        version = len(run_dir.prompt_set_versions()) + 1
+        (run_dir.rejects / f"rejects-{version:06d}.parquet").copy_atomic(str(self.rejects.path))
+        (run_dir.prompts / f"prompts-{version:06d}.parquet").copy_atomic(str(self.prompts.path))
+        self.discard()
+
+    def discard(self) -> None:
+        self.close()
+        self._tmp.cleanup()
+
+
+def source_specs(cfg: RunConfig) -> dict[str, tuple[SourceSpec, int | None]]:
+    """Each source of the config by its spec path as the config names it, with its limit (the run's, else the
+    spec's)."""
+    specs = {}
+    for ref in cfg.sources:
+        spec = load_source_spec(ref.spec)
+        specs[ref.spec] = (spec, ref.limit if ref.limit is not None else spec.limit)
+    return specs
+
+
+def stage_prompt_set(cfg: RunConfig) -> StagedPromptSet:
+    """Read every source into a staged set (raises SourceError, TruncatedSource or NoValidPrompts, having
+    written nothing anywhere but its own temporary folder)."""
+    specs = source_specs(cfg)
+    staged = StagedPromptSet()
+    try:
+        staged.files = file_identity({key: spec for key, (spec, _) in specs.items()})
+        check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer or cfg.model)
+        staged.result = build_into(staged, list(specs.values()), mode=cfg.mode, seed=cfg.selection_seed,
+                                   length_check=check)
+        staged.close()
+    except BaseException:
+        staged.discard()
+        raise
+    return staged
+
+
+def check_source_files(cfg: RunConfig, manifest: dict[str, Any]) -> FilesCheck:
+    """The files recorded in run.json against the files as they are now (a run.json that recorded none: the
+    current ones are recorded, and compared from then on)."""
+    specs = {key: spec for key, (spec, _) in source_specs(cfg).items()}
+    stored = manifest.get("source_files")
+    if stored is None:
+        return FilesCheck(recorded=file_identity(specs),
+                          notes=["run.json recorded no source files (written by older regen): recorded them now"])
+    return compare_files(stored, specs)
+
+
+def report_document(staged: StagedPromptSet) -> dict[str, Any]:
+    """run.json's `prompt_report`: each source's counts, and the set's."""
+    assert staged.result is not None
+    return {"sources": [r.as_dict() for r in staged.result.reports], "prompts": staged.result.prompts,
+            "duplicates": staged.result.duplicates, "rejects": staged.reject_count}
