@@ -175,7 +175,7 @@ def generate(opts: GenerateOptions) -> int:
         log.info("run directory %s", run_dir.path)
         try:
             prompts = materialise(cfg, run_dir, opts.refresh_prompts)
-            return dispatch_pending(cfg, opts, run_dir, prompts)
+            return dispatch_pending(cfg, opts, run_dir, prompts, lock)
         finally:
             try:
                 run_dir.publish_logs()
@@ -183,7 +183,8 @@ def generate(opts: GenerateOptions) -> int:
                 log.warning("logs not uploaded (%s); they stay in %s", exc, run_dir.local_logs())
 
 
-def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts: pa.Table) -> int:
+def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts: pa.Table,
+                     lock: RunLock | None = None) -> int:
     from .store.progress import Progress
 
     all_ids = prompts.column("prompt_id").to_pylist()
@@ -204,7 +205,7 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, pro
     log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed), len(failed))
     prepare_hidden_states(cfg, opts, run_dir, prompts, pending)
     builder = RecordBuilder(prompts, cfg)
-    committer = Committer(run_dir, done, cfg.flush_records, cfg.flush_interval_s)
+    committer = Committer(run_dir, done, cfg.flush_records, cfg.flush_interval_s, lock=lock)  # no lease: no commit
     stop = StopFlag()
     try:
         with local_fleet(cfg, run_dir):

@@ -30,6 +30,7 @@ from pipeline.endpoints.client import ClientSettings, EndpointClient
 from pipeline.endpoints.preflight import preflight
 from pipeline.hidden.parts import HiddenPartWriter, hidden_parts, read_sample
 from pipeline.store import storage
+from pipeline.store.faults import Faults
 from pipeline.store.rundir import Committer, RunDir, now_utc
 from pipeline.store.storage import Location
 from tests.helpers import data_parts, prompt_source, regen_cmd, run_regen, wait_for, write_config
@@ -167,16 +168,8 @@ def record(pid: str) -> dict:
 
 def fail_folder_fsync_once(monkeypatch, error: BaseException) -> None:
     """The folder fsync comes right after the rename: a failure there leaves the part committed."""
-    real = storage._fsync_path
-    state = {"failed": False}
-
-    def fsync(path: str) -> None:
-        if os.path.isdir(path) and not state["failed"]:
-            state["failed"] = True
-            raise error
-        real(path)
-
-    monkeypatch.setattr(storage, "_fsync_path", fsync)
+    fault = "EIO" if isinstance(error, OSError) else "interrupt"
+    monkeypatch.setattr(storage, "_armed", Faults(1, fault, ops=frozenset({"fsync_dir"})))
 
 
 def committed_rows(run: RunDir) -> list[str]:
@@ -207,12 +200,11 @@ def test_a_flush_failing_before_its_rename_commits_nothing_and_retries(tmp_path,
     run.create()
     committer = Committer(run, done=set(), flush_records=100, flush_interval_s=60)
     committer.add_records([record("a")])
-    real = storage._write_file
-    monkeypatch.setattr(storage, "_write_file", lambda *_: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    monkeypatch.setattr(storage, "_armed", Faults(1, "ENOSPC", ops=frozenset({"write"})))
     with pytest.raises(StorageError, match="no space left"):
         committer.flush()
     assert committed_rows(run) == [] and len(committer.records) == 1
-    monkeypatch.setattr(storage, "_write_file", real)
+    monkeypatch.setattr(storage, "_armed", None)
     committer.flush()
     assert committed_rows(run) == ["a"] and committer.records == []
 
