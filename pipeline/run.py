@@ -217,7 +217,7 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: St
         log.info("run directory %s", run_dir.path)
         try:
             prompts = materialise(cfg, run_dir, opts.refresh_prompts, staged)
-            return dispatch_pending(cfg, opts, run_dir, manifest, prompts, stop)
+            return dispatch_pending(cfg, opts, run_dir, manifest, prompts, stop, lock)
         finally:
             try:
                 run_dir.publish_logs()
@@ -226,7 +226,7 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: St
 
 
 def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any],
-                     prompts: pa.Table, stop: StopFlag) -> int:
+                     prompts: pa.Table, stop: StopFlag, lock: RunLock | None = None) -> int:
     from .endpoints.localfleet import local_fleet
     from .hidden.parts import remove_garbage_hidden_parts
     from .store.progress import Progress
@@ -258,8 +258,8 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
                  len(failed))
         run_progress = progress()
         builder = RecordBuilder(prompts, cfg, fingerprint=manifest.get("fingerprint"))
-        committer = Committer(run_dir, done, cfg.flush_records, cfg.flush_interval_s,
-                              schema.records_schema(manifest.get("schema_version")))
+        committer = Committer(run_dir, done, cfg.flush_records, cfg.flush_interval_s,  # no lease: no commit
+                              schema.records_schema(manifest.get("schema_version")), lock=lock)
         try:
             state = run_dispatch(cfg, run_dir, builder, pending, committer, run_progress, stop, fleet)
         except BaseException as exc:

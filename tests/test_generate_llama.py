@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.store.rundir import FAULT_KILL_BEFORE_RENAME
+from pipeline.store.faults import kill_at_data_part
 from tests.helpers import (
     all_prompt_ids, committed_ids, data_parts, run_regen, sigkill, start_regen, temp_files, wait_for,
     write_config, write_prompts, write_source,
@@ -76,7 +76,7 @@ def test_sigkill_three_times_then_resume_exactly_once(tmp_path, ray_cluster, lla
     after_first = check_parts_readable()
 
     # Kill 2: inside a commit, after the part's fsync and before its rename (fault injection).
-    proc = start_regen("generate", "--config", str(config), env={FAULT_KILL_BEFORE_RENAME: "3"},
+    proc = start_regen("generate", "--config", str(config), env=kill_at_data_part(3),
                        log=tmp_path / "run2.log")
     assert proc.wait(timeout=180) == -9, "the fault point must SIGKILL the driver"
     assert temp_files(run), "the kill between fsync and rename leaves the temporary part behind"

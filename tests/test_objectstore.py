@@ -18,7 +18,8 @@ from pipeline.emulator import start_emulator
 from pipeline.hidden.parts import hidden_parts, iter_hidden
 from pipeline.store.lock import RunLock
 from pipeline.store.rundir import RunDir
-from pipeline.store.storage import FAULT_KILL_BEFORE_RENAME, Location
+from pipeline.store.faults import kill_at_data_part
+from pipeline.store.storage import Location
 from tests.helpers import (
     assert_emulated_hidden_states, run_regen, write_config, write_prompts, write_source,
 )
@@ -49,11 +50,11 @@ def test_a_run_on_s3_commits_whole_objects_survives_a_kill_mid_upload_and_resume
                               hidden_states={"enabled": True, "expected_width": WIDTH})
         run = run_dir_at(out)
 
-        # SIGKILL after the third data part's bytes are uploaded, before the upload is completed
-        killed = run_regen("generate", "--config", str(config), env={FAULT_KILL_BEFORE_RENAME: "3"})
+        # SIGKILL after the third data part's bytes are uploaded, before the copy that publishes it
+        killed = run_regen("generate", "--config", str(config), env=kill_at_data_part(3))
         assert killed.returncode == -9, killed.stderr
         parts = run.parts(run.data)
-        assert len(parts) == 2, "the part whose upload never completed is not in the listing"
+        assert len(parts) == 2, "the part that was never published is not in the listing"
         assert len(ledger_rows(run)) == 8, "every listed part is whole and readable"
 
         resumed = run_regen("generate", "--config", str(config))

@@ -30,6 +30,7 @@ from pipeline.endpoints.client import ClientSettings, EndpointClient
 from pipeline.endpoints.preflight import preflight
 from pipeline.hidden.parts import HiddenPartWriter, hidden_parts, read_sample
 from pipeline.store import storage
+from pipeline.store.faults import Faults
 from pipeline.store.rundir import Committer, RunDir, now_utc
 from pipeline.store.storage import Location
 from tests.helpers import data_parts, prompt_source, regen_cmd, run_regen, wait_for, write_config
@@ -169,16 +170,8 @@ def record(pid: str) -> dict:
 
 def fail_folder_fsync_once(monkeypatch, error: BaseException) -> None:
     """The folder fsync comes right after the rename: a failure there leaves the part committed."""
-    real = storage._fsync_path
-    state = {"failed": False}
-
-    def fsync(path: str) -> None:
-        if os.path.isdir(path) and not state["failed"]:
-            state["failed"] = True
-            raise error
-        real(path)
-
-    monkeypatch.setattr(storage, "_fsync_path", fsync)
+    fault = "EIO" if isinstance(error, OSError) else "interrupt"
+    monkeypatch.setattr(storage, "_armed", Faults(1, fault, ops=frozenset({"fsync_dir"})))
 
 
 def committed_rows(run: RunDir) -> list[str]:
@@ -209,12 +202,11 @@ def test_a_flush_failing_before_its_rename_commits_nothing_and_retries(tmp_path,
     run.create()
     committer = Committer(run, done=set(), flush_records=100, flush_interval_s=60)
     committer.add_records([record("a")])
-    real = storage._write_file
-    monkeypatch.setattr(storage, "_write_file", lambda *_: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    monkeypatch.setattr(storage, "_armed", Faults(1, "ENOSPC", ops=frozenset({"write"})))
     with pytest.raises(StorageError, match="no space left"):
         committer.flush()
     assert committed_rows(run) == [] and len(committer.records) == 1
-    monkeypatch.setattr(storage, "_write_file", real)
+    monkeypatch.setattr(storage, "_armed", None)
     committer.flush()
     assert committed_rows(run) == ["a"] and committer.records == []
 
@@ -288,16 +280,14 @@ def test_an_interrupt_between_write_and_commit_leaves_nothing_and_commits_once(a
     committer = Committer(any_run_dir, done=set(), flush_records=100, flush_interval_s=60)
     for pid in "abc":
         committer.add_records([record(pid)])
-    state = {"raised": False}
+    from pipeline.store.faults import Faults
 
-    def interrupt() -> None:
-        if not state["raised"]:
-            state["raised"] = True
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(storage, "_maybe_inject_kill", interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        committer.flush()
+    previous = storage.arm(Faults(1, "interrupt", ops=frozenset({"link", "rename", "copy"}), where="/data/part-"))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            committer.flush()
+    finally:
+        storage.arm(previous)
     assert committed_everywhere(any_run_dir) == [], "nothing was committed, and no empty part is listed"
     committer.flush()  # the salvage flush
     assert sorted(committed_everywhere(any_run_dir)) == ["a", "b", "c"]
@@ -310,7 +300,14 @@ def test_a_signal_during_a_commit_waits_until_the_buffer_is_settled(tmp_path, mo
     committer = Committer(run, done=set(), flush_records=100, flush_interval_s=60)
     for pid in "abc":
         committer.add_records([record(pid)])
-    monkeypatch.setattr(storage, "_maybe_inject_kill", lambda: os.kill(os.getpid(), signal.SIGINT))
+    real_io = storage._io
+
+    def sigint_at_publish(op: str, path: str) -> bool:
+        if op in ("link", "rename", "copy") and "/data/part-" in path:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_io(op, path)
+
+    monkeypatch.setattr(storage, "_io", sigint_at_publish)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -350,24 +347,6 @@ def test_a_filesystem_without_hard_links_still_commits(tmp_path, monkeypatch):
     with pytest.raises(errors.PartExists):
         where.write_atomic(b"second", exclusive=True)
     assert where.read_bytes() == b"first" and [p.name for p in tmp_path.iterdir()] == ["part-1.parquet"]
-
-
-def test_looking_at_a_part_the_store_cannot_read_keeps_it(tmp_path, monkeypatch):
-    run = RunDir(tmp_path / "run")
-    run.create()
-    part = run.write_part(run.data, pa_table([record("a")]))
-    monkeypatch.setattr(Location, "parquet_file", lambda self: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
-    with pytest.raises(StorageError):
-        storage.committed_part(part, 1)
-    assert part.exists(), "a part that merely failed to read is never deleted"
-
-
-def pa_table(rows: list[dict]):
-    import pyarrow as pa
-
-    from pipeline.store import schema
-
-    return pa.Table.from_pylist(rows, schema=schema.RECORDS)
 
 
 def test_hidden_state_runs_take_their_ids_from_generate_so_old_servers_pass(tmp_path):

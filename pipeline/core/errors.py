@@ -35,6 +35,11 @@ class RunLocked(RegenError):
     """Another live driver holds the run directory."""
 
 
+class LeaseLost(RunLocked):
+    """This driver's lease on its run (an object store's lock.json) was taken over or has expired: it must
+    commit nothing more, since another driver may be committing the same prompts."""
+
+
 # --- per request -------------------------------------------------------------------------------
 class RequestError(RegenError):
     """A request to one endpoint failed. `status` is the HTTP status if there was one."""

@@ -151,9 +151,10 @@ class HiddenPartWriter:
         table, first_rows = self._table()
         for _ in range(_MAX_NAME_TRIES):
             name = f"{stem}-{next(self.counter):06d}.parquet"
-            try:  # streamed by the Parquet writer: the encoded part is never held in memory next to the matrices
+            try:  # streamed by the Parquet writer: the encoded part is never held in memory next to the matrices;
+                # direct: on an object store, no server-side copy of a large part (it counts once a row names it)
                 (folder / name).write_parquet_atomic(
-                    table, exclusive=True, row_group_size=1,
+                    table, exclusive=True, direct=True, row_group_size=1,
                     compression={c: ("none" if c == _HIDDEN_COL else "zstd") for c in schema.HIDDEN.names},
                     use_dictionary=_OTHER_COLS, write_statistics=_OTHER_COLS)
                 break

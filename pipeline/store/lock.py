@@ -7,8 +7,13 @@ An object store has no lock and pyarrow offers no conditional write, so `lock.js
 rewrites it every RENEW_S with an expiry LEASE_S ahead. A new driver refuses a live lease, takes over an
 expired one (or one whose holder was on this host and is dead), writes its own and re-reads it after
 SETTLE_S to catch a driver that raced it. A holder that finds someone else's lease on renewal has lost the
-run and stops the way SIGTERM stops it: commits its buffer, exits, and a rerun resumes. Leases compare
-wall clocks across hosts, so clocks must agree to within a fraction of LEASE_S (NTP does).
+run: it stops the way SIGTERM stops it, and its Committer commits nothing more (`check()` raises LeaseLost),
+since the new holder may be committing the same prompts. So does a holder whose renewals have failed until
+less than one renewal period of its lease is left. Leases compare wall clocks across hosts, so clocks must
+agree to within a fraction of LEASE_S (NTP does).
+
+Trouble with the store never leaves a lock half-taken: an acquire that fails releases what it took, and a
+release always frees the OS lock (a `lock.json` it could not delete is taken over by the next driver).
 """
 from __future__ import annotations
 
@@ -22,10 +27,8 @@ import time
 import uuid
 from typing import Any, Callable
 
-import filelock
-
-from ..core.errors import RunLocked, StorageError
-from .storage import Location
+from ..core.errors import LeaseLost, RunLocked, StorageError
+from .storage import Location, take_os_lock
 
 log = logging.getLogger("regen")
 
@@ -55,22 +58,29 @@ class RunLock:
         self.holder_path = self.folder / "lock.json"
         self.previous_holder: dict[str, Any] | None = None
         self.on_lost, self.lease_s, self.renew_s, self.settle_s = on_lost, lease_s, renew_s, settle_s
-        self._os_lock = filelock.FileLock(os.fspath(self.folder / "run.lock"), timeout=0) if self.folder.local else None
+        self._os_lock: int | None = None  # the descriptor holding the OS lock (POSIX)
         self._me = {"pid": os.getpid(), "host": socket.gethostname(), "owner": uuid.uuid4().hex}
+        self._leased = False  # object store: this driver wrote its lease and has not released it
+        self._expires = 0.0  # object store: the expiry of the lease this driver last wrote
+        self._lost = threading.Event()
         self._stop_renewing = threading.Event()
         self._renewer: threading.Thread | None = None
 
     def holder(self) -> dict[str, Any] | None:
+        """The holder record; None if there is none (or it is unreadable JSON). StorageError if the store
+        cannot be read."""
         try:
             return json.loads(self.holder_path.read_bytes())
         except (FileNotFoundError, ValueError):
             return None
 
     def _write_holder(self) -> None:
+        expires = time.time() + self.lease_s
         record = {**self._me, "since": self._me.setdefault("since", _now_iso())}
         if not self.folder.local:
-            record["expires"] = time.time() + self.lease_s
+            record["expires"] = expires
         self.holder_path.write_atomic(json.dumps(record).encode())
+        self._expires = expires
 
     def _live_lease(self, holder: dict[str, Any] | None) -> bool:
         """Someone else's lease that still binds us."""
@@ -85,25 +95,43 @@ class RunLock:
         return RunLocked(f"{self.folder} is in use by another regen driver (pid {holder.get('pid', '?')} on "
                          f"{holder.get('host', '?')}, since {holder.get('since', '?')}){extra}")
 
+    def _holder_for_message(self) -> dict[str, Any] | None:
+        try:
+            return self.holder()
+        except StorageError:
+            return None
+
     def acquire(self) -> "RunLock":
+        """Take the run, or raise RunLocked (someone else has it) or StorageError (the store failed: nothing
+        is left held)."""
         self.folder.mkdir()
-        if self._os_lock is not None:
+        if self.folder.local:
+            os_lock = take_os_lock(self.folder / "run.lock")
+            if os_lock is None:
+                raise self._refuse(self._holder_for_message())
             try:
-                self._os_lock.acquire()
-            except filelock.Timeout:
-                raise self._refuse(self.holder()) from None
-            self.previous_holder = self.holder()  # a holder file under a free lock: a stale lock, taken over
-            self._write_holder()
+                self.previous_holder = self.holder()  # a holder file under a free lock: a stale lock, taken over
+                self._write_holder()
+            except BaseException:
+                os.close(os_lock)
+                raise
+            self._os_lock = os_lock
             return self
         current = self.holder()
         if self._live_lease(current):
             left = float(current.get("expires", 0)) - time.time()
             raise self._refuse(current, f"; its lease expires in {left:.0f} s if that driver is gone")
         self.previous_holder = current
-        self._write_holder()
-        time.sleep(self.settle_s)
-        if (self.holder() or {}).get("owner") != self._me["owner"]:
-            raise self._refuse(self.holder(), "; it took the lease at the same moment")
+        try:
+            self._write_holder()
+            time.sleep(self.settle_s)
+            now = self.holder()
+        except BaseException:
+            self._drop_own_lease()
+            raise
+        if (now or {}).get("owner") != self._me["owner"]:
+            raise self._refuse(now, "; it took the lease at the same moment")
+        self._leased = True
         self._renewer = threading.Thread(target=self._renew, name="regen-lease", daemon=True)
         self._renewer.start()
         return self
@@ -111,33 +139,83 @@ class RunLock:
     def _renew(self) -> None:
         while not self._stop_renewing.wait(self.renew_s):
             try:
-                if (self.holder() or {}).get("owner") != self._me["owner"]:
-                    log.error("lost the lease on %s to %s: stopping", self.folder, self.holder())
-                    self.on_lost()
+                if not self.renew_once():
                     return
-                self._write_holder()
-            except (OSError, StorageError) as exc:  # transient store trouble: the lease has LEASE_S of slack
-                log.warning("could not renew the lease on %s: %s", self.folder, exc)
+            except Exception:  # noqa: BLE001 - the thread must not die silently; an unrenewed lease runs out
+                log.exception("the lease renewal on %s failed", self.folder)
 
-    def is_held(self) -> bool:
-        if self._os_lock is None:
-            return self._live_lease(self.holder())
-        probe = filelock.FileLock(os.fspath(self.folder / "run.lock"), timeout=0)
+    def renew_once(self) -> bool:
+        """Renew the lease; False once it is lost (on_lost has then been called). Store trouble is only
+        logged: the lease has LEASE_S of slack, and check() stops commits before it runs out."""
         try:
-            probe.acquire()
-        except filelock.Timeout:
-            return True
-        probe.release()
+            holder = self.holder()
+            if (holder or {}).get("owner") != self._me["owner"]:
+                return self._lose(f"lost the lease on {self.folder} to {holder}")
+            self._write_holder()
+        except StorageError as exc:
+            log.warning("could not renew the lease on %s: %s", self.folder, exc)
+        if self._expiring():
+            return self._lose(f"the lease on {self.folder} runs out: it could not be renewed")
+        return True
+
+    def _expiring(self) -> bool:
+        return time.time() >= self._expires - min(self.renew_s, self.lease_s / 4)
+
+    def _lose(self, why: str) -> bool:
+        log.error("%s: stopping, and committing nothing more", why)
+        self._lost.set()
+        self.on_lost()
         return False
 
+    def check(self) -> None:
+        """Raise LeaseLost unless this driver still holds the run (the Committer asks before each part)."""
+        if self.folder.local:
+            if self._os_lock is None:
+                raise LeaseLost(f"{self.folder}: this driver does not hold the run lock")
+            return
+        if not self._leased or self._lost.is_set() or self._expiring():
+            raise LeaseLost(f"{self.folder}: this driver's lease was taken over or ran out; it commits nothing "
+                            "more (the records it held are regenerated by the run's holder)")
+
+    def is_held(self) -> bool:
+        if not self.folder.local:
+            return self._live_lease(self.holder())
+        try:
+            probe = take_os_lock(self.folder / "run.lock", create=False)
+        except FileNotFoundError:
+            return False
+        if probe is None:
+            return True
+        os.close(probe)
+        return False
+
+    def _drop_own_lease(self) -> None:
+        """Best effort: delete lock.json if it is still this driver's (an unreadable one is left to expire)."""
+        try:
+            if (self.holder() or {}).get("owner") == self._me["owner"]:
+                self.holder_path.unlink()
+        except StorageError as exc:
+            log.warning("could not remove the lease %s (%s); it expires in %.0f s", self.holder_path, exc,
+                        self.lease_s)
+
     def release(self) -> None:
+        """Never raises for store trouble (a run's outcome must not be replaced by it): the OS lock is always
+        freed; a lock.json left behind is taken over by the next driver."""
         self._stop_renewing.set()
         if self._renewer is not None:
             self._renewer.join()
-        if (self.holder() or {}).get("owner") == self._me["owner"]:
-            self.holder_path.unlink()
+            self._renewer = None
         if self._os_lock is not None:
-            self._os_lock.release()
+            try:
+                self.holder_path.unlink()  # ours: written under the OS lock
+            except StorageError as exc:
+                log.warning("could not remove %s (%s); the next driver takes it over", self.holder_path, exc)
+            finally:
+                os.close(self._os_lock)  # closing the descriptor releases the lock
+                self._os_lock = None
+        elif self._leased:
+            self._leased = False
+            self._drop_own_lease()
 
     def __enter__(self) -> "RunLock":
         return self.acquire()

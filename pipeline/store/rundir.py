@@ -15,6 +15,7 @@ atomic commit is on each); readers never see a torn part.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -29,20 +30,21 @@ from typing import Any, Callable
 
 import orjson
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from . import schema
 from ..core.errors import PartExists, StorageError
-from .lock import RunLock  # noqa: F401  (the run's lock lives with its directory)
-from .storage import FAULT_KILL_BEFORE_RENAME, TMP_PREFIX, Location, committed_part  # noqa: F401
+from .lock import RunLock  # the run's lock lives with its directory
+from .storage import TMP_PREFIX, Location, read_columns
+
+log = logging.getLogger("regen")
 
 PART_RE = re.compile(r"^part-(\d{6})-[0-9a-f]{8}\.parquet$")
 
 
-def atomic_write(where: str | PathLike[str] | Location, data: bytes, *, fault_point: bool = False) -> None:
+def atomic_write(where: str | PathLike[str] | Location, data: bytes) -> None:
     """Write `data` so that the file either does not exist or is complete (storage.Location.write_atomic)."""
-    Location.at(where).write_atomic(data, fault_point=fault_point)
+    Location.at(where).write_atomic(data)
 
 
 def table_bytes(table: pa.Table) -> bytes:
@@ -117,8 +119,15 @@ class RunDir:
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         self.manifest_path.write_atomic(orjson.dumps(manifest, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
 
-    def write_status(self, status: dict[str, Any]) -> None:
-        self.status_path.write_atomic(orjson.dumps(status, option=orjson.OPT_INDENT_2))
+    def write_status(self, status: dict[str, Any]) -> bool:
+        """status.json is a view of the ledger, not the data: a failed write is logged and the run goes on
+        (the next write, or `regen status`, which counts from the ledger, tells the truth). False if it failed."""
+        try:
+            self.status_path.write_atomic(orjson.dumps(status, option=orjson.OPT_INDENT_2))
+            return True
+        except StorageError as exc:
+            log.warning("status.json not updated (%s); the run goes on", exc)
+            return False
 
     def read_status(self) -> dict[str, Any] | None:
         try:
@@ -150,7 +159,7 @@ class RunDir:
     def write_part(self, folder: Location, table: pa.Table, path: Location | None = None) -> Location:
         """Commit `table` as a new part (never replacing one: PartExists)."""
         path = path or self.next_part(folder)
-        path.write_atomic(table_bytes(table), fault_point=True, exclusive=True)
+        path.write_parquet_atomic(table, exclusive=True, compression="zstd")
         return path
 
     def ids_in(self, folder: Location) -> set[str]:
@@ -158,9 +167,7 @@ class RunDir:
         parts = self.parts(folder)
         if not parts:
             return set()
-        # one dataset scan reads the parts concurrently: on an object store, latency rather than bytes dominates
-        scan = ds.dataset([p.path for p in parts], filesystem=folder.fs, format="parquet")
-        return set(scan.to_table(columns=["prompt_id"]).column(0).to_pylist())
+        return set(read_columns(parts, ["prompt_id"]).column(0).to_pylist())
 
     def committed_ids(self) -> set[str]:
         return self.ids_in(self.data)
@@ -192,6 +199,28 @@ class RunDir:
     def rejects_table(self) -> pa.Table | None:
         versions = _versions(self.rejects, "rejects-")
         return versions[-1].read_parquet() if versions else None
+
+
+def committed_part(where: Location, expected_rows: int) -> bool:
+    """Resolve a commit whose outcome is unknown by looking: True if the part is there under its final name
+    and reads back whole (its footer names `expected_rows` rows), False if it is not there. A part that is
+    there but is not that whole Parquet file is removed, so it can never be mistaken for committed. Raises
+    StorageError (maybe_committed) if the store cannot be read: the outcome stays unknown, nothing is removed."""
+    try:
+        if not where.exists():
+            return False
+        try:
+            if where.parquet_file().metadata.num_rows == expected_rows:
+                return True
+        except FileNotFoundError:
+            return False
+        except pa.ArrowInvalid:  # bytes that are not a whole Parquet file (a read error is a StorageError)
+            pass
+        where.unlink()
+        return False
+    except StorageError as exc:
+        exc.maybe_committed = True
+        raise
 
 
 def _versions(folder: Location, prefix: str) -> list[Location]:
@@ -270,8 +299,9 @@ class Committer:
     commits a part when the buffer is full or old enough. A SIGKILL loses only the buffer."""
 
     def __init__(self, run_dir: RunDir, done: set[str], flush_records: int, flush_interval_s: float,
-                 records_schema: pa.Schema = schema.RECORDS):
-        self.run_dir = run_dir
+                 records_schema: pa.Schema = schema.RECORDS, lock: RunLock | None = None):
+        """`lock`: the run's lock; a driver that has lost it (a lease taken over or expired) commits nothing."""
+        self.run_dir, self.lock = run_dir, lock
         self.records_schema = records_schema  # the run's own (schema.records_schema of its run.json)
         self.done = done  # committed data + terminal failures (unless retried)
         self.flush_records, self.flush_interval_s = flush_records, flush_interval_s
@@ -342,6 +372,8 @@ class Committer:
         rows = getattr(self, kind)
         if not rows:
             return
+        if self.lock is not None:
+            self.lock.check()  # LeaseLost: another driver may own these prompts now
         path = self.run_dir.next_part(folder)
         ids = frozenset(row["prompt_id"] for row in rows)
         self._unsettled[kind] = (path, ids, len(rows))
@@ -354,11 +386,11 @@ class Committer:
             self._unsettled.pop(kind, None)  # that name was never ours: nothing of this buffer was committed
             raise
         except StorageError as exc:
-            if not exc.maybe_committed:  # failed before the rename: certainly nothing committed
-                self._unsettled.pop(kind, None)
-            elif committed_part(path, len(rows)):  # failed after it: look
+            # before the publish, certainly nothing was committed; after it, look (if looking fails too,
+            # the commit stays unsettled and the next flush looks again)
+            if exc.maybe_committed and committed_part(path, len(rows)):
                 self._settle(kind, ids, len(rows))
-                self._unsettled.pop(kind, None)
+            self._unsettled.pop(kind, None)
             raise
 
     def _settle(self, kind: str, ids: frozenset[str], n_rows: int) -> None:

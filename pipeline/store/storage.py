@@ -2,52 +2,67 @@
 through pyarrow's filesystem layer. `Location` is the small path-like surface the store needs.
 
 What an atomic commit is on each backend (invariant 4: the ledger is the set of committed parts):
-- POSIX: the bytes go to a hidden temporary name, are fsynced, then renamed over the final name, and the
-  folder is fsynced. A rename is atomic, so a reader sees the whole part or none of it; a killed writer leaves
-  a `.tmp-*` file that the next start removes. An exclusive commit (every part: a committed part is never
-  replaced) hard-links the temporary file to the final name instead, which fails if that name exists.
-- Object stores have no rename, but a whole-object PUT (or a completed multipart upload) is atomic: the
-  object appears complete or not at all. A part is written straight under its final name, once, from its
-  complete encoded bytes. A writer killed mid-upload leaves an incomplete multipart upload, which no
-  listing shows (a bucket lifecycle rule that aborts incomplete uploads after a day reclaims its space).
-  An exclusive commit first checks that the name is free (pyarrow has no conditional PUT, so this guards
-  against a name reused by mistake, not against two writers racing for one name: names are unique by
-  construction, and each is written by one writer).
-A failure after the rename or link leaves the outcome unknown to the caller (the part may be committed):
-`StorageError.maybe_committed` says so, and the caller resolves it by looking (`committed_part`).
+- POSIX: the bytes go to a hidden temporary name and are fsynced; the file is renamed over its final name
+  (an exclusive commit, every part: hard-linked, which fails if the name exists), and the folder fsynced.
+  A reader sees the whole file or none of it; a killed writer leaves a `.tmp-*` file, removed on resume.
+- Object stores: a whole-object PUT and a server-side copy are atomic. A file is uploaded under a temporary
+  name and copied to its final name, so that name only ever holds complete bytes (pyarrow has no abort: an
+  upload stream dropped after an error or a second SIGINT is completed with what it held). An exclusive
+  commit first checks that the name is free (no conditional PUT: names are unique by construction, each
+  with one writer). `direct` uploads go straight to the final name, sparing a large object the copy: only
+  hidden parts, which count once a data row names them; a failed one is deleted, a killed one never completes.
+A failure at or after the rename, link or copy leaves the outcome unknown (the file may be committed):
+`StorageError.maybe_committed` says so, and the caller looks (rundir.committed_part).
 
-Credentials never appear in a URI (it is written to run.json and the logs): pyarrow reads them from the
-environment or the instance's role, as the AWS and Google SDKs do.
+Every primitive passes one seam, `_io(op, path)`, which a test arms (faults.py); Parquet is written through a
+Python sink so that its writes pass it too. Errors other than a missing file are StorageErrors naming the
+file and the reason. Credentials never appear in a URI (it is written to run.json and the logs): pyarrow
+reads them from the environment or the instance's role, as the AWS and Google SDKs do.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import os
 import posixpath
-import shutil
-import signal
 import urllib.parse
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..core.errors import ConfigError, PartExists, StorageError
 from ..core.uri import check_uri
+from .faults import FAULT_ENV, Faults
 
 TMP_PREFIX = ".tmp-"
-# Test-only fault injection: SIGKILL this process after a part's bytes are written and before they are
-# committed (the rename, or the upload's completion), on the Nth part.
-FAULT_KILL_BEFORE_RENAME = "REGEN_FAULT_KILL_BEFORE_RENAME"
-_parts_committed = 0
+WRITE_CHUNK = 1 << 20  # the sink hands the Parquet writer's many small writes to the store in chunks this big
+
+_armed: Faults | None = Faults.from_env(os.environ.get(FAULT_ENV))
+
+
+def arm(plan: Faults | None) -> Faults | None:
+    """Test-only: make `plan` the seam's fault plan (None disarms). Returns the plan it replaces."""
+    global _armed
+    previous, _armed = _armed, plan
+    return previous
+
+
+def _io(op: str, path: str) -> bool:
+    """The seam every storage primitive passes first. True: make this write a short one."""
+    return _armed is not None and _armed.hit(op, path)
 
 
 @functools.lru_cache(maxsize=None)
 def _filesystem(scheme: str, netloc: str, query: str) -> pafs.FileSystem:
+    if scheme == "s3" and "allow_delayed_open" not in query:  # a small file is one PUT, not a 3-request upload
+        query = "&".join(q for q in (query, "allow_delayed_open=true") if q)
     uri = f"{scheme}://{netloc}/" + (f"?{query}" if query else "")
     try:
         return pafs.FileSystem.from_uri(uri)[0]
@@ -119,151 +134,212 @@ class Location:
     def parent(self) -> "Location":
         return Location(posixpath.dirname(self.path), self.scheme, self.query, self.fs)
 
+    def _temp(self) -> "Location":
+        return self.parent / f"{TMP_PREFIX}{self.name}.{uuid.uuid4().hex[:8]}"
+
     # --- reading ------------------------------------------------------------------------------------
     def exists(self) -> bool:
-        return self.fs.get_file_info(self.path).type != pafs.FileType.NotFound
+        with _errors("read", self):
+            _io("stat", self.path)
+            return self.fs.get_file_info(self.path).type != pafs.FileType.NotFound
 
     def iterdir(self) -> list["Location"]:
         """The folder's entries (none if it does not exist)."""
-        infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        with _errors("list", self):
+            _io("list", self.path)
+            infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
         return [Location(info.path, self.scheme, self.query, self.fs) for info in infos]
 
     def read_bytes(self) -> bytes:
         """Raises FileNotFoundError on every backend when the file is missing (pyarrow maps it so)."""
-        with self.fs.open_input_stream(self.path) as handle:
-            return handle.read()
+        with _errors("read", self):
+            _io("read", self.path)
+            with self.fs.open_input_stream(self.path) as handle:
+                return handle.read()
 
     def size(self) -> int:
-        return self.fs.get_file_info(self.path).size
+        with _errors("read", self):
+            _io("stat", self.path)
+            return self.fs.get_file_info(self.path).size
 
     def read_parquet(self, columns: list[str] | None = None) -> pa.Table:
-        return pq.read_table(self.path, filesystem=self.fs, columns=columns)
+        with _errors("read", self):
+            _io("read", self.path)
+            return pq.read_table(self.path, filesystem=self.fs, columns=columns)
 
     def parquet_schema(self) -> pa.Schema:
-        return pq.read_schema(self.path, filesystem=self.fs)
+        with _errors("read", self):
+            _io("read", self.path)
+            return pq.read_schema(self.path, filesystem=self.fs)
 
     def parquet_file(self) -> pq.ParquetFile:
-        return pq.ParquetFile(self.fs.open_input_file(self.path))
+        with _errors("read", self):
+            _io("read", self.path)
+            return pq.ParquetFile(self.fs.open_input_file(self.path))
 
     # --- writing ------------------------------------------------------------------------------------
     def mkdir(self) -> None:
-        try:
+        """A folder and its parents. An object store has no folders (a key needs no parent): nothing to do."""
+        if not self.local:
+            return
+        with _errors("write", self):
+            _io("mkdir", self.path)
             self.fs.create_dir(self.path, recursive=True)
-        except OSError as exc:
-            raise storage_error(exc, self) from exc
 
     def unlink(self) -> None:
         """Delete the file if it is there."""
-        try:
-            self.fs.delete_file(self.path)
-        except FileNotFoundError:
-            pass
+        with _errors("delete", self):
+            _delete(self)
 
-    def write_atomic(self, data: bytes, *, fault_point: bool = False, exclusive: bool = False) -> None:
+    def write_atomic(self, data: bytes, *, exclusive: bool = False) -> None:
         """The file either does not exist or is complete (see the module docstring). `exclusive`: refuse
         (PartExists) to replace an existing file."""
-        if self.local:
-            self._posix_commit(lambda tmp: _write_file(tmp, data), fault_point, exclusive)
-        else:
-            self._object_commit(lambda stream: stream.write(data), fault_point, exclusive)
+        self._commit(lambda sink: sink.write(data), exclusive=exclusive)
 
     def copy_atomic(self, local_file: str, *, exclusive: bool = False) -> None:
         """Like write_atomic, from a local file, streamed: its bytes are never all in memory."""
-        def copy(out) -> None:
+        def copy(sink: "_Sink") -> None:
             with open(local_file, "rb") as src:
-                shutil.copyfileobj(src, out, 1 << 20)
+                while chunk := src.read(1 << 20):
+                    sink.write(chunk)
 
-        if self.local:
-            self._posix_commit(lambda tmp: shutil.copyfile(local_file, tmp), False, exclusive)
-        else:
-            self._object_commit(copy, False, exclusive)
+        self._commit(copy, exclusive=exclusive)
 
-    def write_parquet_atomic(self, table: pa.Table, *, exclusive: bool = False, **options) -> None:
-        """Like write_atomic, but the Parquet writer streams: the encoded file is never held in memory."""
-        if self.local:
-            self._posix_commit(lambda tmp: pq.write_table(table, tmp, **options), False, exclusive)
-        else:
-            self._object_commit(lambda stream: pq.write_table(table, stream, **options), False, exclusive)
+    def write_parquet_atomic(self, table: pa.Table, *, exclusive: bool = False, direct: bool = False,
+                             **options) -> None:
+        """Like write_atomic, but the Parquet writer streams: the encoded file is never held in memory.
+        `direct` (exclusive only): on an object store, upload straight under the final name (hidden parts)."""
+        self._commit(lambda sink: pq.write_table(table, sink, **options), exclusive=exclusive, direct=direct)
 
-    def _posix_commit(self, write, fault_point: bool, exclusive: bool) -> None:
-        tmp = posixpath.join(posixpath.dirname(self.path), f"{TMP_PREFIX}{self.name}.{uuid.uuid4().hex[:8]}")
-        renamed = False
+    def _commit(self, write: Callable[["_Sink"], object], exclusive: bool, direct: bool = False) -> None:
+        if exclusive and not self.local and self.exists():
+            raise PartExists(f"{self} already exists: a committed object is never replaced")
+        upload = self if direct and not self.local else self._temp()
+        # what to delete at the end: the temporary name (unless a rename took it), or a direct upload that
+        # failed (its dropped stream may have been completed, torn)
+        leftover: Location | None = upload
+        publishing = False
         try:
-            write(tmp)
-            _fsync_path(tmp)
-            if fault_point:
-                _maybe_inject_kill()
-            if exclusive:
-                _link_exclusive(tmp, self.path)
+            with _Sink.open(upload) as sink:
+                write(sink)
+            if upload is not self:
+                publishing = True
+                _publish(upload, self, exclusive)
+                if self.local and not exclusive:
+                    leftover = None
             else:
-                os.replace(tmp, self.path)
-            renamed = True
-            _fsync_path(posixpath.dirname(self.path))
+                leftover = None
+            if self.local:
+                _io("fsync_dir", self.parent.path)
+                _fsync_folder(self.parent.path)
         except FileExistsError:
             raise PartExists(f"{self} already exists: a committed file is never replaced") from None
         except OSError as exc:
-            raise storage_error(exc, self, maybe_committed=renamed) from exc
+            raise storage_error(exc, self, maybe_committed=publishing) from exc
         finally:
-            if exclusive or not renamed:  # the link leaves the temporary name behind; a failure too
+            if leftover is not None:
                 with contextlib.suppress(OSError):  # cleanup must not hide the original error
-                    os.unlink(tmp)
+                    _delete(leftover)
 
-    def _object_commit(self, write, fault_point: bool, exclusive: bool) -> None:
-        stream, closing = None, False
+
+class _Sink:
+    """A Python file object over a new file (POSIX: a raw descriptor; object store: an upload stream), so
+    that the Parquet writer's writes pass the seam. Writes are gathered into WRITE_CHUNK pieces; on POSIX a
+    short write(2) is followed by another for the rest, as a buffered file does. Leaving the `with` block
+    normally makes the file durable (fsync, close; the upload completes)."""
+
+    def __init__(self, where: Location, handle):
+        self.where, self._handle = where, handle
+        self._pending = bytearray()
+        self._written = 0
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, where: Location) -> Iterator["_Sink"]:
+        _io("open", where.path)
+        if where.local:
+            handle = os.open(where.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        else:
+            handle = where.fs.open_output_stream(where.path)
+        sink = cls(where, handle)
         try:
-            if exclusive and self.exists():
-                raise PartExists(f"{self} already exists: a committed object is never replaced")
-            stream = self.fs.open_output_stream(self.path)
-            write(stream)
-            if fault_point:
-                _maybe_inject_kill()
-            closing = True
-            stream.close()  # completes the upload: the object appears now, whole
-        except BaseException as exc:
-            # pyarrow completes an upload when its stream is closed or dropped, so an upload that failed (or was
-            # interrupted) before its close is completed here, at a known moment, and removed. A failed close may
-            # still have completed the upload: the caller then looks (maybe_committed).
-            if stream is not None and not closing:
-                with contextlib.suppress(BaseException):
-                    stream.close()
-                with contextlib.suppress(OSError):  # cleanup must not hide the original error
-                    self.unlink()
-            if isinstance(exc, OSError):
-                raise storage_error(exc, self, maybe_committed=closing) from exc
+            yield sink
+            sink._drain()
+            if where.local:
+                _io("fsync", where.path)
+                os.fsync(handle)
+            _io("close", where.path)  # on an object store, this completes the upload
+        except BaseException:
+            # There is no abort: an upload stream is closed here too, which completes it with what it holds
+            # (dropped, pyarrow would do the same, holding the GIL); the caller deletes what it left.
+            with contextlib.suppress(OSError):
+                _close(where, handle)
             raise
+        finally:
+            sink._handle = None
+        _close(where, handle)
 
-
-def committed_part(where: Location, expected_rows: int) -> bool:
-    """Resolve a commit whose outcome is unknown by looking: True if the part is there under its final name
-    and reads back whole (its footer names `expected_rows` rows), False if it is not there. A part that is
-    there but does not read back is removed, so it can never be mistaken for committed. Raises StorageError
-    if the store cannot be read (the outcome stays unknown)."""
-    try:
-        if not where.exists():
-            return False
-        try:
-            if where.parquet_file().metadata.num_rows == expected_rows:
-                return True
-        except pa.ArrowInvalid:  # there, but not a whole Parquet file (an OSError is the store's, not the file's)
-            pass
-        where.unlink()
+    @property
+    def closed(self) -> bool:
         return False
-    except OSError as exc:
-        raise storage_error(exc, where, maybe_committed=True) from exc
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._written + len(self._pending)
+
+    def flush(self) -> None:
+        pass  # durability comes with leaving the `with` block
+
+    def close(self) -> None:
+        pass  # likewise
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if len(view) >= WRITE_CHUNK:  # a large piece (a hidden-state chunk) goes out as it is, never copied
+            self._drain()
+            self._put(view)
+        else:
+            self._pending += view
+            if len(self._pending) >= WRITE_CHUNK:
+                self._drain()
+        return len(view)
+
+    def _drain(self) -> None:
+        if self._pending:
+            self._put(memoryview(self._pending))
+            self._pending = bytearray()
+
+    def _put(self, view: memoryview) -> None:
+        self._written += len(view)
+        if not self.where.local:
+            _io("write", self.where.path)
+            self._handle.write(view)
+            return
+        while view:
+            short = _io("write", self.where.path)
+            done = os.write(self._handle, view[: max(1, len(view) // 2)] if short else view)
+            view = view[done:]
 
 
-def storage_error(exc: OSError, where: object, maybe_committed: bool = False) -> StorageError:
-    reason = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only filesystem"}.get(
-        exc.errno, os.strerror(exc.errno) if exc.errno else str(exc)
-    )
-    error = StorageError(f"cannot write {where}: {reason}. Nothing committed was lost; fix it and rerun to resume.")
-    error.maybe_committed = maybe_committed
-    return error
+def _close(where: Location, handle) -> None:
+    if where.local:
+        os.close(handle)
+    else:
+        handle.close()
 
 
-def _write_file(path: str, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
+def _publish(upload: Location, final: Location, exclusive: bool) -> None:
+    """Give the complete file `upload` the name `final` (the commit point)."""
+    if not final.local:
+        _io("copy", final.path)
+        final.fs.copy_file(upload.path, final.path)
+    elif exclusive:
+        _link_exclusive(upload.path, final.path)
+    else:
+        _io("rename", final.path)
+        os.replace(upload.path, final.path)
 
 
 _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV, errno.ENOSYS}
@@ -273,6 +349,7 @@ def _link_exclusive(tmp: str, final: str) -> None:
     """Give `tmp` the name `final` unless `final` exists (FileExistsError). A hard link is atomic and never
     replaces; on a filesystem without hard links, a checked rename (one writer per name makes it safe)."""
     try:
+        _io("link", final)
         os.link(tmp, final)
     except FileExistsError:
         with contextlib.suppress(OSError):
@@ -282,12 +359,14 @@ def _link_exclusive(tmp: str, final: str) -> None:
     except OSError as exc:
         if exc.errno not in _NO_HARD_LINKS:
             raise
+        _io("stat", final)
         if os.path.lexists(final):
             raise FileExistsError(errno.EEXIST, "exists", final) from None
+        _io("rename", final)
         os.rename(tmp, final)
 
 
-def _fsync_path(path: str) -> None:
+def _fsync_folder(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -295,9 +374,55 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _maybe_inject_kill() -> None:
-    global _parts_committed
-    _parts_committed += 1
-    target = os.environ.get(FAULT_KILL_BEFORE_RENAME)
-    if target and int(target) == _parts_committed:
-        os.kill(os.getpid(), signal.SIGKILL)
+def _delete(where: Location) -> None:
+    _io("delete", where.path)
+    try:
+        where.fs.delete_file(where.path)
+    except FileNotFoundError:
+        pass
+
+
+def read_columns(parts: list[Location], columns: list[str]) -> pa.Table:
+    """Columns of the parts of one folder, in one dataset scan that reads them concurrently."""
+    with _errors("read", parts[0].parent):
+        for part in parts:
+            _io("read", part.path)
+        return ds.dataset([p.path for p in parts], filesystem=parts[0].fs, format="parquet").to_table(columns=columns)
+
+
+def take_os_lock(where: Location, create: bool = True) -> int | None:
+    """An exclusive flock on a local file: the descriptor holding it (close it to release), or None if
+    another open of the file holds it. It dies with its process: a lock left by a SIGKILL is free at once.
+    `create=False`: FileNotFoundError if the file is not there (then nobody holds it)."""
+    with _errors("lock", where):
+        _io("lock", where.path)
+        fd = os.open(where.path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+
+
+@contextlib.contextmanager
+def _errors(doing: str, where: object) -> Iterator[None]:
+    """OSError -> StorageError naming the file and the reason; a missing file stays FileNotFoundError."""
+    try:
+        yield
+    except (FileNotFoundError, FileExistsError):
+        raise
+    except OSError as exc:
+        raise storage_error(exc, where, doing=doing) from exc
+
+
+def storage_error(exc: OSError, where: object, maybe_committed: bool = False, doing: str = "write") -> StorageError:
+    reason = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only filesystem"}.get(
+        exc.errno, os.strerror(exc.errno) if exc.errno else str(exc)
+    )
+    error = StorageError(f"cannot {doing} {where}: {reason}. Nothing committed was lost; fix it and rerun to resume.")
+    error.maybe_committed = maybe_committed
+    return error

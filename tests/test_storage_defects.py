@@ -1,0 +1,104 @@
+"""Storage defects that the single-fault enumeration (tests/test_enumerated_faults.py) cannot reach: two
+faults in one commit, and a driver that has lost its run's lease. Each failed on the code before its fix."""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import orjson
+import pytest
+
+from pipeline.core.errors import LeaseLost, RunLocked, StorageError
+from pipeline.store import storage
+from pipeline.store.faults import Faults
+from pipeline.store.lock import RunLock
+from pipeline.store.rundir import Committer, RunDir
+from pipeline.store.storage import Location
+from tests.storage_scenarios import NEW, DataCommit, record
+
+
+@pytest.fixture(autouse=True)
+def disarmed():
+    storage.arm(None)
+    yield
+    storage.arm(None)
+
+
+def test_a_read_error_while_looking_never_deletes_a_committed_part(tmp_path):
+    """A flush whose folder fsync fails looks for its part; if reading the part back fails too, the part is
+    committed all the same: it must stay (the outcome is still unknown), not be deleted as if it were torn."""
+
+    def calls(plan: Faults) -> list[str]:
+        scenario, run = DataCommit(), RunDir(tmp_path / f"probe-{plan.at}")
+        scenario.prepare(run)
+        storage.arm(plan)
+        with contextlib.suppress(StorageError):
+            scenario.committer.flush()
+        storage.arm(None)
+        return [op for op, _ in plan.calls]
+
+    fsync_dir = calls(Faults(10**6, "EIO")).index("fsync_dir") + 1  # a probe: counts the calls, faults none
+    looked = calls(Faults(fsync_dir, "EIO"))
+    read_back = fsync_dir + looked[fsync_dir:].index("read") + 1  # the look: stat, then the footer
+
+    scenario, run = DataCommit(), RunDir(tmp_path / "run")
+    scenario.prepare(run)
+    storage.arm(Faults(fsync_dir, "EIO", also_at=frozenset({read_back})))
+    with pytest.raises(StorageError) as err:
+        scenario.committer.flush()
+    storage.arm(None)
+    assert err.value.maybe_committed, "the outcome is unknown"
+    parts = run.parts(run.data)
+    assert len(parts) == 2, "the committed part is kept"
+    assert sorted(parts[-1].read_parquet(columns=["prompt_id"]).column(0).to_pylist()) == NEW
+    scenario.committer.flush()  # the next flush looks again, finds it, and writes nothing twice
+    assert run.parts(run.data) == parts and scenario.committer.records == []
+    scenario.check(run)
+
+
+def buffered_committer(run: RunDir, lock: RunLock) -> Committer:
+    committer = Committer(run, set(), 100, 3600, lock=lock)
+    for pid in NEW:
+        committer.add_records([record(pid)])
+    return committer
+
+
+def test_a_driver_whose_lease_was_taken_over_commits_nothing(object_store):
+    """The lease holder finds another driver's lease on renewal: it stops like SIGTERM, and its final flush
+    (run.py commits the buffer on the way out) must not commit: the new holder owns those prompts now."""
+    run = RunDir(Location.at(object_store("lease-taken")) / "run")
+    lost = threading.Event()
+    lock = RunLock(run, on_lost=lost.set, lease_s=30, renew_s=0.1, settle_s=0).acquire()
+    try:
+        committer = buffered_committer(run, lock)
+        usurper = {"pid": 1, "host": "gpu-node-9", "owner": "u" * 32, "since": "x", "expires": time.time() + 60}
+        (run.path / "lock.json").write_atomic(orjson.dumps(usurper))
+        assert lost.wait(10), "the holder notices"
+        with pytest.raises(LeaseLost) as err:
+            committer.flush()
+        assert isinstance(err.value, RunLocked), "exit 4: the run directory is in use by another driver"
+        assert run.parts(run.data) == [] and committer.buffered == set(NEW), "nothing committed"
+    finally:
+        lock.release()
+    assert (orjson.loads((run.path / "lock.json").read_bytes()))["owner"] == "u" * 32, "the new lease stands"
+
+
+def test_a_driver_whose_lease_ran_out_commits_nothing(object_store):
+    """Renewals that keep failing let the lease run out; another driver may then take the run over, so the
+    holder must stop committing before that (less than one renewal period before the expiry)."""
+    run = RunDir(Location.at(object_store("lease-expired")) / "run")
+    lost = threading.Event()
+    lock = RunLock(run, on_lost=lost.set, lease_s=1.0, renew_s=3600, settle_s=0).acquire()  # never renewed
+    try:
+        committer = buffered_committer(run, lock)
+        committer.flush()
+        assert sorted(run.committed_ids()) == NEW, "a live lease commits"
+        for pid in ("m0", "m1"):
+            committer.add_records([record(pid)])
+        time.sleep(1.1)
+        with pytest.raises(LeaseLost):
+            committer.flush()
+        assert sorted(run.committed_ids()) == NEW
+    finally:
+        lock.release()
