@@ -8,7 +8,6 @@ import logging
 import platform
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +16,7 @@ import pyarrow as pa
 from . import __version__
 from .store import schema
 from .core.config import RunConfig, load_config
-from .core.errors import ConfigError, DriftError, StorageError
+from .core.errors import DriftError, StorageError
 from .core.identity import IDENTITY_VERSION, check_identity, resumed_manifest
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
@@ -25,13 +24,13 @@ from .prompts.sources import load_source_spec
 from .prompts.tokens import load_length_check
 from .store.promptset import StagedPromptSet, check_source_files, report_document, source_specs, stage_prompt_set
 from .store.rundir import Committer, RunDir, RunLock, now_utc, resolve_run_dir, successor_run_dir
+from .dispatch.cluster import EndpointsFileWatch, init_ray
 from .store.records import RecordBuilder
 from .core.work import DONE, Outcome
 
 log = logging.getLogger("regen")
 
 EXIT_INTERRUPTED = 130
-LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's: "0" makes a local cluster take 127.0.0.1
 
 
 @dataclass
@@ -316,45 +315,6 @@ def salvage(committer: Committer, progress, state: str) -> None:
         log.error("could not commit the last buffer (%s); it will be regenerated on resume", exc)
 
 
-def embedded_ray(address: str | None, environ: dict[str, str]) -> bool:
-    """No address anywhere (or Ray's `local`): regen starts its own single-machine cluster."""
-    chosen = address or environ.get("RAY_ADDRESS") or None
-    return chosen is None or chosen == "local"
-
-
-def init_ray(address: str | None) -> None:
-    """Join the cluster at `address` (`auto`: the local head), or start an embedded one on loopback."""
-    import os
-
-    if not embedded_ray(address, dict(os.environ)):
-        import ray  # joining a real cluster keeps Ray's own address choice (secure it with Ray's token auth)
-
-        if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
-        return
-    # An embedded single-machine cluster must not listen on the network: an unauthenticated Ray head runs
-    # anyone's code. Ray binds its GCS, raylet and workers to 127.0.0.1 only when it takes the node's address
-    # to be the loopback one, which this switch (read when Ray is first imported) makes it do. It is put back
-    # once the cluster runs, so that nothing started later inherits it.
-    os.environ.pop("RAY_ADDRESS", None)  # an empty one would make Ray look for a cluster
-    saved = os.environ.get(LOOPBACK_SWITCH)
-    os.environ[LOOPBACK_SWITCH] = "0"
-    import ray
-    from ray._private import ray_constants
-
-    was = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False  # in case Ray was imported before the switch was set
-    try:
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, logging_level=logging.WARNING)
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = was
-        if saved is None:
-            os.environ.pop(LOOPBACK_SWITCH, None)
-        else:
-            os.environ[LOOPBACK_SWITCH] = saved
-
-
 @dataclass(frozen=True)
 class FleetFacts:
     """What the preflight found that the dispatch needs."""
@@ -404,27 +364,6 @@ def record_determinism(run_dir: RunDir, reports) -> None:
     merged = False if False in (before, now) else (True if before is True and now is True else None)
     if "deterministic" not in manifest or merged != before:
         run_dir.write_manifest({**manifest, "deterministic": merged})
-
-
-class EndpointsFileWatch:
-    """Re-reads the endpoints file every `endpoints_file_interval_s`; None between reads or on a bad edit."""
-
-    def __init__(self, cfg: RunConfig):
-        self.cfg, self.next_read = cfg, 0.0
-
-    def __call__(self):
-        now = time.monotonic()
-        if now < self.next_read:
-            return None
-        self.next_read = now + self.cfg.endpoints_file_interval_s
-        try:
-            fleet = self.cfg.all_endpoints()
-            for endpoint in fleet:
-                self.cfg.api_key(endpoint)
-            return fleet
-        except ConfigError as exc:  # a half-edited file must not stop a two-day run
-            log.error("endpoints file not applied: %s", exc)
-            return None
 
 
 def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,

@@ -34,7 +34,7 @@ def test_a_hedged_copy_that_fails_never_finishes_a_prompt_still_running():
 def test_an_endpoints_file_read_in_the_middle_of_a_rewrite_changes_nothing(tmp_path):
     """The run's own watcher reads the file once while it is being rewritten (truncated, not yet written). Before
     the fix that read drained the whole fleet for an interval, and with no endpoint left the run stopped."""
-    from pipeline.run import EndpointsFileWatch
+    from pipeline.dispatch.cluster import EndpointsFileWatch
 
     with emulators(2, preset="kimi", tok_per_s=40) as servers:
         fleet = tmp_path / "fleet.txt"

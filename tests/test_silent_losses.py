@@ -372,6 +372,6 @@ def test_writer_tags_keep_labels_apart():
     (None, {}, True), (None, {"RAY_ADDRESS": ""}, True), ("local", {}, True), (None, {"RAY_ADDRESS": "local"}, True),
     ("auto", {}, False), (None, {"RAY_ADDRESS": "127.0.0.1:6379"}, False), ("ray://head:10001", {}, False)])
 def test_which_addresses_start_the_loopback_cluster(address, environ, embedded):
-    from pipeline.run import embedded_ray
+    from pipeline.dispatch.cluster import embedded_ray
 
     assert embedded_ray(address, environ) is embedded
