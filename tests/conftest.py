@@ -21,14 +21,16 @@ REPO = Path(__file__).resolve().parent.parent
 for _key, _value in {"AWS_ACCESS_KEY_ID": "regen-test", "AWS_SECRET_ACCESS_KEY": "regen-test",
                      "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
     os.environ.setdefault(_key, _value)
+# The test cluster is loopback-only (Ray binds 127.0.0.1 instead of the machine's interface address) and needs
+# no auth token. Set before any test module is collected: Ray reads the loopback switch when it is first
+# imported, and a test module that imports Ray at collection time would otherwise make this process's own
+# ray.init() look for the head on the interface address, and hang.
+os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
 
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """A Ray head on 127.0.0.1 for the session. Yields its address and temp dir (for log greps)."""
-    # A loopback-only test cluster: Ray binds 127.0.0.1 instead of the machine's interface address,
-    # and needs no auth token (drivers here are all local subprocesses).
-    os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     temp_dir = Path(f"/tmp/regen-ray-{os.getpid()}")  # short: Ray's socket paths have a length limit
     shutil.rmtree(temp_dir, ignore_errors=True)
     port = free_port()
