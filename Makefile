@@ -5,6 +5,8 @@ REGEN  := $(VENV)/bin/regen
 CONFIG ?= configs/local.yaml
 RUN    ?= outputs/local-sample
 PYTHON ?= python3
+comma := ,
+space := $(subst ,, )
 # regen needs Python >= 3.11 (pyproject.toml's requires-python; on 3.10 asyncio.TimeoutError is not the builtin
 # TimeoutError, and the training libraries need 3.11 too). `make setup` checks the interpreter before the venv.
 PYTHON_MIN := 3.11
@@ -13,7 +15,7 @@ CHECK_PYTHON = $(PYTHON) -c 'import sys; need = tuple(int(n) for n in "$(PYTHON_
 	+ "$(PYTHON) is Python " + sys.version.split()[0] + " (" + sys.executable + "). Install a newer Python, or " \
 	+ "name one: make setup PYTHON=python3.12")'
 
-.PHONY: setup check-python generate status export card test serve-local emulate help sglang-wheels
+.PHONY: setup check-python generate status export card test serve-local emulate help sglang-wheels trainlib-wheels capture
 
 help:
 	@echo "make setup        create $(VENV) with PYTHON=$(PYTHON) (>= $(PYTHON_MIN)) and install regen with the local fleet and test extras"
@@ -21,6 +23,7 @@ help:
 	@echo "make status       progress of RUN=$(RUN)"
 	@echo "make export       RUN's records as FORMAT=specforge|specforge-tokens|speculators training files"
 	@echo "make card         RUN's dataset card"
+	@echo "make capture      RUN's hidden states (CAPTURE_CONFIG=configs/capture.yaml) into RUN/capture/"
 	@echo "make test         the import-layer contract (lint-imports), then the test suite"
 	@echo "make serve-local  serve SmolLM2-135M on 127.0.0.1:18181 (llama.cpp), for a config that lists it under endpoints"
 
@@ -52,6 +55,11 @@ export: setup
 card: setup
 	$(REGEN) card $(RUN)
 
+# CAPTURE_CONFIG: a capture.yaml (route, model, layers); the states go into RUN/capture/
+CAPTURE_CONFIG ?= configs/capture.yaml
+capture: setup
+	$(REGEN) capture $(RUN) --config $(CAPTURE_CONFIG) $(ARGS)
+
 # The suite also verifies stored hidden states against a real model: torch (CPU) + transformers.
 $(VENV)/.verify: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[verify]"
@@ -77,8 +85,30 @@ $(SGLANG_CACHE)/%/.installed:
 	rm -rf $(SGLANG_CACHE)/$* && mv $(SGLANG_CACHE)/$*.tmp $(SGLANG_CACHE)/$*
 	touch $@
 
+# The training libraries' own loaders, the authority of the export tests (tests/trainlib.py): specforge and
+# speculators (and hs-connectors, which speculators' dataset imports) unpacked with --no-deps into a cache folder
+# keyed by their versions, never into the venv: specforge pins torch 2.11 and transformers 5.8.1, speculators
+# transformers<=5.19, vLLM others. Their data modules need only light packages: transformers (the verify extra),
+# datasets, openai and aiohttp (regen's own), anyio/certifi/h11/idna/sniffio (checked), and loguru, httpx and
+# httpcore, which go into the cache folder with them.
+TRAINLIB_CACHE    ?= $(HOME)/.cache/regen/trainlib
+TRAINLIB_KEY      := specforge-0.2.0_speculators-0.9.0
+TRAINLIB_WHEELS   := specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 httpx==0.28.1 \
+                     httpcore==1.0.9
+TRAINLIB_IN_VENV  := transformers datasets openai aiohttp anyio certifi h11 idna sniffio
+
+trainlib-wheels: $(TRAINLIB_CACHE)/$(TRAINLIB_KEY)/.installed
+
+$(TRAINLIB_CACHE)/$(TRAINLIB_KEY)/.installed: $(VENV)/.verify
+	$(PY) -c "import $(subst $(space),$(comma),$(TRAINLIB_IN_VENV))" 2>/dev/null || \
+		$(PY) -m pip install -q $(TRAINLIB_IN_VENV)
+	rm -rf $(TRAINLIB_CACHE)/$(TRAINLIB_KEY).tmp
+	$(PY) -m pip install -q --no-deps --no-compile --target $(TRAINLIB_CACHE)/$(TRAINLIB_KEY).tmp $(TRAINLIB_WHEELS)
+	rm -rf $(TRAINLIB_CACHE)/$(TRAINLIB_KEY) && mv $(TRAINLIB_CACHE)/$(TRAINLIB_KEY).tmp $(TRAINLIB_CACHE)/$(TRAINLIB_KEY)
+	touch $@
+
 # The layering contract ([tool.importlinter] in pyproject.toml) first: a stage importing a later one fails here.
-test: setup $(VENV)/.verify sglang-wheels
+test: setup $(VENV)/.verify sglang-wheels trainlib-wheels
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 

@@ -21,6 +21,12 @@ def _generate(args: argparse.Namespace) -> int:
     return generate(GenerateOptions(args.config, args.new_run, args.refresh_prompts, args.retry_failures, args.force))
 
 
+def _capture(args: argparse.Namespace) -> int:
+    from .capture import CaptureOptions, capture
+
+    return capture(CaptureOptions(args.run_dir, args.config, args.force))
+
+
 def _status(args: argparse.Namespace) -> int:
     from .store.status import print_status
 
@@ -100,6 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start even if the hidden states' estimated size exceeds the free disk space")
     gen.set_defaults(func=_generate)
 
+    cap = sub.add_parser("capture", help="capture the hidden states of a run's committed records", description=(
+        "A prefill-only pass over each committed record's prompt + completion ids (route transformers: in "
+        "process; route vllm: the server's hidden-states files), into RUN/capture/. Running it again resumes; "
+        "it may run beside a live generation."))
+    cap.add_argument("run_dir", help="a run directory (outputs/<run>)")
+    cap.add_argument("--config", required=True, help="capture config (YAML): route, model, layers, actors")
+    cap.add_argument("--force", action="store_true",
+                     help="start even if the estimated size of the states exceeds the free disk space")
+    cap.set_defaults(func=_capture)
+
     status = sub.add_parser("status", help="progress of a run, counted from its ledger",
                             description="Counts from committed parts, so it is right during a run and after a crash.")
     status.add_argument("run_dir", help="a run directory (outputs/<run>, or an s3:// or gs:// URI)")
@@ -160,7 +176,7 @@ PASSTHROUGH = {"serve-local": _serve_local, "emulate": _emulate, "simulate": _si
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["generate"] and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    if argv[:1] in (["generate"], ["capture"]) and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _interrupt)  # 130 from the start; the run installs its own handler later
     try:
         if argv and argv[0] in PASSTHROUGH:

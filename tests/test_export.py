@@ -112,11 +112,11 @@ def test_last_turn_specforge_rows_are_per_turn_and_only_the_last_assistant_turn_
         assert assistants[-1].get("reasoning_content") == source["reasoning_content"]
         assert all("SOURCE" in m["content"] and "reasoning_content" not in m for m in assistants[:-1])
         assert row["conversations"][:-1] == source["messages"]  # the history exactly as sent
-    assert summary.specforge_settings == {"train_only_last_turn": True}
-    assert any("train_only_last_turn: true" in note for note in summary.notes)
+    assert summary.specforge_settings == {"data": {"train_only_last_turn": True}, "overrides": ["data.train_only_last_turn=true"]}
+    assert any("data.train_only_last_turn: true" in note for note in summary.notes)
     manifest = orjson.loads(export.manifest_path(out).read_bytes())
     assert manifest["run_fingerprint"] == "fp123" and manifest["mode"] == "last_turn"
-    assert manifest["specforge_settings"] == {"train_only_last_turn": True}
+    assert manifest["specforge_settings"] == {"data": {"train_only_last_turn": True}, "overrides": ["data.train_only_last_turn=true"]}
     assert manifest["counts"]["rows_written"] == len(records)
 
 
@@ -163,7 +163,7 @@ def test_all_turns_whole_conversations_round_trip_reasoning_per_turn(tmp_path):
     summary = export_run(run, "specforge", tmp_path / "whole.jsonl")
     rows = {row["id"]: row for row in read_jsonl(tmp_path / "whole.jsonl")}
     assert set(rows) == {"c1", "c2", "c3"} and summary.records_exported == 6 and accounted(summary)
-    assert summary.specforge_settings == {"train_only_last_turn": False}
+    assert summary.specforge_settings == {"data": {"train_only_last_turn": False}, "overrides": ["data.train_only_last_turn=false"]}
     for turns in conversations:
         row = rows[turns[0]["prompt_id"]]
         assert validate_specforge_row(row) == []
@@ -181,7 +181,7 @@ def test_all_turns_per_turn_expansion(tmp_path):
     summary = export_run(run, "specforge", tmp_path / "pt.jsonl", per_turn=True)
     rows = read_jsonl(tmp_path / "pt.jsonl")
     assert [r["id"] for r in rows] == ["c1#turn0", "c1#turn1", "c1#turn2"]
-    assert summary.specforge_settings == {"train_only_last_turn": True}
+    assert summary.specforge_settings == {"data": {"train_only_last_turn": True}, "overrides": ["data.train_only_last_turn=true"]}
     for k, row in enumerate(rows):
         assert validate_specforge_row(row) == []
         assert row["source_id"] == "c1" and row["assistant_turn_index"] == k
@@ -218,8 +218,11 @@ def test_filters_are_counted(tmp_path):
     assert summary.records_read == 5 and accounted(summary)
     for reason in summary.dropped:
         assert reason in summary.table()
-    unfiltered = export_run(run, "specforge", tmp_path / "all.jsonl")
+    unfiltered = export_run(run, "specforge", tmp_path / "all.jsonl", keep_truncated=True)
     assert unfiltered.rows_written == 4 and unfiltered.dropped == {export.EMPTY_CONTENT: 1}
+    # by default the conversation export drops a cut reply (SpecForge would train an end-of-turn after it)
+    default = export_run(run, "specforge", tmp_path / "default.jsonl")
+    assert default.rows_written == 3 and default.dropped == {export.EMPTY_CONTENT: 1, export.TRUNCATED: 1}
 
 
 def test_duplicates_are_never_emitted(tmp_path):
@@ -291,7 +294,7 @@ def test_cli_arguments_and_summary(tmp_path, capsys):
                               "--source", "chat", "--source", "code", "--drop-truncated"])
     assert export.run_export(args) == 0
     err = capsys.readouterr().err
-    assert "rows written" in err and "train_only_last_turn: true" in err
+    assert "rows written" in err and "data.train_only_last_turn: true" in err
     assert len(read_jsonl(tmp_path / "c.jsonl")) == 5  # every record is from chat or code
     assert args.sources == ["chat", "code"]
 

@@ -230,6 +230,7 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         f"- rejected inputs: {rejected}"
         + ("" if not reject_reasons else " — " + ", ".join(f"{r} {n}" for r, n in reject_reasons.most_common(10))),
         "",
+        *_capture_lines(run_dir),
         "## Loading", "",
         "```python", "import datasets", "",
         f'ds = datasets.load_dataset("parquet", data_files="{run_dir.path}/{DATA_GLOB}", split="train")',
@@ -237,6 +238,21 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         "Training files: `regen export RUN_DIR --format specforge|specforge-tokens|speculators --out FILE`.", "",
     ]
     return "\n".join(lines)
+
+
+def _capture_lines(run_dir: RunDir) -> list[str]:
+    from ..store.capture_ledger import capture_counts
+
+    cap = capture_counts(run_dir)
+    if cap is None:
+        return ["## Hidden states", "", "Not captured (`regen capture RUN --config capture.yaml`).", ""]
+    layers = ", ".join(f"{s['kind']} layer {s['layer']} ({s['norm']})" for s in cap["layers"])
+    return ["## Hidden states", "",
+            f"- capture ({cap['route']}, fingerprint `{cap['fingerprint']}`): {cap['state']}, {cap['captured']} of "
+            f"{cap['capturable']} samples ({cap['tokens']} tokens); {cap['refused_no_token_ids']} records refused "
+            "without token ids",
+            f"- states per token, in order: {layers}",
+            "- exports: `regen export RUN --format specforge-offline|speculators-hidden --out DIR`", ""]
 
 
 def write_card(run_dir: str | Path | Location) -> Location:

@@ -123,10 +123,18 @@ def has_token_ids(record: Record) -> bool:
     return record.get("prompt_token_ids") is not None and bool(record.get("output_token_ids"))
 
 
+def is_truncated(record: Record) -> bool:
+    return record.get("finish_reason") == "length" or "truncated" in (record.get("flags") or [])
+
+
 def tokens_and_mask(record: Record) -> tuple[list[int], list[int]]:
-    """input_ids = prompt + generated tokens; loss mask 0 over the prompt, 1 over the generated tokens."""
+    """input_ids = prompt + generated tokens; loss mask 0 over the prompt, 1 over the generated tokens, except the
+    last position of a record cut at max_tokens (where a renderer would put an end-of-turn never generated)."""
     prompt, output = list(record["prompt_token_ids"]), list(record["output_token_ids"])
-    return prompt + output, [0] * len(prompt) + [1] * len(output)
+    mask = [0] * len(prompt) + [1] * len(output)
+    if is_truncated(record) and mask:
+        mask[-1] = 0
+    return prompt + output, mask
 
 
 def specforge_tokens_row(record: Record) -> dict[str, Any]:

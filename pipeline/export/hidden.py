@@ -1,20 +1,22 @@
-"""Exports of the stored hidden states for the training libraries.
+"""Exports of a capture (RUN/capture, written by `regen capture`) in each training library's own layout.
 
-`export_hidden(run_dir, fmt, out_dir) -> dict` (the summary, with `notes` to print on the terminal):
+`export_hidden(run_dir, fmt, out_dir, speculators_data=None) -> dict` (the summary, with `notes`):
 
-- `specforge-offline`: SpecForge's offline layout (scripts/prepare_hidden_states.py), one `torch.save`
-  file per sample at `rows_{g}-{g+2000}/data_{idx}.ckpt` with
-      input_ids [T] int64, loss_mask [T] int64, aux_hidden_state [1, T, W] bf16
-  (or hidden_state [1, T, W] when the run captured the last layer rather than the auxiliary layers).
-  The last token: SGLang gives no vector for the last generated token, so the stored matrix has T - 1
-  rows. The export keeps all T tokens (the last one is still the target of position T - 2), appends one
-  row of zeros as the last token's hidden state, and sets loss_mask[T - 1] = 0 so that padded position
-  never counts. torch is needed for this format only (imported here, lazily).
-- `speculators-hidden`: `hs_{idx}.safetensors` with `hidden_states` [T - 1, k, H] bf16 (the stored
-  matrix split into its k layers, not padded) and `token_ids` [T] int64. speculators' own dumps hold
-  4 layers [2, L//2, L-3, L] with the last one before the final norm; this export holds what SGLang
-  returned, and says so in the manifest and the returned notes.
-Both write `manifest.json` (layers, norm convention, alignment, counts) last, atomically.
+- `specforge-offline`: SpecForge's offline features (`data.hidden_states_path`), one `torch.save` file per
+  sample at `rows_{g}-{g+2000}/data_{idx}.ckpt` with
+      input_ids [T] int64, loss_mask [T] int64,
+      aux_hidden_state [1, T, 3H] bf16 (the three aux states, concatenated: the draft's input),
+      hidden_state [1, T, H] bf16 (the last layer after the final norm: the teacher, lm_head's input).
+  T rows for T tokens. torch is needed for this format only (imported here, lazily).
+- `speculators-hidden`: a speculators data folder: the rows (`input_ids`, `loss_mask`, `seq_len`) saved with
+  `datasets` in torch format, as `speculators prepare-data` saves them, and `hidden_states/hs_{i}.safetensors`
+  for row i, with `hidden_states` [T, 4, H] bf16 (aux layers, then the last layer BEFORE the final norm) and
+  `token_ids` [T] int64. With `speculators_data` (a folder `speculators prepare-data` made from the
+  `speculators` JSONL export), the files go into its `hidden_states/` instead, hs_i following ITS row order
+  (prepare-data shuffles), matched by token ids.
+Loss mask: 0 on the prompt, 1 on the completion (each library's own preprocessing gives the same mask), except a
+record cut at max_tokens: its last position is 0, where a renderer would close the turn with an end-of-turn token
+the model never generated. Both write `manifest.json` (layers, norm convention, files) last, atomically.
 """
 from __future__ import annotations
 
@@ -26,41 +28,16 @@ import numpy as np
 import orjson
 
 from ..core.errors import ConfigError
-from ..hidden.parts import HiddenSample, iter_hidden
+from ..hidden.layout import AUX, FINAL_POST_NORM, LAST_PRE_NORM, CaptureLayout
+from ..hidden.parts import BF16, iter_hidden
+from ..store.capture_ledger import capture_run_dir
 from ..store.rundir import RunDir, atomic_write
 from ..store.storage import Location
 
 FORMATS = ("specforge-offline", "speculators-hidden")
 GROUP = 2000
-ALIGNMENT_NOTE = ("row i of the stored matrix is the hidden state computed when token i of prompt + completion "
-                  "was fed; the last generated token has no vector (T - 1 rows)")
-
-
-def _run_hidden_config(rd: RunDir) -> dict[str, Any]:
-    try:
-        manifest = rd.read_manifest()
-    except FileNotFoundError:
-        return {}
-    return ((manifest.get("generation") or {}).get("hidden_states")) or {}
-
-
-def _kind(cfg: dict[str, Any], width: int) -> tuple[str, int]:
-    """('aux', 3) for EAGLE-3 auxiliary layers, ('last', 1) for the final layer, from the run's config."""
-    note = str(cfg.get("layers_note") or "").lower()
-    if "aux" in note or "eagle-3" in note or "eagle3" in note:
-        return "aux", 3 if width % 3 == 0 else 1
-    if "last" in note or "final" in note:
-        return "last", 1
-    return "aux", 3 if width % 3 == 0 else 1
-
-
-def _layers_and_norm(kind: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    if kind == "aux":
-        norm = ("the auxiliary layers' outputs as SGLang captures them for EAGLE-3 (residual stream, no final norm); "
-                "no final-layer state is included")
-    else:
-        norm = "the last layer's output after the final norm (the input to lm_head), as SGLang returns it"
-    return {"kind": kind, "layers_note": cfg.get("layers_note", ""), "norm": norm}
+TRUNCATED_NOTE = ("records cut at max_tokens keep their ids as generated; their last position has loss_mask 0 "
+                  "(no end-of-turn the model never generated is ever a training target)")
 
 
 def _torch():
@@ -72,20 +49,34 @@ def _torch():
     return torch
 
 
-def _specforge_write(torch, sample: HiddenSample, idx: int, out_dir: Path, kind: str) -> Path:
+def loss_mask(n_tokens: int, n_prompt: int, truncated: bool) -> np.ndarray:
+    mask = np.zeros(n_tokens, dtype=np.int64)
+    mask[n_prompt:] = 1
+    if truncated and n_tokens:
+        mask[n_tokens - 1] = 0
+    return mask
+
+
+def _states(sample, layout: CaptureLayout) -> np.ndarray:
+    """The stored matrix as [T, K, H] bf16 bit patterns (uint16)."""
+    bits = np.ascontiguousarray(sample.hidden).view(np.uint16)
+    return bits.reshape(sample.n_rows, len(layout.states), layout.hidden_size)
+
+
+def _bf16_torch(torch, bits: np.ndarray):
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+
+
+def _specforge_write(torch, states, sample, mask, idx: int, out: Path, layout: CaptureLayout) -> Path:
     group = (idx // GROUP) * GROUP
-    folder = out_dir / f"rows_{group}-{group + GROUP}"
+    folder = out / f"rows_{group}-{group + GROUP}"
     folder.mkdir(parents=True, exist_ok=True)
-    T = len(sample.token_ids)
-    bits = np.zeros((T, sample.width), dtype=np.uint16)  # the last token's row stays zero (padding)
-    bits[:sample.n_rows] = sample.hidden.view(np.uint16)
-    hidden = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).unsqueeze(0)
-    loss_mask = sample.loss_mask.astype(np.int64)
-    if T:
-        loss_mask[T - 1] = 0
-    obj = {"input_ids": torch.from_numpy(sample.token_ids.astype(np.int64)),
-           "loss_mask": torch.from_numpy(loss_mask),
-           ("aux_hidden_state" if kind == "aux" else "hidden_state"): hidden}
+    T = sample.n_rows
+    aux = states[:, layout.index(AUX)].reshape(T, -1)
+    final = states[:, layout.index(FINAL_POST_NORM)[0]]
+    obj = {"input_ids": torch.from_numpy(sample.token_ids.astype(np.int64)), "loss_mask": torch.from_numpy(mask),
+           "aux_hidden_state": _bf16_torch(torch, aux).unsqueeze(0),
+           "hidden_state": _bf16_torch(torch, final).unsqueeze(0)}
     path = folder / f"data_{idx}.ckpt"
     tmp = path.with_name(f".tmp-{path.name}")
     torch.save(obj, tmp)
@@ -93,71 +84,118 @@ def _specforge_write(torch, sample: HiddenSample, idx: int, out_dir: Path, kind:
     return path
 
 
-def _speculators_write(sample: HiddenSample, idx: int, out_dir: Path, n_layers: int) -> Path:
-    """hs_{idx}.safetensors: bf16 through ml_dtypes and safetensors' numpy API (no torch needed)."""
-    import ml_dtypes
+def _speculators_write(states, sample, idx: int, folder: Path, layout: CaptureLayout) -> Path:
     from safetensors.numpy import save_file
 
-    hs = sample.hidden.view(np.uint16).reshape(sample.n_rows, n_layers, sample.width // n_layers)
-    tensors = {"hidden_states": np.ascontiguousarray(hs).view(ml_dtypes.bfloat16),
+    picked = states[:, layout.index(AUX) + layout.index(LAST_PRE_NORM)]
+    tensors = {"hidden_states": np.ascontiguousarray(picked).view(BF16) if BF16 != np.uint16 else picked,
                "token_ids": sample.token_ids.astype(np.int64)}
-    path = out_dir / f"hs_{idx}.safetensors"
+    path = folder / f"hs_{idx}.safetensors"
     tmp = path.with_name(f".tmp-{path.name}")
-    save_file(tensors, str(tmp), metadata={"prompt_id": sample.prompt_id, "turn_index": str(sample.turn_index),
-                                           "n_prompt": str(sample.n_prompt)})
+    save_file(tensors, str(tmp), metadata={"prompt_id": sample.prompt_id, "turn_index": str(sample.turn_index)})
     os.replace(tmp, path)
     return path
 
 
-def export_hidden(run_dir: str | Path | Location | RunDir, fmt: str, out_dir: str | Path) -> dict[str, Any]:
-    """Write every committed hidden sample in `fmt`; returns the summary (also in out_dir/manifest.json)."""
+def _prepared_order(prepared: Path) -> dict[tuple[int, ...], list[int]]:
+    """Row indices of a prepared speculators dataset, by token ids (rows with equal ids share a list)."""
+    from datasets import load_from_disk
+
+    try:
+        rows = load_from_disk(str(prepared)).with_format(None)["input_ids"]
+    except FileNotFoundError:
+        raise ConfigError(f"--speculators-data {prepared}: not a dataset saved by `speculators prepare-data`") from None
+    order: dict[tuple[int, ...], list[int]] = {}
+    for i, ids in enumerate(rows):
+        order.setdefault(tuple(ids), []).append(i)
+    return order
+
+
+def _save_rows(out: Path, rows: dict[str, list]) -> None:
+    from datasets import Dataset
+
+    Dataset.from_dict(rows).with_format("torch").save_to_disk(str(out))
+
+
+def export_hidden(run_dir: str | Path | Location | RunDir, fmt: str, out_dir: str | Path,
+                  speculators_data: str | Path | None = None) -> dict[str, Any]:
+    """Write every captured sample in `fmt`; returns the summary (also in manifest.json)."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown hidden-state export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-    out = Path(out_dir)
+    run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    cap = capture_run_dir(run)
+    if not cap.exists():
+        raise ConfigError(f"{run.path} has no capture (RUN/capture/capture.json): run `regen capture` first")
+    cap_manifest = cap.read_manifest()
+    layout = CaptureLayout.from_dict(cap_manifest["layout"])
+    ledger = {(r["prompt_id"], r["turn_index"]): r for r in
+              (cap.read_table(cap.data, ["prompt_id", "turn_index", "sample_id", "finish_reason"]) or
+               _empty()).to_pylist()}
+    out = Path(speculators_data) if speculators_data else Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = _run_hidden_config(rd)
     torch = _torch() if fmt == "specforge-offline" else None
-    n = tokens = 0
-    width = kind = n_layers = None
-    index = []
-    for idx, sample in enumerate(iter_hidden(rd)):
-        if width is None:
-            width = sample.width
-            kind, n_layers = _kind(cfg, width)
-        elif sample.width != width:
-            raise ValueError(f"sample {sample.prompt_id!r} has width {sample.width}, the others {width}")
+    hs_folder = out / "hidden_states"
+    if fmt == "speculators-hidden":
+        hs_folder.mkdir(exist_ok=True)
+    prepared = _prepared_order(out) if speculators_data else None
+    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    index, tokens, unmatched = [], 0, []
+    for sample in iter_hidden(cap):
+        entry = ledger[(sample.prompt_id, sample.turn_index)]
+        truncated = entry["finish_reason"] == "length"
+        mask = loss_mask(len(sample.token_ids), sample.n_prompt, truncated)
+        states = _states(sample, layout)
         if fmt == "specforge-offline":
-            path = _specforge_write(torch, sample, idx, out, kind)
+            path = _specforge_write(torch, states, sample, mask, len(index), out, layout)
+            idx = len(index)
         else:
-            path = _speculators_write(sample, idx, out, n_layers)
-        index.append({"idx": idx, "file": str(path.relative_to(out)), "prompt_id": sample.prompt_id,
-                      "turn_index": sample.turn_index, "tokens": len(sample.token_ids),
-                      "n_prompt": sample.n_prompt, "n_rows": sample.n_rows})
-        n += 1
+            if prepared is not None:
+                slots = prepared.get(tuple(int(t) for t in sample.token_ids))
+                if not slots:
+                    unmatched.append(entry["sample_id"])
+                    continue
+                idx = slots.pop(0)
+            else:
+                idx = len(rows["input_ids"])
+                rows["input_ids"].append(sample.token_ids.astype(np.int64).tolist())
+                rows["loss_mask"].append(mask.tolist())
+                rows["seq_len"].append(len(sample.token_ids))
+            path = _speculators_write(states, sample, idx, hs_folder, layout)
+        index.append({"idx": idx, "file": str(path.relative_to(out)), "sample_id": entry["sample_id"],
+                      "prompt_id": sample.prompt_id, "turn_index": sample.turn_index,
+                      "tokens": len(sample.token_ids), "n_prompt": sample.n_prompt, "truncated": truncated})
         tokens += len(sample.token_ids)
-    kind = kind or _kind(cfg, int(cfg.get("expected_width") or 3))[0]
-    layers = _layers_and_norm(kind, cfg)
-    notes: list[str] = []
-    if fmt == "specforge-offline":
-        last = ("the last token has no stored vector: its row in "
-                f"{'aux_hidden_state' if kind == 'aux' else 'hidden_state'} is zeros and its loss_mask is 0")
-        notes.append(last)
-        if kind == "aux":
-            notes.append("no hidden_state (last layer after the final norm) was captured; only aux_hidden_state")
-        else:
-            notes.append("only the last layer was captured (no aux_hidden_state): SpecForge's EAGLE-3 offline "
-                         "training needs the auxiliary layers (run the server with EAGLE3 aux hidden states)")
-    else:
-        notes.append(f"LAYOUT DIFFERS from speculators' own dumps: they hold 4 layers [2, L//2, L-3, L] with the "
-                     f"last one BEFORE the final norm; this export holds {n_layers or '?'} layer(s) as SGLang "
-                     f"returned them ({layers['layers_note'] or kind}; {layers['norm']}).")
-        notes.append("hidden_states has T - 1 rows for T token_ids: the last generated token has no vector "
-                     "(not padded)")
+    if fmt == "speculators-hidden" and prepared is None:
+        _save_rows(out, rows)
+    notes = [TRUNCATED_NOTE]
+    if unmatched:
+        notes.append(f"{len(unmatched)} captured samples have no row in {out} (filtered by prepare-data, or "
+                     f"another export): {', '.join(unmatched[:5])}")
+    if prepared is not None:
+        missing = sum(len(v) for v in prepared.values())
+        if missing:
+            notes.append(f"{missing} rows of {out} have no captured sample: speculators will generate or skip them")
+    states_used = ([s for s in layout.states if s.kind in (AUX, FINAL_POST_NORM)] if fmt == "specforge-offline"
+                   else [s for s in layout.states if s.kind in (AUX, LAST_PRE_NORM)])
     summary = {
-        "format": fmt, "run": str(rd.path), "samples": n, "tokens": tokens, "width": width,
-        "layers": layers, "n_layers": n_layers, "alignment": ALIGNMENT_NOTE, "dtype": "bf16",
-        "layout_differs_from_speculators": fmt == "speculators-hidden", "notes": notes,
+        "format": fmt, "run": str(run.path), "samples": len(index), "tokens": tokens,
+        "capture_fingerprint": cap_manifest.get("fingerprint"), "route": cap_manifest.get("route"),
+        "layout": layout.as_dict(),
+        "exported_states": [{"kind": s.kind, "layer": s.layer, "norm": s.norm} for s in states_used],
+        "specforge_aux_hidden_state_layer_ids": [i - 1 for i in layout.aux_layer_ids],
+        "speculators_eagle_aux_hidden_state_layer_ids": list(layout.aux_layer_ids),
+        "dtype": "bf16", "notes": notes,
     }
-    atomic_write(out / "manifest.json", orjson.dumps({**summary, "files": index}, option=orjson.OPT_INDENT_2))
+    atomic_write(out / "manifest.json" if fmt == "specforge-offline" or not speculators_data
+                 else out / "hidden_states" / "manifest.json",
+                 orjson.dumps({**summary, "files": index}, option=orjson.OPT_INDENT_2))
     return summary
+
+
+def _empty():
+    import pyarrow as pa
+
+    from ..store import schema
+
+    return pa.Table.from_pylist([], schema=schema.CAPTURE).select(["prompt_id", "turn_index", "sample_id",
+                                                                   "finish_reason"])

@@ -42,8 +42,19 @@ FOLLOWS_DROPPED_TURN = "follows_dropped_or_missing_turn"
 HISTORY_NOT_TARGET = "history_not_target_written"
 INVALID_CONVERSATION = "invalid_conversation"
 
-TRAIN_ONLY_LAST_TURN_NOTE = ("train SpecForge with `train_only_last_turn: true`: each row's earlier assistant "
-                             "turns are history{why}, only its last assistant turn is a training target")
+TRAIN_ONLY_LAST_TURN_NOTE = ("train SpecForge with `data.train_only_last_turn: true` (under `data:` in the training "
+                             "YAML, or the override data.train_only_last_turn=true; a top-level key is rejected): "
+                             "each row's earlier assistant turns are history{why}, only its last assistant turn is a "
+                             "training target")
+# SpecForge renders conversations with the tokenizer's own chat template; its template entry adds only a system
+# prompt and the loss-mask markers (specforge/data/template.py).
+CHAT_TEMPLATE_NOTE = ("SpecForge re-renders these conversations: its `qwen` template injects its own system prompt "
+                      "(\"You are a helpful assistant.\") into rows without one, which the target never saw; `lfm` "
+                      "injects none, so for a ChatML model such as SmolLM2 `data.chat_template: lfm` renders the "
+                      "server's exact prompt ids. Rendering closes every assistant turn with an end-of-turn token; "
+                      "records cut at max_tokens are therefore dropped unless --keep-truncated")
+TRUNCATED_MASK_NOTE = ("records cut at max_tokens keep their ids as generated, and their last position has loss_mask "
+                       "0: no library trains an end-of-turn there that the model never generated")
 
 
 class NotARunDirectory(ConfigError):
@@ -61,13 +72,14 @@ class ExportSummary:
     dropped: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     specforge_settings: dict[str, Any] = field(default_factory=dict)
+    masked_truncated: int = 0  # token formats: truncated records whose last position is masked
 
     def drop(self, reason: str, count: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
 
     def counts(self) -> dict[str, Any]:
         return {"records_read": self.records_read, "records_exported": self.records_exported,
-                "rows_written": self.rows_written, "dropped": dict(sorted(self.dropped.items()))}
+                "rows_written": self.rows_written, "masked_truncated": self.masked_truncated, "dropped": dict(sorted(self.dropped.items()))}
 
     def table(self) -> str:
         lines = [f"export {self.format} ({self.mode} run) -> {self.out}",
@@ -235,6 +247,8 @@ class _Exporter:
                 self._emit(formats.specforge_tokens_row(record), 1)
             else:
                 self._emit(formats.speculators_row(record, self.sampling), 1)
+            if self.fmt in TOKEN_FORMATS and formats.is_truncated(record):
+                self.summary.masked_truncated += 1
 
     def _whole_conversation(self, turns: list[dict[str, Any]]) -> None:
         """Cut the conversation before its first dropped or missing turn: later turns' histories hold it."""
@@ -262,23 +276,33 @@ class _Exporter:
         self._emit(row, len(kept))
 
 
+def _settings(last_turn: bool) -> dict[str, Any]:
+    """SpecForge's own keys: `train_only_last_turn` is a DataConfig field (specforge/config/schema.py)."""
+    value = "true" if last_turn else "false"
+    return {"data": {"train_only_last_turn": last_turn}, "overrides": [f"data.train_only_last_turn={value}"]}
+
+
 def _notes_and_settings(fmt: str, mode: str, per_turn: bool) -> tuple[list[str], dict[str, Any]]:
     if fmt == "specforge":
         if mode != "all_turns":
             why = " written by the source dataset (last_turn run)"
-            return [TRAIN_ONLY_LAST_TURN_NOTE.format(why=why)], {"train_only_last_turn": True}
+            return [TRAIN_ONLY_LAST_TURN_NOTE.format(why=why), CHAT_TEMPLATE_NOTE], _settings(True)
         if per_turn:
-            return [TRAIN_ONLY_LAST_TURN_NOTE.format(why=" (per-turn rows)")], {"train_only_last_turn": True}
-        return (["whole all_turns conversations: every assistant turn is target-written and trainable"],
-                {"train_only_last_turn": False})
+            return [TRAIN_ONLY_LAST_TURN_NOTE.format(why=" (per-turn rows)"), CHAT_TEMPLATE_NOTE], _settings(True)
+        return (["whole all_turns conversations: every assistant turn is target-written and trainable",
+                 CHAT_TEMPLATE_NOTE], _settings(False))
     return ([f"{fmt}: loss_mask is 1 exactly on the tokens the target generated; the prompt "
-             "(including any source-written history) is masked out"], {})
+             "(including any source-written history) is masked out", TRUNCATED_MASK_NOTE], {})
 
 
 def export_run(run_dir: str | Path | Location, fmt: str, out: Path, *, drop_truncated: bool = False, drop_flagged: bool = False,
-               sources: list[str] | None = None, per_turn: bool = False) -> ExportSummary:
+               sources: list[str] | None = None, per_turn: bool = False, keep_truncated: bool = False) -> ExportSummary:
+    """`keep_truncated`: the conversation export keeps records cut at max_tokens (dropped by default: SpecForge
+    would close them with a trainable end-of-turn token the model never generated)."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt == "specforge" and not keep_truncated:
+        drop_truncated = True
     run = RunDir(run_dir)
     manifest = read_run_manifest(run)
     generation = manifest.get("generation") or {}
@@ -304,6 +328,9 @@ def export_run(run_dir: str | Path | Location, fmt: str, out: Path, *, drop_trun
         "counts": summary.counts(),
         "notes": summary.notes,
         "specforge_settings": summary.specforge_settings,
+        "chat_template": ({"specforge": "lfm for ChatML models such as SmolLM2 (renders the server's exact prompt "
+                                        "ids); not qwen (it injects its own system prompt)", "note": CHAT_TEMPLATE_NOTE}
+                          if fmt == "specforge" else None),
         "created_at": now_utc().isoformat(timespec="seconds"),
     }, option=orjson.OPT_INDENT_2))
     return summary
@@ -323,6 +350,12 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-turn", action="store_true",
                         help="specforge, all_turns runs: one row per assistant turn instead of whole conversations")
     parser.add_argument("--drop-truncated", action="store_true", help="drop records that hit max_tokens")
+    parser.add_argument("--keep-truncated", action="store_true",
+                        help="specforge: keep records that hit max_tokens (dropped by default: SpecForge would train "
+                             "an end-of-turn token the model never generated)")
+    parser.add_argument("--speculators-data", metavar="DIR",
+                        help="speculators-hidden: a folder made by `speculators prepare-data`; hs_{i} files go into "
+                             "its hidden_states/ in its row order")
     parser.add_argument("--drop-flagged", action="store_true", help="drop records with any quality flag")
     parser.add_argument("--source", action="append", dest="sources", metavar="NAME",
                         help="keep only records of this source (repeatable)")
@@ -339,13 +372,14 @@ def run_export(args: argparse.Namespace) -> int:
     if args.format in HIDDEN_FORMATS:
         from .hidden import export_hidden
 
-        result = export_hidden(args.run_dir, args.format, local_out(args.out))
+        result = export_hidden(args.run_dir, args.format, local_out(args.out), args.speculators_data)
         for note in result.get("notes", []):
             print(f"regen: {note}", file=sys.stderr)
         print(f"regen: {args.format}: {result.get('samples', result.get('written', '?'))} samples in {args.out} "
               f"(manifest.json says which layers and which norm convention)", file=sys.stderr)
         return 0
     summary = export_run(args.run_dir, args.format, local_out(args.out), drop_truncated=args.drop_truncated,
-                         drop_flagged=args.drop_flagged, sources=args.sources, per_turn=args.per_turn)
+                         drop_flagged=args.drop_flagged, sources=args.sources, per_turn=args.per_turn,
+                         keep_truncated=args.keep_truncated)
     print(summary.table(), file=sys.stderr)
     return 0

@@ -88,9 +88,13 @@ class HiddenPartWriter:
     Cap what is buffered with `pending_bytes` (the actor's bound on answers held at once).
     """
 
-    def __init__(self, run_dir: RunLike, tag: str | None = None, counter: Iterator[int] | None = None):
-        """`counter`: the actor's part counter, shared by all the writers one actor makes."""
+    def __init__(self, run_dir: RunLike, tag: str | None = None, counter: Iterator[int] | None = None,
+                 rows_per_token: bool = False):
+        """`counter`: the actor's part counter, shared by all the writers one actor makes. `rows_per_token`: a
+        capture stores T rows for T tokens (row t: the states after feeding token t); the generating-request
+        layout of older runs had T - 1."""
         self.run_dir = _run_dir(run_dir)
+        self.missing_rows = 0 if rows_per_token else 1
         self.tag = _sanitize_tag(tag)
         self.counter = counter if counter is not None else itertools.count(1)
         self._rows: list[dict] = []
@@ -104,13 +108,14 @@ class HiddenPartWriter:
         return sum(m.nbytes for m in self._mats)
 
     def add(self, prompt_id: str, turn_index: int, token_ids, n_prompt: int, hidden: np.ndarray) -> None:
-        """One sample: `token_ids` = prompt + completion ids, `hidden` = [len(token_ids) - 1, width] bf16
-        (uint16 bit patterns or ml_dtypes.bfloat16)."""
+        """One sample: `token_ids` = prompt + completion ids, `hidden` = [T, width] bf16 (capture) or
+        [T - 1, width] (older runs), as uint16 bit patterns or ml_dtypes.bfloat16."""
         if hidden.ndim != 2 or hidden.dtype.itemsize != 2:
             raise ValueError(f"hidden must be a 2-D bf16/uint16 matrix, got {hidden.dtype} {hidden.shape}")
         token_ids = np.asarray(token_ids, dtype=np.int32)
-        if hidden.shape[0] != max(len(token_ids) - 1, 0):
-            raise ValueError(f"{hidden.shape[0]} hidden rows for {len(token_ids)} tokens; expected tokens - 1")
+        if hidden.shape[0] != max(len(token_ids) - self.missing_rows, 0):
+            raise ValueError(f"{hidden.shape[0]} hidden rows for {len(token_ids)} tokens; expected tokens"
+                             + (" - 1" if self.missing_rows else ""))
         if any(r["prompt_id"] == prompt_id and r["turn_index"] == turn_index for r in self._rows):
             raise ValueError(f"({prompt_id!r}, {turn_index}) is already pending in this part")
         self._rows.append({"prompt_id": prompt_id, "turn_index": int(turn_index), "token_ids": token_ids,
@@ -218,7 +223,7 @@ class HiddenSample(HiddenMatrix):
     turn_index: int
     token_ids: np.ndarray  # int32 [T]: prompt + completion
     n_prompt: int
-    hidden: np.ndarray  # bf16 [T - 1, W] (ml_dtypes.bfloat16, or uint16 bit patterns without ml_dtypes)
+    hidden: np.ndarray  # bf16 [T, W] from a capture ([T - 1, W] in older runs), ml_dtypes.bfloat16 or uint16 bits
     loss_mask: np.ndarray  # uint8 [T]: 0 on the prompt, 1 on the completion
 
 

@@ -77,6 +77,26 @@ HIDDEN = pa.schema(
     ]
 )
 
+# RUN/capture/data/part-*.parquet: the capture's ledger, one row per captured sample (an exported record or turn,
+# `sample_id` the token exports' id). All samples of one prompt are committed together, after the actor has
+# committed the hidden part that holds them (RUN/capture/hidden/, layout `HIDDEN` with T rows for T tokens).
+CAPTURE = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("turn_index", pa.int32()),
+        ("sample_id", pa.string()),
+        ("n_tokens", pa.int32()),
+        ("n_prompt", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("hidden_part", pa.string()),
+        ("hidden_row", pa.int32()),
+        ("actor", pa.string()),
+        ("capture_s", pa.float64()),  # the route's own time for this sample (the forward pass, or the request)
+        ("capture_fingerprint", pa.string()),
+        ("created_at", pa.timestamp("ms", tz="UTC")),
+    ]
+)
+
 FAILURES = pa.schema(
     [
         ("prompt_id", pa.string()),

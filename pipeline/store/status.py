@@ -10,6 +10,7 @@ import orjson
 
 from ..prompts.fileid import file_states
 from ..prompts.report import report_lines
+from .capture_ledger import capture_counts
 from .rundir import RunDir, RunLock
 
 
@@ -54,7 +55,7 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
     report = {"run_dir": str(path), "state": run_state(run_dir, counts), **counts,
               "fingerprint": manifest.get("fingerprint"), "sources": sources, "source_files": files,
               "last_update": live.get("updated_at"), "endpoints": live.get("endpoints", {}),
-              "this_session": live.get("this_session", {})}
+              "this_session": live.get("this_session", {}), "capture": capture_counts(run_dir)}
     if as_json:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
@@ -69,6 +70,11 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
     if session:
         print(f"  last session: {session.get('done', 0)} records, {session.get('tok_s', 0)} tok/s, "
               f"{session.get('elapsed_s', 0)}s (status of {report['last_update']})")
+    cap = report["capture"]
+    if cap:
+        print(f"  capture ({cap['route']}, {cap['fingerprint']}): {cap['state']}; {cap['captured']} of "
+              f"{cap['capturable']} samples captured ({cap['tokens']} tokens); {cap['refused_no_token_ids']} "
+              f"records refused without token ids")
     for label, stats in report["endpoints"].items():
         print(f"  {label:<28} {stats.get('state', '?'):<8} on {stats.get('node', '?'):<15} "
               f"in flight {stats.get('in_flight', 0):>4}  "

@@ -1,0 +1,220 @@
+"""`regen capture RUN --config capture.yaml`: the hidden states of a run's committed records, in RUN/capture/.
+
+A prefill-only pass over prompt + completion ids, after generation (or beside it, on what it has committed), so
+the generation fleet keeps its prefix cache. Layout of RUN/capture/:
+    capture.json        identity: fingerprint (route, model, layers, dtype) and the layout (hidden/layout.py)
+    run.lock, lock.json the capture's own lock (generation's lock is never taken)
+    data/part-*.parquet the ledger: one row per captured sample (schema.CAPTURE), committed by this driver
+    hidden/part-*.parquet  the states, bf16 [T, K*H], committed by the actors before the ledger rows naming them
+    status.json         progress (`regen status RUN` counts from the ledger)
+Exactly once: a prompt's samples are committed together; a prompt in the ledger is never captured again; hidden
+parts no ledger row names (a kill between the two commits) are removed at every start.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from .core.capture_config import CaptureConfig, load_capture_config
+from .core.errors import ConfigError, DriftError
+from .export.formats import turn_id
+from .hidden.layout import capture_fingerprint
+from .hidden.parts import remove_garbage_hidden_parts
+from .hidden.routes import layout_for
+from .run import EXIT_INTERRUPTED, StopFlag, setup_logging
+from .store import schema
+from .store.capture_ledger import CaptureDir, capture_run_dir, is_truncated, record_token_ids
+from .store.rundir import Committer, RunDir, RunLock, now_utc
+
+log = logging.getLogger("regen")
+
+
+@dataclass
+class CaptureOptions:
+    run_dir: str
+    config: str
+    force: bool = False  # start even if the estimated size exceeds the free space
+
+
+@dataclass
+class Pending:
+    prompts: list[list[Any]] = field(default_factory=list)  # each: the Samples of one prompt
+    no_token_ids: int = 0  # records refused: the server gave no token ids (llama.cpp)
+    tokens: int = 0
+
+
+def open_capture(run: RunDir, cfg: CaptureConfig) -> tuple[CaptureDir, dict[str, Any]]:
+    """RUN/capture with its capture.json: created, or checked against this config (drift is refused)."""
+    cap = capture_run_dir(run)
+    for sub in (cap.data, cap.path / "hidden", cap.logs):
+        sub.mkdir()
+    for tmp in cap.cleanup_temp():
+        log.info("removed uncommitted temporary file %s", tmp.name)
+    layout = layout_for(cfg)
+    fingerprint = capture_fingerprint(cfg.route, layout)
+    manifest = {"fingerprint": fingerprint, "route": cfg.route, "layout": layout.as_dict(),
+                "run_fingerprint": run.read_manifest().get("fingerprint")}
+    if cap.exists():
+        before = cap.read_manifest()
+        if before.get("fingerprint") != fingerprint:
+            diff = [f"{key}: {before.get(key)!r} -> {manifest[key]!r}" for key in ("route", "fingerprint")
+                    if before.get(key) != manifest[key]]
+            old, new = before.get("layout", {}), manifest["layout"]
+            diff += [f"layout.{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in
+                     ("model", "aux_layer_ids", "dtype") if old.get(key) != new.get(key)]
+            raise DriftError(str(cap.path), diff + ["a capture keeps its route, model, layers and dtype: "
+                                                    "capture into another run copy, or delete RUN/capture"])
+        return cap, before
+    cap.write_manifest({**manifest, "created_at": now_utc().isoformat(timespec="seconds")})
+    return cap, cap.read_manifest()
+
+
+def pending_samples(run: RunDir, done: set[str], refused: set[tuple[str, int]], sample_factory) -> Pending:
+    """The committed records' samples whose prompt is not captured yet, grouped by prompt. A record without
+    token ids is refused (added to `refused`), and so is the rest of its prompt."""
+    out = Pending()
+    by_prompt: dict[str, dict[int, Any]] = {}
+    for part in RunDir.parts(run.data):
+        for rec in part.read_parquet(columns=["prompt_id", "turn_index", "prompt_token_ids", "output_token_ids",
+                                               "finish_reason", "flags"]).to_pylist():
+            pid = rec["prompt_id"]
+            if pid in done:
+                continue
+            ids = record_token_ids(rec)
+            turn = int(rec["turn_index"] or 0)
+            if ids is None:
+                if (pid, turn) not in refused:
+                    refused.add((pid, turn))
+                    out.no_token_ids += 1
+                continue
+            by_prompt.setdefault(pid, {}).setdefault(turn, sample_factory(
+                pid, turn, turn_id(pid, turn), ids, len(rec["prompt_token_ids"]),
+                "length" if is_truncated(rec) else rec["finish_reason"]))
+    refused_prompts = {pid for pid, _ in refused}
+    for pid, turns in by_prompt.items():
+        if pid not in refused_prompts:
+            out.prompts.append([turns[t] for t in sorted(turns)])
+            out.tokens += sum(len(s.token_ids) for s in turns.values())
+    return out
+
+
+def check_space(cap: RunDir, pending: Pending, width: int, force: bool) -> None:
+    from .hidden.parse import check_free_space, estimate_bytes
+
+    needed = estimate_bytes(1, pending.tokens, width)
+    if not cap.path.local:
+        log.info("the capture needs about %.3f GB on %s (an object store: no capacity check)", needed / 1e9, cap.path)
+        return
+    fit = check_free_space(cap.path, needed, force=force)
+    log.info("%s%s", fit["message"], "" if fit["fits"] else ": forced")
+
+
+def capture(opts: CaptureOptions) -> int:
+    cfg = load_capture_config(opts.config)
+    run = RunDir(opts.run_dir)
+    if not run.exists():
+        raise ConfigError(f"{opts.run_dir} is not a run directory (no run.json)")
+    stop = StopFlag()
+    stop.install()
+    cap = capture_run_dir(run)
+    cap.path.mkdir()
+    with RunLock(cap) as lock:
+        setup_logging(cap)
+        cap_manifest = open_capture(run, cfg)[1]
+        removed = remove_garbage_hidden_parts(cap)
+        if removed:
+            log.info("removed %d hidden parts no ledger row names (left by a kill)", removed)
+        return capture_loop(cfg, opts, run, cap, cap_manifest, stop, lock)
+
+
+def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: RunDir, cap_manifest: dict[str, Any],
+                 stop: StopFlag, lock: RunLock) -> int:
+    from .dispatch.capture_pool import CapturePool
+    from .dispatch.capture_worker import Sample
+    from .dispatch.cluster import init_ray
+
+    fingerprint = cap_manifest["fingerprint"]
+    width = int(cap_manifest["layout"]["hidden_size"]) * len(cap_manifest["layout"]["states"])
+    done = cap.committed_ids()
+    refused: set[tuple[str, int]] = set()
+    committer = Committer(cap, done, cfg.flush_records, cfg.flush_interval_s, schema.CAPTURE, lock=lock)
+    session = {"samples": 0, "tokens": 0, "route_s": 0.0, "started": time.monotonic(), "failed_prompts": 0}
+
+    def on_rows(rows) -> None:
+        for prompt_rows in rows:
+            stamped = [{**row, "created_at": now_utc()} for row in prompt_rows]
+            if committer.add_records(stamped):
+                session["samples"] += len(stamped)
+                session["tokens"] += sum(r["n_tokens"] for r in stamped)
+                session["route_s"] += sum(r["capture_s"] for r in stamped)
+        committer.maybe_flush()
+
+    def write_status(state: str) -> None:
+        elapsed = time.monotonic() - session["started"]
+        cap.write_status({"state": state, "updated_at": now_utc().isoformat(timespec="seconds"),
+                          "captured_prompts": len(committer.done), "refused_no_token_ids": len(refused),
+                          "this_session": {"samples": session["samples"], "tokens": session["tokens"],
+                                           "elapsed_s": round(elapsed, 1),
+                                           "tok_s": round(session["tokens"] / max(elapsed, 1e-9), 1),
+                                           "route_tok_s": round(session["tokens"] / max(session["route_s"], 1e-9), 1),
+                                           "failed_prompts": session["failed_prompts"]}})
+
+    ticks = {"last": 0.0}
+
+    def on_tick() -> None:
+        committer.maybe_flush()
+        if time.monotonic() - ticks["last"] > 2.0:
+            ticks["last"] = time.monotonic()
+            write_status("running")
+
+    stop.graceful = True
+    state = "complete"
+    try:
+        while True:
+            pending = pending_samples(run, committer.done | committer.buffered, refused, Sample)
+            if pending.no_token_ids:
+                log.warning("%d records refused: no token ids (a server that gives none, e.g. llama.cpp, cannot "
+                            "be captured; regenerate with an engine that returns them)", pending.no_token_ids)
+            if pending.prompts:
+                check_space(cap, pending, width, opts.force)
+                log.info("capturing %d prompts (%d tokens) on %d actor(s)", len(pending.prompts), pending.tokens,
+                         cfg.actors)
+                init_ray(cfg.ray.address)
+                stop.install()  # again: ray.init replaced the SIGTERM handler
+                batches = [pending.prompts[i:i + cfg.prompts_per_call]
+                           for i in range(0, len(pending.prompts), cfg.prompts_per_call)]
+                pool = CapturePool(cfg, cap.path.uri, fingerprint, on_rows, on_tick, stop)
+                pool.run(batches)
+                session["failed_prompts"] += len(pool.failed_prompts)
+                committer.flush()
+            if stop():
+                state = "interrupted"
+                break
+            if not cfg.follow or not RunLock(run).is_held():
+                if cfg.follow and pending.prompts:
+                    continue  # generation ended while this pass ran: one more pass over its last parts
+                break
+            time.sleep(cfg.poll_interval_s)
+    except BaseException:
+        try:
+            committer.flush()
+        finally:
+            write_status("interrupted")
+        raise
+    committer.flush()
+    write_status(state)
+    summary = {"captured_prompts": len(committer.done), "new_samples": session["samples"],
+               "refused_no_token_ids": len(refused), "failed_prompts": session["failed_prompts"]}
+    print(f"regen: capture {state}: {orjson.dumps(summary).decode()}", file=sys.stderr)
+    if state == "interrupted":
+        return EXIT_INTERRUPTED
+    if session["failed_prompts"]:
+        return 1
+    if refused and not committer.done:
+        raise ConfigError(f"{run.path}: none of its {len(refused)} prompts has token ids; nothing to capture")
+    return 0

@@ -1,0 +1,68 @@
+"""capture.yaml: the config of `regen capture RUN` (strict, like the run config)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from .config import RayOptions, _describe, _Strict
+from .errors import ConfigError
+
+
+class VllmCapture(_Strict):
+    """Route `vllm`: a vLLM server started with `--speculative-config method=extract_hidden_states` and a
+    hidden-states KV connector (kv_role kv_producer) whose `shared_storage_path` this host can read."""
+
+    url: str
+    model: str | None = None  # the served model name (None: the first of /v1/models)
+    api_key_env: str | None = None
+    timeout_s: float = Field(600.0, gt=0.0)
+    lock_timeout_s: float = Field(120.0, gt=0.0)  # waiting for the server to finish writing its file
+    concurrency: int = Field(4, ge=1, le=256)  # requests in flight per actor
+
+
+class CaptureConfig(_Strict):
+    route: Literal["transformers", "vllm"]
+    # The model the states come from: a local HF folder (or hub id). Route vllm reads only its config.json and the
+    # final norm's weight from it (the server reports no layer count).
+    model: str
+    # EAGLE-3 auxiliary layers in vLLM/speculators ids (input of layer i); default [2, L//2, L-3].
+    aux_layer_ids: list[int] | None = Field(None, min_length=3, max_length=3)
+    dtype: Literal["bf16"] = "bf16"
+    torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # route transformers: compute dtype
+    actors: int = Field(1, ge=1, le=1024)
+    actor_num_cpus: float = Field(1.0, ge=0.0)
+    actor_num_gpus: float = Field(0.0, ge=0.0)
+    torch_threads: int | None = Field(None, ge=1)
+    prompts_per_call: int = Field(4, ge=1)  # prompts (all their samples) an actor takes per call
+    flush_records: int = Field(64, ge=1)  # samples buffered before a ledger part is committed
+    flush_interval_s: float = Field(10.0, gt=0.0)
+    # Keep capturing what generation commits until its run is no longer locked (a live run); else one pass.
+    follow: bool = False
+    poll_interval_s: float = Field(5.0, gt=0.0)
+    vllm: VllmCapture | None = None
+    ray: RayOptions = RayOptions()
+
+    @model_validator(mode="after")
+    def _route_section(self) -> "CaptureConfig":
+        if self.route == "vllm" and self.vllm is None:
+            raise ValueError("route vllm needs a `vllm:` section (url of the server)")
+        return self
+
+
+def load_capture_config(path: str | Path) -> CaptureConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"capture config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the capture config must be a mapping of keys")
+    try:
+        return CaptureConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path)) from None

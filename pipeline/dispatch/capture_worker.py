@@ -1,0 +1,61 @@
+"""The capture actor: builds its route once (the model, or the vLLM client), then turns batches of prompts into
+committed hidden parts. One hidden part per call, committed before the call returns the ledger rows that name it
+(the driver commits those): a kill in between leaves an unreferenced part, removed on the next start."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..hidden.kernel import f32_to_bf16
+from ..hidden.parts import HiddenPartWriter
+from ..hidden.routes import build_route
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One capture sample: an exported record (or turn) with its exact token ids."""
+
+    prompt_id: str
+    turn_index: int
+    sample_id: str
+    token_ids: list[int]
+    n_prompt: int
+    finish_reason: str | None
+
+
+class CaptureWorker:
+    def __init__(self, cfg, capture_dir: str, tag: str, fingerprint: str):
+        self.cfg, self.capture_dir, self.tag, self.fingerprint = cfg, capture_dir, tag, fingerprint
+        self.route = None
+        self.counter = itertools.count(1)
+
+    def ready(self) -> bool:
+        if self.route is None:
+            self.route = build_route(self.cfg)
+        return True
+
+    def capture(self, prompts: list[list[Sample]]) -> list[list[dict[str, Any]]]:
+        """For each prompt (all its samples), its ledger rows; the hidden part is committed first."""
+        self.ready()
+        writer = HiddenPartWriter(self.capture_dir, tag=self.tag, counter=self.counter, rows_per_token=True)
+        timings: dict[str, float] = {}
+        for samples in prompts:
+            for s in samples:
+                started = time.perf_counter()
+                states = self.route.capture(s.token_ids)
+                timings[s.sample_id] = time.perf_counter() - started
+                if states.shape[:2] != (len(s.token_ids), len(self.route.layout.states)):
+                    raise ValueError(f"{s.sample_id}: the route returned {states.shape} for {len(s.token_ids)} "
+                                     f"tokens and {len(self.route.layout.states)} states")
+                bits, _ = f32_to_bf16(np.ascontiguousarray(states, dtype=np.float32).reshape(len(s.token_ids), -1))
+                writer.add(s.prompt_id, s.turn_index, s.token_ids, s.n_prompt, bits)
+        part, rows = writer.commit()
+        return [[{"prompt_id": s.prompt_id, "turn_index": s.turn_index, "sample_id": s.sample_id,
+                  "n_tokens": len(s.token_ids), "n_prompt": s.n_prompt, "finish_reason": s.finish_reason,
+                  "hidden_part": part, "hidden_row": rows[(s.prompt_id, s.turn_index)], "actor": self.tag,
+                  "capture_s": timings[s.sample_id], "capture_fingerprint": self.fingerprint}
+                 for s in samples] for samples in prompts]

@@ -1,0 +1,112 @@
+"""Capture routes: token ids in, the layout's states out ([T, K, H] float32, row t = after feeding token t).
+
+Every route is one object with `layout` and `capture(token_ids)`; the actor converts its output to bf16 and
+stores it (hidden/parts.py). Routes:
+- `transformers` (in-process, any HF causal LM): one forward pass with output_hidden_states; the aux states are
+  output_hidden_states[i], the final post-norm state is its last entry (transformers applies the final norm
+  there), and the pre-norm last layer is taken with a forward hook on the last decoder layer.
+- `vllm`: hidden/vllm_route.py (the server writes the states into a safetensors file).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..core.errors import ConfigError
+from .layout import AUX, FINAL_POST_NORM, LAST_PRE_NORM, CaptureLayout
+
+
+class CaptureRoute(Protocol):
+    layout: CaptureLayout
+
+    def capture(self, token_ids: list[int]) -> np.ndarray:
+        """[T, len(layout.states), hidden_size] float32 for T token ids."""
+
+
+@dataclass(frozen=True)
+class TransformersOptions:
+    model: str  # a local HF folder or a hub id
+    aux_layer_ids: tuple[int, ...] | None = None
+    torch_dtype: str = "float32"  # compute dtype; states are stored as bf16 either way
+    threads: int | None = None  # torch threads in the actor (None: torch's default)
+
+
+class TransformersRoute:
+    """In-process capture through transformers (CPU or the node's GPU)."""
+
+    def __init__(self, opts: TransformersOptions):
+        try:
+            import torch
+            from transformers import AutoConfig, AutoModelForCausalLM
+        except ImportError:
+            raise ConfigError("route transformers needs torch and transformers (pip install -e '.[verify]')") from None
+        self.torch = torch
+        if opts.threads:
+            torch.set_num_threads(opts.threads)
+        config = AutoConfig.from_pretrained(opts.model)
+        text = getattr(config, "text_config", None) or config
+        self.layout = CaptureLayout.build(opts.model, int(text.num_hidden_layers), int(text.hidden_size),
+                                          list(opts.aux_layer_ids) if opts.aux_layer_ids else None)
+        self.device = "cuda" if torch.cuda.is_available() and os.environ.get("REGEN_CAPTURE_CPU") != "1" else "cpu"
+        self.model = AutoModelForCausalLM.from_pretrained(opts.model, dtype=getattr(torch, opts.torch_dtype))
+        self.model.to(self.device).eval()
+        self.decoder_layers = self.model.get_decoder().layers
+        if len(self.decoder_layers) != self.layout.num_layers:
+            raise ConfigError(f"{opts.model}: {len(self.decoder_layers)} decoder layers, config says "
+                              f"{self.layout.num_layers}")
+
+    def capture(self, token_ids: list[int]) -> np.ndarray:
+        torch = self.torch
+        seen: dict[str, object] = {}
+
+        def keep(_module, _inputs, output):
+            seen["pre"] = output[0] if isinstance(output, tuple) else output
+
+        hook = self.decoder_layers[-1].register_forward_hook(keep)
+        try:
+            with torch.inference_mode():
+                ids = torch.tensor([list(token_ids)], device=self.device)
+                out = self.model(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+        finally:
+            hook.remove()
+        hs = out.hidden_states
+        picked = []
+        for state in self.layout.states:
+            if state.kind == AUX:
+                picked.append(hs[state.layer][0])
+            elif state.kind == FINAL_POST_NORM:
+                picked.append(hs[-1][0])
+            elif state.kind == LAST_PRE_NORM:
+                picked.append(seen["pre"][0])
+        return torch.stack(picked, dim=1).float().cpu().numpy()
+
+
+def build_route(cfg) -> CaptureRoute:
+    """The route a capture config names (`cfg`: core.capture_config.CaptureConfig), built in the actor."""
+    if cfg.route == "transformers":
+        return TransformersRoute(TransformersOptions(cfg.model, tuple(cfg.aux_layer_ids or ()) or None,
+                                                     cfg.torch_dtype, cfg.torch_threads))
+    from .vllm_route import VllmRoute
+
+    return VllmRoute(cfg)
+
+
+def layout_for(cfg) -> CaptureLayout:
+    """The layout a capture config gives, from the model's config alone (the driver loads no weights)."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ConfigError("regen capture needs transformers to read the model's config (pip install transformers)") \
+            from None
+    try:
+        config = AutoConfig.from_pretrained(cfg.model)
+    except OSError as exc:
+        raise ConfigError(f"capture model {cfg.model!r}: cannot read its config.json ({exc})") from None
+    text = getattr(config, "text_config", None) or config
+    try:
+        return CaptureLayout.build(cfg.model, int(text.num_hidden_layers), int(text.hidden_size), cfg.aux_layer_ids)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

@@ -1,0 +1,62 @@
+"""The capture's ledger as `regen status` and the dataset card read it: RUN/capture is a run directory of its own
+(capture.json for run.json, data/ the ledger of captured samples, hidden/ the states)."""
+from __future__ import annotations
+
+from typing import Any
+
+from .lock import RunLock
+from .rundir import RunDir
+from .storage import read_columns
+
+CAPTURE_DIR = "capture"
+
+
+def capture_run_dir(run: RunDir) -> "CaptureDir":
+    return CaptureDir(run.path / CAPTURE_DIR)
+
+
+class CaptureDir(RunDir):
+    @property
+    def manifest_path(self):
+        return self.path / "capture.json"
+
+
+def is_truncated(record: dict[str, Any]) -> bool:
+    return record.get("finish_reason") == "length" or "truncated" in (record.get("flags") or [])
+
+
+def record_token_ids(record: dict[str, Any]) -> list[int] | None:
+    """prompt + completion ids of a record, or None when the server gave none."""
+    if record.get("prompt_token_ids") is None or not record.get("output_token_ids"):
+        return None
+    return list(record["prompt_token_ids"]) + list(record["output_token_ids"])
+
+
+def capture_counts(run: RunDir) -> dict[str, Any] | None:
+    """Captured samples of the run's committed records (None: no capture started)."""
+    cap = capture_run_dir(run)
+    if not cap.exists():
+        return None
+    parts = RunDir.parts(cap.data)
+    captured = set()
+    tokens = 0
+    if parts:
+        table = read_columns(parts, ["sample_id", "n_tokens"]).to_pydict()
+        captured = set(table["sample_id"])
+        tokens = sum(table["n_tokens"])
+    samples = refused = 0
+    for part in RunDir.parts(run.data):
+        cols = part.read_parquet(columns=["prompt_token_ids", "output_token_ids"]).to_pydict()
+        for prompt_ids, output_ids in zip(cols["prompt_token_ids"], cols["output_token_ids"]):
+            if prompt_ids is None or not output_ids:
+                refused += 1
+            else:
+                samples += 1
+    lock = RunLock(cap)
+    live = cap.read_status() or {}
+    state = "running" if lock.is_held() else ("complete" if samples and len(captured) >= samples else "stopped")
+    manifest = cap.read_manifest()
+    return {"state": state, "route": manifest.get("route"), "fingerprint": manifest.get("fingerprint"),
+            "captured": len(captured), "capturable": samples, "refused_no_token_ids": refused,
+            "tokens": tokens, "ledger_parts": len(parts), "this_session": live.get("this_session", {}),
+            "layers": (manifest.get("layout") or {}).get("states", [])}
