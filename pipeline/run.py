@@ -214,6 +214,10 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: St
         if lock.previous_holder:
             log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
         log.info("run directory %s", run_dir.path)
+        if cfg.hidden_states.enabled:
+            log.warning("hidden_states.enabled: the generating-request route is retired (it gives EAGLE-3's aux "
+                        "layers or the last layer, never both, T - 1 rows, and needs --disable-radix-cache); its parts "
+                        "are not exported. Capture after generation instead: regen capture RUN --config capture.yaml")
         try:
             prompts = materialise(cfg, run_dir, opts.refresh_prompts, staged)
             return dispatch_pending(cfg, opts, run_dir, manifest, prompts, stop, lock)

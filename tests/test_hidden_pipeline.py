@@ -39,11 +39,9 @@ def test_hidden_states_are_aligned_stored_and_referenced(tmp_path, ray_cluster):
         assert collections.Counter(r["finish_reason"] for r in rows).keys() <= {"stop", "length"}
         assert any(r["reasoning_content"] for r in rows), "Kimi's reasoning is split out of /generate's text"
 
-        out = tmp_path / "hs"
+        out = tmp_path / "hs"  # the generating request's parts are not exported: they lack what the libraries need
         export = run_regen("export", str(run), "--format", "speculators-hidden", "--out", str(out))
-        assert export.returncode == 0, export.stderr
-        assert "LAYOUT DIFFERS" in export.stderr and (out / "manifest.json").exists()
-        assert len(list(out.rglob("hs_*.safetensors"))) == 40
+        assert export.returncode == 2 and "regen capture" in export.stderr
     finally:
         server.stop()
 
