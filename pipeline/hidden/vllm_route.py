@@ -1,0 +1,101 @@
+"""Route `vllm`: the server writes the states into a safetensors file; only its path travels over HTTP.
+
+The server runs `--speculative-config '{"method": "extract_hidden_states", "num_speculative_tokens": 1,
+"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [a, b, c, L]}}}'` (the three aux ids, then
+L = num_hidden_layers: the last layer's output before the final norm) and a hidden-states KV connector with
+`kv_role: kv_producer` and a `shared_storage_path` this actor can read (on CPU, a subclass of vLLM's
+ExampleHiddenStatesConnector that does not pin memory). Per sample: POST /v1/completions with the ids as the
+prompt and max_tokens 1; the answer's `kv_transfer_params.hidden_states_path` names a file holding
+`hidden_states` [T, 4, H] and `token_ids` [T]; the actor waits on `<path>.lock`, checks the ids, computes the final
+post-norm state with the model's own RMSNorm weight and epsilon (read from the model folder), and deletes the file.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from ..core.errors import ConfigError
+from .layout import AUX, FINAL_POST_NORM, LAST_PRE_NORM, CaptureLayout
+
+
+class VllmRoute:
+    def __init__(self, cfg):
+        from .routes import layout_for
+
+        self.cfg, self.opts = cfg, cfg.vllm
+        self.layout: CaptureLayout = layout_for(cfg)
+        self.url = self.opts.url.rstrip("/")
+        self.key = os.environ.get(self.opts.api_key_env) if self.opts.api_key_env else None
+        self.model = self.opts.model or self._get("/v1/models")["data"][0]["id"]
+        self.norm_weight, self.eps = _final_norm(cfg.model)
+
+    def _request(self, path: str, body: dict | None = None) -> dict:
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.key}"} if self.key else {})}
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, headers=headers)
+        with urllib.request.urlopen(req, timeout=self.opts.timeout_s) as answer:
+            return json.loads(answer.read())
+
+    def _get(self, path: str) -> dict:
+        return self._request(path)
+
+    def capture(self, token_ids: list[int]) -> np.ndarray:
+        from safetensors.numpy import load_file
+
+        answer = self._request("/v1/completions", {"model": self.model, "prompt": list(token_ids), "max_tokens": 1,
+                                                   "temperature": 0.0, "return_token_ids": True})
+        path = ((answer.get("kv_transfer_params") or {}).get("hidden_states_path"))
+        if not path:
+            raise ConfigError(f"{self.url} returned no kv_transfer_params.hidden_states_path: start vLLM with "
+                              "--speculative-config method=extract_hidden_states and a hidden-states KV connector")
+        _wait_unlocked(path, self.opts.lock_timeout_s)
+        try:
+            tensors = load_file(path)
+        finally:
+            for leftover in (path, path + ".lock"):
+                Path(leftover).unlink(missing_ok=True)  # the server's own file is removed once read
+        states, ids = tensors["hidden_states"].astype(np.float32), tensors["token_ids"]
+        if ids.tolist() != list(token_ids) or states.shape[:2] != (len(token_ids), 4):
+            raise ValueError(f"the server's file holds {states.shape} for ids {ids.shape}; expected "
+                             f"[{len(token_ids)}, 4, H] for the ids sent (aux ids then L in the server's config)")
+        pre = states[:, 3]
+        post = pre / np.sqrt(np.mean(pre.astype(np.float64) ** 2, axis=-1, keepdims=True) + self.eps) * self.norm_weight
+        by_kind = {AUX: iter(states[:, k] for k in range(3)), FINAL_POST_NORM: iter([post]), LAST_PRE_NORM: iter([pre])}
+        return np.stack([next(by_kind[s.kind]) for s in self.layout.states], axis=1).astype(np.float32)
+
+
+def _wait_unlocked(path: str, timeout_s: float) -> None:
+    """The connector writes the file after answering and holds an exclusive flock on `<path>.lock` meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    lock = path + ".lock"
+    while not os.path.exists(path) and not os.path.exists(lock):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path}: the server wrote no file within {timeout_s}s")
+        time.sleep(0.02)
+    if os.path.exists(lock):
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        finally:
+            os.close(fd)
+
+
+def _final_norm(model: str) -> tuple[np.ndarray, float]:
+    """The final RMSNorm's weight and epsilon, read from the model folder's safetensors and config.json."""
+    from safetensors import safe_open
+
+    folder = Path(model)
+    config = json.loads((folder / "config.json").read_text())
+    eps = float(config.get("rms_norm_eps", 1e-6))
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="numpy") as f:
+            for name in ("model.norm.weight", "model.language_model.norm.weight"):
+                if name in f.keys():
+                    return f.get_tensor(name).astype(np.float32), eps
+    raise ConfigError(f"{model}: no final norm weight (model.norm.weight) in its safetensors")
