@@ -3,8 +3,9 @@ circuit breaker, so that a recovered endpoint passes the full preflight before i
 
   1. `/v1/models` (served ids, context), `/model_info` and `/server_info` (falling back to the deprecated
      `/get_model_info` and `/get_server_info`; SGLang only: a 404 on both means "not SGLang", e.g. the local
-     llama.cpp fleet, and the checks that need them are skipped). The server's engine adapter (engines/) is
-     chosen here, and the version checks are its: output ids, aux capture, hidden-state flags, seeds;
+     llama.cpp fleet, and the checks that need them are skipped), and where /v1/models names vLLM or llama.cpp
+     (`owned_by`), its /version or /props. The server's engine adapter (engines/) is chosen here, and the
+     version checks are its: output ids, aux capture, hidden-state flags, seeds;
   2. one tiny chat generation with the run's chat_template_kwargs: generation works (a /health 200 can lie),
      and when thinking is requested the reasoning is split out (a reasoning parser is running);
   3. with hidden states: `/generate` with `return_hidden_states` on a short probe, twice. The vector width must
