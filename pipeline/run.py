@@ -337,6 +337,7 @@ def fleet_preflight(cfg: RunConfig, run_dir: RunDir) -> FleetFacts:
     reports = preflight(cfg, api_keys)
     weight_version = pin_weight_version(run_dir, reports)
     record_determinism(run_dir, reports)
+    record_engines(run_dir, reports)
     return FleetFacts(weight_version, {r.label: r.engine for r in reports if r.engine is not None},
                       {r.label for r in reports if not r.reachable})
 
@@ -368,6 +369,17 @@ def record_determinism(run_dir: RunDir, reports) -> None:
     merged = False if False in (before, now) else (True if before is True and now is True else None)
     if "deterministic" not in manifest or merged != before:
         run_dir.write_manifest({**manifest, "deterministic": merged})
+
+
+def record_engines(run_dir: RunDir, reports) -> None:
+    """run.json names every engine (and version) that served the run, across its sessions, in order."""
+    from .endpoints.preflight import fleet_engines
+
+    manifest = run_dir.read_manifest()
+    known = list(manifest.get("engines") or [])
+    added = [e for e in fleet_engines(reports) if e not in known]
+    if added:
+        run_dir.write_manifest({**manifest, "engines": known + added})
 
 
 def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,

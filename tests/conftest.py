@@ -1,4 +1,5 @@
-"""Shared, expensive fixtures: one Ray cluster and one local llama.cpp fleet per test session.
+"""Shared, expensive fixtures: one Ray cluster and one local llama.cpp fleet per test session, and a vLLM fleet
+per module that asks for it (about 4 GB a server: stopped when the module ends, before other heavy fixtures).
 
 Ray runs as a real head node (`ray start --head`) in a private temp dir; every `regen generate`
 subprocess joins it through RAY_ADDRESS, as a driver on a real head node would.
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -78,6 +80,21 @@ def llama_fleet(tmp_path_factory):
     # base_port + 1 must be free too
     processes = LocalFleetProcesses(fleet, tmp_path_factory.mktemp("llama-logs")).start()
     yield fleet
+    processes.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_fleet(tmp_path_factory):
+    """Two vLLM servers (its CPU build, SmolLM2-135M float32) on 127.0.0.1, one core each, 4 sequences of 1024
+    tokens. Yields the fleet config and its processes (a test may SIGKILL one: put that test last)."""
+    from pipeline.core.config import LocalFleet
+    from pipeline.endpoints.localfleet import LocalFleetProcesses, vllm_model_dir, vllm_python
+
+    if not vllm_python().exists() or not (vllm_model_dir() / "config.json").exists():
+        pytest.skip(f"vLLM's venv ({vllm_python()}) or model ({vllm_model_dir()}) is missing: run `make vllm`")
+    fleet = LocalFleet(engine="vllm", servers=2, base_port=free_port(), slots=4, ctx_per_slot=1024, threads=1)
+    processes = LocalFleetProcesses(fleet, tmp_path_factory.mktemp("vllm-logs")).start()
+    yield SimpleNamespace(fleet=fleet, processes=processes, model_dir=vllm_model_dir())
     processes.stop()
 
 

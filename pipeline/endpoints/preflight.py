@@ -20,7 +20,8 @@ from ..core.errors import ConfigError, PreflightError
 from .engines import SGLangAdapter
 from .probes import PROBE_RID_PREFIX, EndpointReport, check_endpoint
 
-__all__ = ["PROBE_RID_PREFIX", "EndpointReport", "check_endpoint", "fleet_deterministic", "fleet_notes",
+__all__ = ["PROBE_RID_PREFIX", "EndpointReport", "check_endpoint", "fleet_deterministic", "fleet_engines",
+           "fleet_notes",
            "fleet_problems", "pinned_weight_version",
            "preflight", "preflight_async", "probe_fleet", "run_preflight_command"]
 
@@ -35,9 +36,14 @@ def _groups(pairs: list[tuple[str, str]]) -> str:
 
 
 def fleet_problems(reports: list[EndpointReport], cfg: RunConfig) -> list[str]:
-    """Cross-endpoint refusals among the endpoints that answered: one model, one weight version."""
+    """Cross-endpoint refusals among the endpoints that answered: one engine, one model, one weight version."""
     live = [r for r in reports if r.reachable or r.models]
     out: list[str] = []
+    engines = [(r.label, r.engine.engine) for r in live if r.engine is not None]
+    if len({v for _, v in engines}) > 1:
+        out.append(f"endpoints run different inference engines ({_groups(engines)}): one run must come from one "
+                   "engine (their token ids, reasoning split and sampling differ); run each engine's fleet as its "
+                   "own run")
     served = [(r.label, ", ".join(sorted(r.models)) or "no model") for r in live]
     if len({v for _, v in served}) > 1:
         out.append(f"endpoints serve different models ({_groups(served)}): every endpoint must serve "
@@ -80,6 +86,17 @@ def fleet_deterministic(reports: list[EndpointReport]) -> bool | None:
     if not flags or any(f is False for f in flags):
         return False if flags else None
     return True if all(flags) else None
+
+
+def fleet_engines(reports: list[EndpointReport]) -> list[dict[str, str | None]]:
+    """The engines (and versions) of the endpoints that may get work, once each: [{"engine", "version"}]."""
+    seen: list[dict[str, str | None]] = []
+    for r in reports:
+        if r.ok and r.engine is not None:
+            entry = {"engine": r.engine.engine, "version": r.engine.version}
+            if entry not in seen:
+                seen.append(entry)
+    return seen
 
 
 def pinned_weight_version(reports: list[EndpointReport]) -> str | None:

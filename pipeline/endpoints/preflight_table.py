@@ -8,7 +8,8 @@
         single layer, ... The server probably runs --speculative-algorithm EAGLE instead of EAGLE3, or lacks ...
       127.0.0.1:30003: unreachable (warning; it gets work once it answers): no answer (/v1/models: ...)
 
-A llama.cpp endpoint shows `not SGLang` in the server column and `n/a` where the SGLang-only checks were skipped;
+The server column names the engine and version the preflight identified (sglang, vllm, llamacpp; `not SGLang`
+for an unidentified one), and `n/a` marks where the SGLang-only checks were skipped;
 `hidden` says `not asked` when the config does not capture hidden states.
 """
 from __future__ import annotations
@@ -46,8 +47,10 @@ def _row(r: "EndpointReport", cfg: "RunConfig") -> tuple[str, ...]:
         hidden = "not asked"
     else:
         hidden = str(r.hidden_width) if r.hidden_width is not None else "?"
-    server = "not SGLang" if not_sglang else (f"sglang {r.sglang_version}" if r.sglang_version else
-                                              ("sglang" if r.sglang else "?"))
+    if r.engine is not None and r.engine.engine != "openai":
+        server = r.engine.describe()
+    else:
+        server = "not SGLang" if not_sglang else ("sglang" if r.sglang else "?")
     weights = r.weight_version or ("n/a" if not_sglang else "?")
     return (r.label, r.status, _model(r, cfg), weights,
             str(r.context) if r.context is not None else "?", parser, hidden, radix, server)

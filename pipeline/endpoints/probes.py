@@ -3,8 +3,9 @@ circuit breaker, so that a recovered endpoint passes the full preflight before i
 
   1. `/v1/models` (served ids, context), `/model_info` and `/server_info` (falling back to the deprecated
      `/get_model_info` and `/get_server_info`; SGLang only: a 404 on both means "not SGLang", e.g. the local
-     llama.cpp fleet, and the checks that need them are skipped). The server's engine adapter (engines/) is
-     chosen here, and the version checks are its: output ids, aux capture, hidden-state flags, seeds;
+     llama.cpp fleet, and the checks that need them are skipped), and where /v1/models names vLLM or llama.cpp
+     (`owned_by`), its /version or /props. The server's engine adapter (engines/) is chosen here, and the
+     version checks are its: output ids, aux capture, hidden-state flags, seeds;
   2. one tiny chat generation with the run's chat_template_kwargs: generation works (a /health 200 can lie),
      and when thinking is requested the reasoning is split out (a reasoning parser is running);
   3. with hidden states: `/generate` with `return_hidden_states` on a short probe, twice. The vector width must
@@ -21,7 +22,7 @@ from typing import Any
 from ..core.config import RunConfig
 from .client import EndpointClient, _error_message, classify
 from ..core.errors import EndpointDown, EndpointFatal, Retryable
-from .engines import OpenAIAdapter, SGLangAdapter, engine_for
+from .engines import OpenAIAdapter, SGLangAdapter, engine_for, identity_path
 
 INFO_TIMEOUT_S = 5.0  # each information endpoint
 PROBE_TIMEOUT_S = 30.0  # each tiny generation (8 chat tokens, 4 /generate tokens)
@@ -182,8 +183,19 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
             if "disable_radix_cache" in info:
                 report.radix_cache = not bool(info["disable_radix_cache"])
 
-    client.engine = report.engine = engine_for(body, server_info)
+    identity = None
+    path = identity_path(body)
+    if path is not None:
+        result = await _get(client, path, info_timeout_s)
+        if isinstance(result, EndpointDown) or result[0] != 200:
+            report.warnings.append(f"{path} did not answer: the engine's version is unknown")
+        else:
+            identity = result[1]
+    client.engine = report.engine = engine_for(body, server_info, identity)
     report.deterministic = report.engine.deterministic
+    warning = report.engine.version_warning()
+    if warning:
+        report.warnings.append(warning)
     found = _Findings()
     thinking = bool(cfg.template_kwargs().get("thinking"))
     hidden = cfg.hidden_states.enabled
@@ -200,8 +212,7 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
         report.warnings.append(f"context length unknown (no max_model_len in /v1/models, no /get_server_info): "
                                f"cannot check it holds max_tokens + min_prompt_tokens = {needed} tokens")
     elif report.context < needed:
-        fix = (f"launch with --context-length {needed} or more" if report.sglang is not False
-               else "give the server a larger context (local_fleet.ctx_per_slot for the local fleet)")
+        fix = report.engine.context_fix(needed)
         report.problems.append(
             f"context is {report.context} tokens, shorter than sampling.max_tokens ({cfg.sampling.max_tokens}) "
             f"+ min_prompt_tokens ({cfg.min_prompt_tokens}) = {needed}: {fix}, or lower sampling.max_tokens")
@@ -231,7 +242,7 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
 async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointReport, found: _Findings,
                       timeout_s: float) -> None:
     body: dict[str, Any] = {"model": cfg.model, "messages": PROBE_MESSAGES, "max_tokens": CHAT_PROBE_TOKENS,
-                            "temperature": 0.0, "rid": probe_rid()}
+                            "temperature": 0.0, client.engine.request_id_field: probe_rid()}
     if cfg.template_kwargs():
         body["chat_template_kwargs"] = cfg.template_kwargs()
     wants_ids = wants_output_ids(cfg) and not cfg.stream  # the probe itself does not stream
@@ -244,7 +255,7 @@ async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
                               f"answer within {timeout_s:g}s ({exc.message}): generation hangs or the server is dying")
         return
     if status != 200:
-        error = classify(status, _error_message(answer, f"HTTP {status}"), client.label)
+        error = classify(status, _error_message(answer, f"HTTP {status}"), client.label, engine=client.engine)
         if isinstance(error, Retryable):
             report.down_reason = f"a tiny chat generation failed ({status}: {error.message})"
         else:
@@ -262,14 +273,15 @@ async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
             way_out = ("SGLang returns them from 0.5.17 on (choices[0].response_token_ids from 0.5.18): upgrade the "
                        "server, or set `return_token_ids: false` to run without exact token ids")
         else:
-            version = "not an SGLang server"
+            version = f"the server is {report.engine.describe()}" if report.engine else "not an SGLang server"
             way_out = "set `return_token_ids: false` to run without exact token ids"
         found.other.append(f"returns no output token ids ({version}; the run asks for them with "
                            f"return_token_ids): {way_out}")
     if report.weight_version is None and isinstance(answer.get("metadata"), dict):
         report.weight_version = answer["metadata"].get("weight_version") or None
-    if cfg.template_kwargs().get("thinking") and not message.get("reasoning_content"):
-        found.add("parser", f"a tiny thinking probe ({CHAT_PROBE_TOKENS} tokens) came back with no reasoning_content, "
+    if cfg.template_kwargs().get("thinking") and not client.engine.reasoning(message):
+        found.add("parser", f"a tiny thinking probe ({CHAT_PROBE_TOKENS} tokens) came back with no "
+                            f"{client.engine.reasoning_field}, "
                             f"its content is {str(message.get('content') or '')[:40]!r}")
 
 
@@ -281,9 +293,6 @@ def wants_output_ids(cfg: RunConfig) -> bool:
 def _version_checks(engine: SGLangAdapter, cfg: RunConfig, report: EndpointReport, found: _Findings,
                     server_info: dict[str, Any], longest: tuple[str, int] | None) -> None:
     """What this SGLang version can and cannot do for the run, read from its version and launch arguments."""
-    warning = engine.version_warning()
-    if warning:
-        report.warnings.append(warning)
     if wants_output_ids(cfg):
         problem = engine.output_ids_problem()
         if problem is None and cfg.stream and not engine.stream_ids:
@@ -328,7 +337,7 @@ async def _hidden_probe(client: EndpointClient, cfg: RunConfig, report: Endpoint
                                "/generate (404): hidden states need an SGLang server")
             return
         if status != 200:
-            error = classify(status, _error_message(answer, f"HTTP {status}"), client.label)
+            error = classify(status, _error_message(answer, f"HTTP {status}"), client.label, engine=client.engine)
             if isinstance(error, EndpointFatal) and status == 400:  # /generate names no model: hidden states off
                 found.add("hidden_off", f"/generate with return_hidden_states answered 400 {error.message!r}")
             elif isinstance(error, Retryable):
@@ -383,7 +392,7 @@ def _describe(found: _Findings, cfg: RunConfig, report: EndpointReport, server_i
         out.append(f"returns no output token ids, and the run asks for them (return_token_ids): {why('ids')}")
     if "parser" in ev:
         out.append("thinking is requested (chat_template_kwargs thinking: true) but the server splits no "
-                   f"reasoning out: {why('parser')}. Launch SGLang with --reasoning-parser kimi_k2")
+                   f"reasoning out: {why('parser')}. Launch the server with --reasoning-parser kimi_k2")
     if "hidden_off" in ev:
         out.append("hidden states are requested (hidden_states.enabled) but the server is not configured to "
                    f"return them: {why('hidden_off')}. Launch it with --enable-return-hidden-states")

@@ -106,5 +106,6 @@ class HiddenTurns:
             request_id=str(meta.get("id", "")), prompt_token_ids=list(ids), output_token_ids=list(result.output_ids),
             hidden_part=part, hidden_row=rows[(prompt_id, turn_index)],
             weight_versions=self.client.engine.weight_versions(meta) or None,
-            deterministic=self.client.engine.deterministic,
+            deterministic=self.client.engine.deterministic, engine=self.client.engine.engine,
+            engine_version=self.client.engine.version,
         )

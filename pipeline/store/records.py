@@ -52,7 +52,7 @@ class RecordBuilder:
                 "endpoint": outcome.endpoint, "model": c.model, "weight_version": c.weight_version,
                 "config_fingerprint": self.fingerprint, "latency_s": c.latency_s, "attempts": attempts,
                 "seed": None if seed is None else seed + (k if self.mode == "all_turns" else 0),
-                "deterministic": c.deterministic,
+                "deterministic": c.deterministic, "engine": c.engine, "engine_version": c.engine_version,
                 "request_id": c.request_id, "prompt_token_ids": c.prompt_token_ids,
                 "output_token_ids": c.output_token_ids, "hidden_part": c.hidden_part,
                 "hidden_row": c.hidden_row, "created_at": now_utc(),

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2  # 2: `deterministic`
-RECORDS_ADDED = {"deterministic": 2}  # column -> the schema version that added it
+SCHEMA_VERSION = 3  # 2: `deterministic`; 3: `engine`, `engine_version`
+RECORDS_ADDED = {"deterministic": 2, "engine": 3, "engine_version": 3}  # column -> the version that added it
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 
@@ -46,6 +46,9 @@ RECORDS = pa.schema(
         ("seed", pa.int64()),
         # The endpoint ran --enable-deterministic-inference (SGLang ignores the seed without it); null: unknown.
         ("deterministic", pa.bool_()),
+        # The endpoint's inference engine (sglang, vllm, llamacpp; "openai": not identified) and its version.
+        ("engine", pa.string()),
+        ("engine_version", pa.string()),
         ("request_id", pa.string()),
         # Exact token ids from the server, null where it cannot give them (e.g. llama.cpp).
         ("prompt_token_ids", pa.list_(pa.int32())),

@@ -6,8 +6,11 @@ server exposes them, the speculative accept length and rate:
   - per request from /generate's meta_info (`spec_accept_length`, `spec_verify_ct`: completion / verify count),
     the prompt templated by the server itself (a chat request returning `prompt_token_ids`);
   - per server by sampling the /metrics gauges `sglang:spec_accept_length`, `sglang:spec_accept_rate` during
-    the run (they are gauges: a before/after difference means nothing).
-Servers without /generate (llama.cpp) are measured through chat completions, without accept figures.
+    the run (they are gauges: a before/after difference means nothing);
+  - vLLM has counters instead: the difference of `vllm:generation_tokens_total` over the run gives the server's
+    own throughput, and of `vllm:spec_decode_num_{accepted_tokens,draft_tokens,drafts}_total` its acceptance
+    rate (accepted / draft tokens) and mean acceptance length (1 + accepted / drafts).
+Servers without /generate (vLLM, llama.cpp) are measured through chat completions.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from ..core.config import Endpoint, load_config
 from ..core.errors import RegenError
 from ..dispatch.dispatcher import client_settings
 from ..endpoints.client import EndpointClient, _error_message, classify
+from ..endpoints.engines import vllm as vllm_engine
 from ..hidden.capture import prompt_ids
 
 PROMPTS = [
@@ -56,6 +60,8 @@ class EndpointBench:
     concurrent: list[Measure] = field(default_factory=list)
     concurrent_wall_s: float = 0.0
     gauges: dict[str, list[float]] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)  # vLLM's, their increase over the whole bench
+    wall_s: float = 0.0
 
     def tok_s(self, concurrent: bool) -> float:
         runs = self.concurrent if concurrent else self.sequential
@@ -103,9 +109,23 @@ async def sample_gauges(client: EndpointClient, into: dict[str, list[float]], st
             pass
 
 
+async def read_counters(client: EndpointClient) -> dict[str, float]:
+    """vLLM's /metrics counters, each summed over its label sets (empty when there are none)."""
+    status, text = await client.get_json("/metrics")
+    totals: dict[str, float] = {}
+    if status != 200 or not isinstance(text, str):
+        return totals
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in vllm_engine.METRIC_COUNTERS:
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
 async def bench_endpoint(client: EndpointClient, n_prompts: int, concurrency: int) -> EndpointBench:
     result = EndpointBench(client.label)
     native = (await client.get_json("/get_model_info"))[0] == 200  # SGLang: /generate with meta_info
+    before, bench_started = await read_counters(client), time.monotonic()
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_gauges(client, result.gauges, stop))
     try:
@@ -118,7 +138,26 @@ async def bench_endpoint(client: EndpointClient, n_prompts: int, concurrency: in
     finally:
         stop.set()
         await sampler
+    after = await read_counters(client)
+    result.wall_s = time.monotonic() - bench_started
+    result.counters = {name: after[name] - before.get(name, 0.0) for name in after}
     return result
+
+
+def counter_lines(r: EndpointBench) -> list[str]:
+    c = r.counters
+    lines = []
+    if vllm_engine.GENERATION_TOKENS in c:
+        tokens = c[vllm_engine.GENERATION_TOKENS]
+        lines.append(f"  /metrics {vllm_engine.GENERATION_TOKENS}: {tokens:.0f} tokens in {r.wall_s:.1f}s = "
+                     f"{tokens / max(r.wall_s, 1e-9):.1f} tok/s (the server's count)")
+    drafts, draft_tokens = c.get(vllm_engine.SPEC_DRAFTS), c.get(vllm_engine.SPEC_DRAFT_TOKENS)
+    accepted = c.get(vllm_engine.SPEC_ACCEPTED_TOKENS)
+    if draft_tokens and accepted is not None and drafts:
+        lines.append(f"  speculative (/metrics vllm:spec_decode_*): acceptance rate {accepted / draft_tokens:.3f} "
+                     f"({accepted:.0f} of {draft_tokens:.0f} draft tokens), mean acceptance length "
+                     f"{1 + accepted / drafts:.2f}")
+    return lines
 
 
 def report(results: list[EndpointBench], concurrency: int, baseline: str | None) -> str:
@@ -136,6 +175,7 @@ def report(results: list[EndpointBench], concurrency: int, baseline: str | None)
             lines.append(f"  speculative: accept length {accept:.2f} per request" if accept else "  speculative:")
             lines += [f"    /metrics {name} (mean of {len(r.gauges['sglang:' + name])} samples): {value:.3f}"
                       for name, value in gauges.items()]
+        lines += counter_lines(r)
     if baseline:
         base = next((r for r in results if r.label == baseline), None)
         if base is None:

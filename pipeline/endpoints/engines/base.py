@@ -3,8 +3,10 @@
 The client, the probes and the capture route ask the endpoint's adapter; none of them tests an engine or a
 version. `OpenAIAdapter` is the engine-neutral base, used until the preflight has identified the server (and for
 a server it cannot identify): it reads every known spelling of a field and asks for nothing an unknown server
-could misread. Engines subclass it: `sglang.SGLangAdapter` (by version); a vLLM and a llama.cpp adapter sit
-beside it. Adapters are small frozen dataclasses: they travel to the Ray actors inside the client settings.
+could misread. Engines subclass it: `sglang.SGLangAdapter` (by version), `vllm.VLLMAdapter` and
+`llamacpp.LlamaCppAdapter`. Each also names its own error texts (`ErrorTexts`), which the one classifier
+(client.classify) reads. Adapters are small frozen dataclasses: they travel to the Ray actors inside the client
+settings.
 """
 from __future__ import annotations
 
@@ -30,8 +32,24 @@ class Sampling:
 
 @dataclass(frozen=True)
 class StreamIds:
+    """The ids one stream chunk carries: the prompt's, and output ids to append (SGLang sends all of them in
+    one final chunk, vLLM a few in every chunk)."""
+
     prompt_ids: list[int] | None
     output_ids: list[int] | None
+
+
+@dataclass(frozen=True)
+class ErrorTexts:
+    """Lower-case fragments of one engine's 400 messages, by what they mean to the classifier."""
+
+    context_overflow: tuple[str, ...] = ()  # the prompt (or prompt + max_tokens) exceeds the context
+    retry: tuple[str, ...] = ()  # a fresh attempt may pass (e.g. a request id still running)
+    endpoint_fatal: tuple[str, ...] = ()  # the endpoint cannot serve this run (launch flags, model name)
+
+    def __add__(self, other: "ErrorTexts") -> "ErrorTexts":
+        return ErrorTexts(self.context_overflow + other.context_overflow, self.retry + other.retry,
+                          self.endpoint_fatal + other.endpoint_fatal)
 
 
 @dataclass(frozen=True)
@@ -42,6 +60,11 @@ class OpenAIAdapter:
     version: str | None = None
     # From the server's launch arguments where it reports them; None: unknown.
     deterministic: bool | None = None
+
+    @property
+    def error_texts(self) -> ErrorTexts:
+        """The texts of this engine's errors (the neutral adapter: none; engines/__init__ joins every engine's)."""
+        return ErrorTexts()
 
     # --- what the server can do ------------------------------------------------------------------
     @property
@@ -64,6 +87,11 @@ class OpenAIAdapter:
         return (f"/{kind}_info", f"/get_{kind}_info")
 
     # --- requests --------------------------------------------------------------------------------
+    @property
+    def request_id_field(self) -> str:
+        """The request field naming the request id regen chose (SGLang's `rid`)."""
+        return "rid"
+
     def chat_extras(self, *, want_ids: bool, stream: bool) -> dict[str, Any]:
         """The non-OpenAI fields of a chat request that asks for token ids (`want_ids`)."""
         if want_ids and not stream:
@@ -82,12 +110,35 @@ class OpenAIAdapter:
         ids = choice.get("response_token_ids")
         return ids if ids is not None else choice.get("token_ids")
 
+    @property
+    def reasoning_field(self) -> str:
+        return "reasoning_content"
+
+    def reasoning(self, message: dict[str, Any]) -> str | None:
+        """The reasoning a message (or stream delta) carries: `reasoning_content` (SGLang) or `reasoning` (vLLM)."""
+        value = message.get("reasoning_content")
+        return value if value is not None else message.get("reasoning")
+
     def prompt_ids(self, body: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
         ids = choice.get("prompt_token_ids")
         return ids if ids is not None else body.get("prompt_token_ids")
 
     def stream_chunk_ids(self, chunk: dict[str, Any]) -> StreamIds | None:
-        """The token ids a stream chunk carries, if any (SGLang: the final `sglext` chunk)."""
+        """The token ids a stream chunk carries, if any: SGLang's final `sglext` chunk, or vLLM's ids per chunk."""
+        return self._sglext_ids(chunk) or self._per_chunk_ids(chunk)
+
+    @staticmethod
+    def _per_chunk_ids(chunk: dict[str, Any]) -> StreamIds | None:
+        """vLLM: the prompt ids at the top level of the first chunk, each chunk's new ids in its choice."""
+        pieces = [c.get("token_ids") for c in chunk.get("choices") or [] if isinstance(c, dict)]
+        output = [i for piece in pieces if isinstance(piece, list) for i in piece]
+        prompt = chunk.get("prompt_token_ids")
+        if prompt is None and not any(isinstance(piece, list) for piece in pieces):
+            return None
+        return StreamIds(prompt, output)
+
+    @staticmethod
+    def _sglext_ids(chunk: dict[str, Any]) -> StreamIds | None:
         ext = chunk.get("sglext")
         if not isinstance(ext, dict) or (ext.get("input_ids") is None and ext.get("output_ids") is None):
             return None
@@ -113,3 +164,10 @@ class OpenAIAdapter:
     # --- the preflight ---------------------------------------------------------------------------
     def describe(self) -> str:
         return self.engine + (f" {self.version}" if self.version else "")
+
+    def context_fix(self, needed: int) -> str:
+        """How to give the server a context of `needed` tokens."""
+        return f"launch it with a context of {needed} tokens or more"
+
+    def version_warning(self) -> str | None:
+        return None

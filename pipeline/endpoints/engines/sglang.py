@@ -19,7 +19,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from .base import OpenAIAdapter
+from .base import ErrorTexts, OpenAIAdapter
 
 CHECKED_VERSIONS = ("0.5.14", "0.5.17", "0.5.18", "0.5.23")
 OUTPUT_IDS_FROM = (0, 5, 17)  # return_token_ids
@@ -27,6 +27,23 @@ RESPONSE_TOKEN_IDS_FROM = (0, 5, 18)  # renamed from token_ids
 HIDDEN_MODE_FROM = (0, 5, 17)  # --return-hidden-states-mode {last,full}
 STREAM_IDS_FROM = (0, 5, 23)  # return_input_ids_in_sglext / return_output_ids_in_sglext
 AUX_WITHOUT_DRAFT_FROM = (0, 5, 23)  # --enable-return-aux-hidden-states, aux_hidden_state_capture
+
+# Its 400 texts, read out of each checked version's wheel by tests/test_sglang_conformance.py: a renamed message
+# fails there.
+ERRORS = ErrorTexts(
+    context_overflow=(
+        "is longer than the model's context length",  # tokenizer_manager: the prompt alone is too long
+        "exceeds the model's maximum context length",  # tokenizer_manager: prompt + max_tokens too long
+        "exceeds the maximum allowed length",  # managers/utils.py (scheduler): "Input length (N tokens) ..."
+        "max_completion_tokens is too large",  # serving_chat: max_tokens alone above the context
+    ),
+    retry=("duplicate request id",),  # the retry gets a fresh rid
+    endpoint_fatal=(
+        "not configured to return hidden states",  # 0.5.17+ (the flags it names differ by version)
+        "not configured to return the hidden states",  # 0.5.14
+        "return_hidden_states mode exceeds the server maximum",  # 0.5.17+: `True` asked of a `last` server
+    ),
+)
 
 
 def version_tuple(version: str | None) -> tuple[int, ...] | None:
@@ -50,6 +67,16 @@ class SGLangAdapter(OpenAIAdapter):
         deterministic = info.get("enable_deterministic_inference")
         return cls(version=str(version) if version is not None else None,
                    deterministic=deterministic if isinstance(deterministic, bool) else None)
+
+    @property
+    def error_texts(self) -> ErrorTexts:
+        return ERRORS
+
+    def reasoning(self, message: dict[str, Any]) -> str | None:
+        return message.get("reasoning_content")
+
+    def stream_chunk_ids(self, chunk: dict[str, Any]):
+        return self._sglext_ids(chunk)
 
     def _at_least(self, floor: tuple[int, ...]) -> bool:
         version = version_tuple(self.version)
@@ -108,6 +135,9 @@ class SGLangAdapter(OpenAIAdapter):
         return (f"SGLang {self.version} returns no output token ids (return_token_ids exists from SGLang 0.5.17 "
                 "on; 0.5.18+ answers in choices[0].response_token_ids): upgrade the server to 0.5.17 or later, "
                 "or set `return_token_ids: false` to run without exact token ids")
+
+    def context_fix(self, needed: int) -> str:
+        return f"launch with --context-length {needed} or more"
 
     def version_warning(self) -> str | None:
         if self.version is None:

@@ -1,0 +1,173 @@
+"""A real inference engine: runs against two vLLM servers (its CPU build, SmolLM2-135M-Instruct), started by
+`local_fleet: {engine: vllm}`'s own code (the vllm_fleet fixture), through a real Ray head, with the real `regen`
+command in a subprocess and real SIGKILLs. The ids are checked with the model's own tokenizer (transformers).
+The test that SIGKILLs a server is last: the fleet is shared by the module."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.emulator import start_emulator
+from tests.helpers import (
+    all_prompt_ids, committed_ids, data_parts, run_regen, sigkill, start_regen, wait_for, write_config,
+    write_prompts, write_source,
+)
+
+pytestmark = pytest.mark.vllm
+MAX_TOKENS = 32
+
+
+def endpoints(vllm_fleet) -> list[dict]:
+    return [{"url": e.url, "concurrency": e.concurrency, "name": e.name} for e in vllm_fleet.fleet.endpoints()]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(vllm_fleet):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(vllm_fleet.model_dir))
+
+
+def rows_of(run: Path) -> list[dict]:
+    return [r for part in data_parts(run) for r in pq.read_table(part).to_pylist()]
+
+
+def failures_of(run: Path) -> list[dict]:
+    return [r for p in sorted((run / "failures").glob("part-*.parquet")) for r in pq.read_table(p).to_pylist()]
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
+def check_ids(rows: list[dict], tokenizer) -> None:
+    for row in rows:
+        ids = row["output_token_ids"]
+        assert ids and len(ids) == row["completion_tokens"], row
+        assert tokenizer.decode(ids, skip_special_tokens=True) == row["content"], row["prompt_id"]
+        assert row["prompt_token_ids"] == chat_ids(tokenizer, row["messages"]), row["prompt_id"]
+        assert len(row["prompt_token_ids"]) == row["prompt_tokens"]
+        assert (row["engine"], row["engine_version"]) == ("vllm", "0.32.0")
+
+
+def test_token_ids_decode_to_the_content_and_the_chat_rendering(tmp_path, ray_cluster, vllm_fleet, tokenizer):
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 8)
+    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)],
+                          sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
+    result = run_regen("generate", "--config", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "out" / "t"
+    rows = rows_of(run)
+    assert sorted(r["prompt_id"] for r in rows) == sorted(all_prompt_ids(run))
+    check_ids(rows, tokenizer)
+    assert any(r["finish_reason"] == "stop" for r in rows) and any(r["output_token_ids"][-1] == 2 for r in rows), \
+        "an answer that stopped ends with the EOS id (<|im_end|>), which its content does not show"
+    manifest = json.loads((run / "run.json").read_text())
+    assert manifest["engines"] == [{"engine": "vllm", "version": "0.32.0"}]
+    assert manifest["schema_version"] == 3
+
+
+def test_streaming_run(tmp_path, ray_cluster, vllm_fleet, tokenizer):
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 4)
+    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], stream=True,
+                          sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
+    result = run_regen("generate", "--config", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = rows_of(tmp_path / "out" / "t")
+    assert len(rows) == 4
+    check_ids(rows, tokenizer)  # prompt ids from the first chunk, output ids joined from every chunk
+
+
+def test_over_long_prompt_is_one_terminal_attempt_with_the_server_message(tmp_path, ray_cluster, vllm_fleet):
+    prompts = tmp_path / "prompts.jsonl"
+    rows = write_prompts(prompts, 2)
+    long_prompt = {"prompt": "Summarise this: " + " ".join(["lorem ipsum dolor sit amet"] * 300)}
+    prompts.write_text(prompts.read_text() + json.dumps(long_prompt) + "\n")
+    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)],
+                          sampling={"temperature": 0.0, "max_tokens": 8})
+    result = run_regen("generate", "--config", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "out" / "t"
+    assert len(committed_ids(run)) == len(rows)
+    [failure] = failures_of(run)
+    assert failure["attempts"] == 1, "a context overflow is never retried"
+    assert failure["error_class"] == "terminal" and failure["status"] == 400
+    assert "This model's maximum context length is 1024 tokens" in failure["message"], failure["message"]
+
+
+def test_a_fleet_mixing_engines_is_refused(tmp_path, vllm_fleet):
+    emulator = start_emulator(preset="kimi", served_model_name="SmolLM2-135M-Instruct")
+    try:
+        prompts = tmp_path / "prompts.jsonl"
+        write_prompts(prompts, 1)
+        config = write_config(tmp_path, endpoints(vllm_fleet)[:1] + [{"url": emulator.url, "name": "sgl"}],
+                              [write_source(tmp_path, prompts)], return_token_ids=False)
+        result = run_regen("preflight", str(config))
+    finally:
+        emulator.stop()
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "different inference engines" in result.stderr and "local-0: vllm" in result.stderr, result.stderr
+    assert "vllm 0.32.0" in result.stdout, "the table names the engine and its version"
+
+
+def test_bench_endpoints_reads_vllm_metrics(tmp_path, vllm_fleet):
+    prompts = tmp_path / "p.jsonl"
+    write_prompts(prompts, 1)
+    config = write_config(tmp_path, endpoints(vllm_fleet)[:1], [write_source(tmp_path, prompts)])
+    result = run_regen("bench-endpoints", str(config), "--max-tokens", "8", "--prompts", "5", "--concurrency", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(l for l in result.stdout.splitlines() if "vllm:generation_tokens_total" in l)
+    tokens = float(line.split(": ")[1].split(" tokens")[0])
+    assert 7 * 8 * 0.5 <= tokens <= 7 * 8, f"5 + 2 requests of at most 8 tokens, counted by the server: {line}"
+    assert "speculative" not in result.stdout, "no spec-decode counters without --speculative-config"
+
+
+def test_driver_sigkill_mid_run_then_resume_nothing_lost_or_doubled(tmp_path, ray_cluster, vllm_fleet):
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 16)
+    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], flush_records=2,
+                          flush_interval_s=0.5, sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
+    run = tmp_path / "out" / "t"
+    proc = start_regen("generate", "--config", str(config), log=tmp_path / "run1.log")
+    wait_for(lambda: len(data_parts(run)) >= 1, 240, what="a first committed part")
+    sigkill(proc)
+    before = committed_ids(run)
+    assert 0 < len(before) < 16, "the kill must land mid-run"
+    result = run_regen("generate", "--config", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    ids = committed_ids(run)
+    assert collections.Counter(ids).most_common(1)[0][1] == 1, "a prompt was committed twice"
+    assert set(ids) == all_prompt_ids(run) and len(ids) == 16
+    assert not failures_of(run)
+
+
+def test_sigkill_of_one_server_mid_run_moves_its_work(tmp_path, ray_cluster, vllm_fleet):
+    """Last: it leaves the module's fleet with one server."""
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 16)
+    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], flush_records=1,
+                          flush_interval_s=0.2, sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
+    run = tmp_path / "out" / "t"
+    proc = start_regen("generate", "--config", str(config), log=tmp_path / "run.log")
+    wait_for(lambda: any(r["endpoint"] == "local-1" for r in rows_of(run)) if data_parts(run) else False, 240,
+             interval=0.2, what="a record from local-1")
+    victim = vllm_fleet.processes.processes[1]
+    os.killpg(victim.pid, signal.SIGKILL)  # the API server, its EngineCore and its worker
+    victim.wait(timeout=30)
+    at_kill = len(committed_ids(run))
+    assert at_kill < 16, "the kill must land mid-run"
+    assert proc.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    rows = rows_of(run)
+    assert sorted(r["prompt_id"] for r in rows) == sorted(all_prompt_ids(run)), "every prompt, once"
+    assert not failures_of(run)
+    served = collections.Counter(r["endpoint"] for r in rows)
+    assert served["local-0"] > 0 and served["local-0"] + served["local-1"] == 16
+    assert served["local-0"] >= 16 - at_kill, "what was left when local-1 died was done by local-0"
