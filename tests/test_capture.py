@@ -22,7 +22,6 @@ pytest.importorskip("transformers")
 from pipeline.hidden.parts import hidden_parts, iter_hidden
 from pipeline.store.capture_ledger import capture_run_dir
 from tests.helpers import run_regen, start_regen, wait_for
-from tests.smollm2_hf import gguf_path
 from tests.smollm2_run import SAMPLES, add_part, make_smollm2_run, smollm2_records
 from tests.trainlib import run_checks
 

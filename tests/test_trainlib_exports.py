@@ -8,7 +8,6 @@ import pytest
 pytest.importorskip("transformers")
 
 from pipeline.export.jsonl import export_run, manifest_path
-from tests.smollm2_hf import gguf_path
 from tests.smollm2_run import make_smollm2_run, smollm2_records
 from tests.trainlib import require_trainlib, run_checks
 
