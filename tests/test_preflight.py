@@ -295,3 +295,74 @@ def test_run_preflight_command(servers, tmp_path, capsys, monkeypatch):
     path = write_config(tmp_path, [good.url], endpoints=[{"url": good.url, "api_key_env": "REGEN_TEST_MISSING_KEY"}])
     assert run_preflight_command(path) == 2
     assert "REGEN_TEST_MISSING_KEY" in capsys.readouterr().err
+
+
+# --- chunked prefill: the run's longest prompt must fit in one chunk ------------------------------------------
+LONG_PROMPT = " ".join(f"word{i}" for i in range(300))
+
+
+def test_generate_refuses_a_longest_prompt_over_one_prefill_chunk(tmp_path):
+    """regen generate's own preflight counts the prompt set's longest prompt against chunked_prefill_size."""
+    import orjson
+
+    from tests.helpers import run_regen, write_config, write_source
+
+    data = tmp_path / "p.jsonl"
+    data.write_bytes(orjson.dumps({"prompt": "Why is the sky blue?"}) + b"\n" + orjson.dumps({"prompt": LONG_PROMPT})
+                     + b"\n")
+    server = start_emulator(**EAGLE3, chunked_prefill_size=64)
+    try:
+        cfg = write_config(tmp_path, [{"url": server.url}], [write_source(tmp_path, data)], model=MODEL,
+                           thinking=True, **HIDDEN)
+        done = run_regen("generate", "--config", str(cfg), timeout=180)
+    finally:
+        server.stop()
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "chunked_prefill_size is 64 tokens, shorter than the run's longest prompt" in done.stderr
+    assert "--chunked-prefill-size" in done.stderr
+    assert not list((tmp_path / "out" / "t" / "data").glob("*.parquet"))
+
+
+def test_readmission_refuses_a_server_restarted_with_a_short_prefill_chunk():
+    """The circuit breaker's readmission (built like the run's actors) runs the same chunked-prefill check."""
+    from pipeline.dispatch.actors import client_settings, local_worker_factory
+
+    server = start_emulator(**EAGLE3, chunked_prefill_size=8192)
+    cfg = make_cfg([server.url], thinking=True, **HIDDEN)
+    longest = [{"role": "user", "content": LONG_PROMPT}]
+    factory = local_worker_factory(cfg, client_settings(cfg), lambda e: None, "unused", longest_prompt=longest)
+    try:
+        assert asyncio.run(_readmit(factory(cfg.all_endpoints()[0], True)))[0]
+        server.restart(chunked_prefill_size=64)
+        admitted, why = asyncio.run(_readmit(factory(cfg.all_endpoints()[0], True)))
+        assert not admitted
+        assert "chunked_prefill_size is 64 tokens, shorter than the run's longest prompt" in why
+    finally:
+        server.stop()
+
+
+async def _readmit(worker) -> tuple[bool, str]:
+    try:
+        return await worker._passes_preflight(), worker.last_error
+    finally:
+        await worker.close()
+
+
+def test_preflight_counts_a_short_longest_prompt_as_fitting():
+    """Not every chunked server is refused: a prompt the server counts under the chunk passes."""
+    server = start_emulator(**EAGLE3, chunked_prefill_size=64)
+    try:
+        cfg = make_cfg([server.url], thinking=True, **HIDDEN)
+        [report] = preflight(cfg, {}, longest_prompt=[{"role": "user", "content": "Why is the sky blue?"}])
+        assert report.ok, report.problems
+        long_cfg = make_cfg([server.url], thinking=True, **HIDDEN)
+        error = refusal_with(long_cfg, [{"role": "user", "content": LONG_PROMPT}])
+        assert "chunked_prefill_size is 64 tokens" in str(error)
+    finally:
+        server.stop()
+
+
+def refusal_with(cfg: RunConfig, longest: list[dict]) -> PreflightError:
+    with pytest.raises(PreflightError) as info:
+        preflight(cfg, {}, longest_prompt=longest)
+    return info.value

@@ -67,7 +67,7 @@ async def drive_regen(url: str, run_dir: Path) -> dict:
         cfg = run_config(url, **overrides)
         probe = EndpointClient(url, "e", settings(cfg, SimpleNamespace(engine=None), False))
         try:
-            reports[name] = await check_endpoint(probe, cfg, longest=("the longest prompt", 100))
+            reports[name] = await check_endpoint(probe, cfg, longest_prompt=MESSAGES)
         finally:
             await probe.close()
     cfg = run_config(url)

@@ -22,6 +22,7 @@ from ..core.config import RunConfig
 from .client import EndpointClient, _error_message, classify
 from ..core.errors import EndpointDown, EndpointFatal, Retryable
 from .engines import OpenAIAdapter, SGLangAdapter, engine_for
+from .prefill import chunked_prefill_problem
 
 INFO_TIMEOUT_S = 5.0  # each information endpoint
 PROBE_TIMEOUT_S = 30.0  # each tiny generation (8 chat tokens, 4 /generate tokens)
@@ -118,13 +119,13 @@ class _Findings:
 
 async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout_s: float = INFO_TIMEOUT_S,
                          probe_timeout_s: float = PROBE_TIMEOUT_S,
-                         longest: tuple[str, int] | None = None) -> EndpointReport:
+                         longest_prompt: list[dict[str, str]] | None = None) -> EndpointReport:
     """Every check of one endpoint. Never raises for the endpoint's faults: they are in the report.
 
     `report.ok` says whether the endpoint may get work; `report.reachable` False means it did not answer
     (or did not generate) and may come back; `report.problems` non-empty means it is misconfigured.
-    `longest`: (what, tokens) of the longest sequence a hidden-state pass will prefill, checked against the
-    server's chunked_prefill_size."""
+    `longest_prompt`: the messages of the run's longest prompt; with hidden states, the server counts its tokens
+    and they must fit in one chunk of its chunked_prefill_size (prefill.py)."""
     report = EndpointReport(label=client.label, url=client.url)
     models_r, (minfo_path, minfo_r), (sinfo_path, sinfo_r) = await asyncio.gather(
         _get(client, "/v1/models", info_timeout_s),
@@ -216,12 +217,13 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
         if hidden and server_info.get("disable_radix_cache") is False:
             found.add("radix", "the server reports disable_radix_cache: false")
     if isinstance(report.engine, SGLangAdapter):
-        _version_checks(report.engine, cfg, report, found, server_info or {}, longest)
+        _version_checks(report.engine, cfg, report, found, server_info or {})
 
     # 4. The tiny generations, concurrently.
     probes = [_chat_probe(client, cfg, report, found, probe_timeout_s)]
     if hidden:
         probes.append(_hidden_probe(client, cfg, report, found, probe_timeout_s, server_info))
+        probes.append(_prefill_check(client, report, found, server_info, longest_prompt, probe_timeout_s))
     await asyncio.gather(*probes)
     report.reachable = not report.down_reason
     report.problems += _describe(found, cfg, report, server_info)
@@ -278,8 +280,18 @@ def wants_output_ids(cfg: RunConfig) -> bool:
     return cfg.return_token_ids and not cfg.hidden_states.enabled
 
 
+async def _prefill_check(client: EndpointClient, report: EndpointReport, found: _Findings,
+                         server_info: dict[str, Any] | None, longest_prompt: list[dict[str, str]] | None,
+                         timeout_s: float) -> None:
+    problem, warning = await chunked_prefill_problem(client, server_info, longest_prompt, timeout_s)
+    if problem:
+        found.other.append(problem)
+    if warning:
+        report.warnings.append(warning)
+
+
 def _version_checks(engine: SGLangAdapter, cfg: RunConfig, report: EndpointReport, found: _Findings,
-                    server_info: dict[str, Any], longest: tuple[str, int] | None) -> None:
+                    server_info: dict[str, Any]) -> None:
     """What this SGLang version can and cannot do for the run, read from its version and launch arguments."""
     warning = engine.version_warning()
     if warning:
@@ -298,9 +310,6 @@ def _version_checks(engine: SGLangAdapter, cfg: RunConfig, report: EndpointRepor
         aux = engine.aux_problem(server_info, cfg.hidden_states.expected_width, KIMI_LAYER_WIDTH)
         if aux:
             found.add("aux", aux)
-        chunked = engine.chunked_prefill_problem(server_info, longest[1], longest[0]) if longest else None
-        if chunked:
-            found.other.append(chunked)
 
 
 def _probe_text() -> str:

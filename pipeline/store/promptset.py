@@ -140,3 +140,17 @@ def report_document(staged: StagedPromptSet) -> dict[str, Any]:
     assert staged.result is not None
     return {"sources": [r.as_dict() for r in staged.result.reports], "prompts": staged.result.prompts,
             "duplicates": staged.result.duplicates, "rejects": staged.reject_count}
+
+
+def longest_prompt(prompts: pa.Table) -> list[dict[str, str]] | None:
+    """The messages of the prompt with the most characters (the chunked-prefill check counts its tokens)."""
+    import pyarrow.compute as pc
+
+    if prompts.num_rows == 0:
+        return None
+    column = prompts.column("messages").combine_chunks()
+    contents = pc.struct_field(pc.list_flatten(column), "content")
+    per_prompt = pa.table({"prompt": pc.list_parent_indices(column), "chars": pc.utf8_length(contents)}) \
+        .group_by("prompt").aggregate([("chars", "sum")])
+    best = pc.index(per_prompt.column("chars_sum"), pc.max(per_prompt.column("chars_sum"))).as_py()
+    return column[per_prompt.column("prompt")[best].as_py()].as_py()
