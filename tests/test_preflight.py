@@ -366,3 +366,33 @@ def refusal_with(cfg: RunConfig, longest: list[dict]) -> PreflightError:
     with pytest.raises(PreflightError) as info:
         preflight(cfg, {}, longest_prompt=longest)
     return info.value
+
+
+# --- 0.5.23 aux capture: EAGLE3's layers, not DFLASH's, DSPARK's or other ids at the same width ---------------
+def test_refuses_an_aux_capture_that_is_not_eagle3s_layers():
+    captures = {"dspark": dict(speculative_algorithm="DSPARK", return_aux_hidden_state_layer_ids="10,20,30"),
+                "dflash": dict(speculative_algorithm="DFLASH", return_aux_hidden_state_layer_ids="5"),
+                "custom": dict(return_aux_hidden_state_layer_ids="0,1,2")}
+    started = {name: start_emulator(**EAGLE3, sglang_version="0.5.23", **options) for name, options in captures.items()}
+    try:
+        for name, server in started.items():
+            error = refusal(make_cfg([server.url], thinking=True, **HIDDEN))
+            [line] = [line for line in lines_of(error, server) if "the server captures" in line]
+            if name == "custom":  # same width, same convention, other layers
+                assert "EAGLE3 auxiliary layers [0, 1, 2]" in line and "hidden_states.aux_layer_ids" in line
+                assert "without --return-aux-hidden-state-layer-ids" in line
+            else:
+                assert f"captures {name.upper()}'s auxiliary hidden states" in line
+                assert f"aux_hidden_state_capture: {name}" in line and "--speculative-algorithm EAGLE3" in line
+        # the layers the run asks for pass
+        asked = make_cfg([started["custom"].url], thinking=True,
+                         hidden_states={"enabled": True, "expected_width": 21504, "aux_layer_ids": [0, 1, 2]})
+        [report] = preflight(asked, {})
+        assert report.ok, report.problems
+        other = make_cfg([started["custom"].url], thinking=True,
+                         hidden_states={"enabled": True, "expected_width": 21504, "aux_layer_ids": [2, 30, 58]})
+        [line] = [line for line in lines_of(refusal(other), started["custom"]) if "the server captures" in line]
+        assert "the run asks for layers [2, 30, 58]" in line and "--return-aux-hidden-state-layer-ids 2 30 58" in line
+    finally:
+        for server in started.values():
+            server.stop()

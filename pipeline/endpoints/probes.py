@@ -310,6 +310,9 @@ def _version_checks(engine: SGLangAdapter, cfg: RunConfig, report: EndpointRepor
         aux = engine.aux_problem(server_info, cfg.hidden_states.expected_width, KIMI_LAYER_WIDTH)
         if aux:
             found.add("aux", aux)
+        capture = engine.capture_problem(server_info, cfg.hidden_states.aux_layer_ids)
+        if capture:  # whatever the width: three DSPARK layers are as wide as EAGLE3's
+            found.other.append(capture)
 
 
 def _probe_text() -> str:

@@ -153,6 +153,34 @@ class SGLangAdapter(OpenAIAdapter):
                 f"hidden states are one layer ({layer_width} wide), not EAGLE-3's three auxiliary layers "
                 f"({expected_width}). Launch it with {self.aux_flags()}")
 
+    def capture_problem(self, info: dict[str, Any], wanted: list[int] | None = None) -> str | None:
+        """An aux capture that is not EAGLE3's layers: EAGLE3 with its default layer ids, or `wanted` (the run's
+        hidden_states.aux_layer_ids). 0.5.23 also captures DFLASH's or DSPARK's layers, or other ids, at a width
+        the probe cannot tell apart."""
+        capture = self.aux_capture(info)
+        if not capture:
+            return None
+        served = info.get("return_aux_hidden_state_layer_ids")
+        served = list(served) if isinstance(served, (list, tuple)) else None
+        layers = f"layers {served}" if served is not None else "the default layers"
+        if capture != "eagle3":
+            return (f"the server captures {capture.upper()}'s auxiliary hidden states ({layers}; it reports "
+                    f"aux_hidden_state_capture: {capture}), not EAGLE3's: EAGLE-3 training data needs "
+                    f"--enable-return-aux-hidden-states --speculative-algorithm EAGLE3"
+                    + (f" --return-aux-hidden-state-layer-ids {' '.join(map(str, wanted))}" if wanted else
+                       " without --return-aux-hidden-state-layer-ids (the model's EAGLE3 layers)"))
+        if "return_aux_hidden_state_layer_ids" not in info:  # older versions: the draft's layers, not reported
+            return None
+        if wanted is None and served is not None:
+            return (f"the server captures EAGLE3 auxiliary layers {served} (--return-aux-hidden-state-layer-ids), "
+                    "not the model's default EAGLE3 layers: launch it without --return-aux-hidden-state-layer-ids, "
+                    f"or set hidden_states.aux_layer_ids: {served} if the draft is trained on those")
+        if wanted is not None and served != wanted:
+            return (f"the server captures EAGLE3's auxiliary hidden states ({layers}), the run asks for layers {wanted} "
+                    f"(hidden_states.aux_layer_ids): launch it with --return-aux-hidden-state-layer-ids "
+                    f"{' '.join(map(str, wanted))}")
+        return None
+
     @staticmethod
     def chunked_prefill_problem(info: dict[str, Any], tokens: int, what: str) -> str | None:
         """A sequence longer than one prefill chunk gets hidden-state rows for its last chunk only."""
