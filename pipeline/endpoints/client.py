@@ -20,7 +20,8 @@ import orjson
 
 from ..core.work import Completion
 from ..core.errors import (
-    ConnectionDropped, EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt, Unexpected,
+    ConnectionDropped, ContractError, EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt,
+    Unexpected,
 )
 from .engines import OpenAIAdapter, Sampling, StreamIds
 
@@ -32,8 +33,14 @@ _CONTEXT_OVERFLOW = (
     "is longer than the model's context length",  # SGLang tokenizer_manager: prompt alone too long
     "exceeds the model's maximum context length",  # SGLang tokenizer_manager: prompt + max_tokens too long
     "exceeds the maximum allowed length",  # SGLang managers/utils.py (scheduler): "Input length (N tokens) ..."
-    "max_completion_tokens is too large",  # SGLang serving_chat: max_tokens alone above the context
     "exceeds the available context size",  # llama.cpp
+)
+# 400s every request regen sends this endpoint would get: its version or its launch refuses the request's shape,
+# whatever the prompt (ContractError: the endpoint leaves the fleet, the prompt goes elsewhere).
+_CONTRACT = (
+    "max_completion_tokens is too large",  # SGLang serving_chat: the run's max_tokens alone above the context
+    "is not supported with streaming",  # SGLang serving_chat: return_token_ids / return_prompt_token_ids on a stream
+    "unknown field `",  # SGLang 0.5.23 api/v1/api_types.py (serde's text): a field the version does not declare
 )
 _DUPLICATE_RID = "duplicate request id"
 _NO_HIDDEN_STATES = (
@@ -54,6 +61,8 @@ def classify(status: int | None, message: str, endpoint: str = "", *, dropped: b
     if status == 400:
         if _DUPLICATE_RID in text:
             return Retryable(message, **kwargs)  # the retry gets a fresh rid
+        if any(marker.lower() in text for marker in _CONTRACT):
+            return ContractError(f"every request to this endpoint would be refused: {message}", **kwargs)
         if any(marker in text for marker in _NO_HIDDEN_STATES) or ("model" in text and _MODEL_MISSING in text):
             return EndpointFatal(message, **kwargs)
         if any(marker.lower() in text for marker in _CONTEXT_OVERFLOW):
@@ -196,7 +205,6 @@ class StreamAccumulator:
     usage: dict[str, Any] = field(default_factory=dict)
     model: str = ""
     request_id: str = ""
-    weight_version: str | None = None
     engine: OpenAIAdapter = field(default_factory=OpenAIAdapter)
     ids: StreamIds | None = None  # from the final sglext chunk, where the server sends one
     endpoint: str = ""
@@ -206,7 +214,6 @@ class StreamAccumulator:
             raise classify_stream_error(chunk["error"], self.endpoint)
         self.model = chunk.get("model") or self.model
         self.request_id = chunk.get("id") or self.request_id
-        self.weight_version = (chunk.get("metadata") or {}).get("weight_version", self.weight_version)
         self.usage = chunk.get("usage") or self.usage
         self.ids = self.engine.stream_chunk_ids(chunk) or self.ids
         for choice in chunk.get("choices") or []:
@@ -220,7 +227,8 @@ class StreamAccumulator:
     def completion(self, latency_s: float) -> Completion:
         return Completion(
             content="".join(self.content), reasoning_content="".join(self.reasoning) if self.reasoning else None,
-            finish_reason=self.finish_reason, model=self.model, weight_version=self.weight_version,
+            # no SGLang stream chunk model declares `metadata`: a streamed answer names no weight version
+            finish_reason=self.finish_reason, model=self.model, weight_version=None,
             latency_s=latency_s, request_id=self.request_id, deterministic=self.engine.deterministic,
             prompt_token_ids=self.ids.prompt_ids if self.ids else None,
             output_token_ids=self.ids.output_ids if self.ids else None, **_usage_fields(self.usage),

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..core.config import RunConfig
 from .client import EndpointClient, _error_message, classify
-from ..core.errors import EndpointDown, EndpointFatal, Retryable
+from ..core.errors import ContractError, EndpointDown, EndpointFatal, Retryable
 from .engines import OpenAIAdapter, SGLangAdapter, engine_for
 from .prefill import chunked_prefill_problem
 
@@ -298,9 +298,8 @@ def _version_checks(engine: SGLangAdapter, cfg: RunConfig, report: EndpointRepor
         report.warnings.append(warning)
     if wants_output_ids(cfg):
         problem = engine.output_ids_problem()
-        if problem is None and cfg.stream and not engine.stream_ids:
-            problem = (f"SGLang {engine.version} sends no token ids on a stream (0.5.23 sends them in the final "
-                       "sglext chunk): set `stream: false`, upgrade the server, or set `return_token_ids: false`")
+        if problem is None and cfg.stream:
+            problem = engine.stream_ids_problem()
         if problem:
             found.add("ids", problem)
     if cfg.hidden_states.enabled and server_info:
@@ -341,7 +340,8 @@ async def _hidden_probe(client: EndpointClient, cfg: RunConfig, report: Endpoint
             return
         if status != 200:
             error = classify(status, _error_message(answer, f"HTTP {status}"), client.label)
-            if isinstance(error, EndpointFatal) and status == 400:  # /generate names no model: hidden states off
+            if isinstance(error, EndpointFatal) and not isinstance(error, ContractError) and status == 400:
+                # /generate names no model: hidden states off
                 found.add("hidden_off", f"/generate with return_hidden_states answered 400 {error.message!r}")
             elif isinstance(error, Retryable):
                 report.down_reason = report.down_reason or f"/generate failed ({status}: {error.message})"

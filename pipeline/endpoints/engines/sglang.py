@@ -103,15 +103,25 @@ class SGLangAdapter(OpenAIAdapter):
     # --- the preflight ---------------------------------------------------------------------------
     def output_ids_problem(self) -> str | None:
         """The refusal when the run needs output ids (return_token_ids, the default) and this version has none."""
-        if self.returns_output_ids is not False:
+        if self.returns_output_ids is not False:  # None: an unknown version is probed instead
             return None
         return (f"SGLang {self.version} returns no output token ids (return_token_ids exists from SGLang 0.5.17 "
                 "on; 0.5.18+ answers in choices[0].response_token_ids): upgrade the server to 0.5.17 or later, "
                 "or set `return_token_ids: false` to run without exact token ids")
 
+    def stream_ids_problem(self) -> str | None:
+        """The refusal when the run streams and needs token ids, and this version sends none on a stream."""
+        if self.stream_ids:
+            return None
+        who = (f"SGLang {self.version} sends no token ids on a stream" if self.version else
+               "the server reports no SGLang version, so regen cannot tell that its stream carries token ids")
+        return (f"{who} (0.5.23 sends them in the final sglext chunk): set `stream: false`, upgrade the server, or "
+                "set `return_token_ids: false`")
+
     def version_warning(self) -> str | None:
         if self.version is None:
-            return "the server reports no SGLang version: the version-dependent checks assume the newest"
+            return ("the server reports no SGLang version: regen reads either spelling of the output ids, asks for "
+                    "none on a stream, and gives 0.5.23's launch flags")
         if not self.checked:
             return (f"SGLang {self.version} is outside the versions regen was checked against "
                     f"({CHECKED_VERSIONS[0]} to {CHECKED_VERSIONS[-1]})")
