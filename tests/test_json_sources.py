@@ -172,7 +172,43 @@ def test_an_object_without_records_field_names_the_key_to_set(tmp_path):
 def test_kind_json_on_json_lines_says_kind_jsonl(tmp_path):
     f = tmp_path / "lines.json"
     f.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in ROWS))
-    with pytest.raises(SourceError, match="set `kind: jsonl`"):
+    with pytest.raises(SourceError, match="is JSON Lines .*use `kind: jsonl`"):
+        list(read_records(spec_for(f)))
+
+
+BIG = {"id": "big", "conversations": [{"from": "human", "value": "x" * 1_100_000}, {"from": "gpt", "value": "a"}]}
+JSONL_SHAPES = {  # JSON Lines saved as .json that a window of the first bytes misread as one object
+    "blank_first_line": b"\n" + b"".join(orjson.dumps(r) + b"\n" for r in ROWS),
+    "first_record_over_1mb": b"".join(orjson.dumps(r) + b"\n" for r in [BIG, *ROWS]),
+    "single_record": orjson.dumps(ROWS[0]) + b"\n",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(JSONL_SHAPES))
+def test_json_lines_named_json_is_told_apart_by_its_values(tmp_path, shape):
+    f = tmp_path / "train.json"
+    f.write_bytes(JSONL_SHAPES[shape])
+    with pytest.raises(SourceError) as exc:
+        list(read_records(spec_for(f)))
+    assert "train.json is JSON Lines (one record per line)" in str(exc.value) and "use `kind: jsonl`" in str(exc.value)
+    n = len(JSONL_SHAPES[shape].split(b"\n")) - 1 - (shape == "blank_first_line")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "train.json").write_bytes(JSONL_SHAPES[shape])
+    ps = build_prompt_set([(spec_for(tmp_path / "hf" / "train.json", kind="hf"), None)])  # read as JSON Lines
+    assert ps.reports[0].read == n and ps.reports[0].rejected == (1 if n > 1 else 0)
+
+
+def test_json_lines_with_records_field_is_named_json_lines(tmp_path):
+    f = tmp_path / "lines.json"
+    f.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in ROWS))
+    with pytest.raises(SourceError, match="is JSON Lines .*use `kind: jsonl` without `records_field`"):
+        list(read_records(spec_for(f, records_field="conversations")))
+
+
+def test_an_object_holding_records_under_the_conversation_field_is_still_an_object(tmp_path):
+    f = tmp_path / "obj.json"
+    f.write_bytes(orjson.dumps({"conversations": ROWS}))
+    with pytest.raises(SourceError, match="records_field: conversations"):
         list(read_records(spec_for(f)))
 
 

@@ -67,6 +67,9 @@ def read_json(spec: SourceSpec, file: Path, shown: str, stats: ReadStats) -> Ite
             raise SourceError(spec.name, f"{shown} has no records under {spec.records_field!r} (the key is missing, "
                                          "or does not hold an array)", "check `records_field`")
         return
+    if spec.records_field and json_lines(file, None):  # the records' own field named as the container's key
+        raise SourceError(spec.name, f"{shown} is JSON Lines (one record per line), not one JSON object",
+                          "use `kind: jsonl` without `records_field`")
     offset, error_at = locate_cut(file, prefix, records, record_chunk, error_chunk)
     cut_or_salvage(spec, Cut(shown, offset, records, size, size if error_chunk == -1 else error_at,
                    truncated=error_chunk == -1), stats)
@@ -86,9 +89,9 @@ def records_prefix(spec: SourceSpec, file: Path, shown: str) -> str:
     if head.startswith(b"["):
         return "item"
     if head.startswith(b"{"):
-        if json_lines(file):
-            raise SourceError(spec.name, f"{shown} holds one JSON object per line (JSON Lines)",
-                              "set `kind: jsonl` in the spec")
+        if json_lines(file, spec.conversation_field):
+            raise SourceError(spec.name, f"{shown} is JSON Lines (one record per line), not a JSON array",
+                              "use `kind: jsonl`")
         key = _first_array_key(file)
         hint = (f"set `records_field: {key}` (its first key holding an array)" if key
                 else "set `records_field` to the key that holds the records")
@@ -97,18 +100,49 @@ def records_prefix(spec: SourceSpec, file: Path, shown: str) -> str:
                                  f"{head[:16]!r})", "for JSON Lines set `kind: jsonl`")
 
 
-def json_lines(file: Path) -> bool:
-    """One complete JSON object on the first line and more after it: JSON Lines."""
+def json_lines(file: Path, field: str | None) -> bool:
+    """JSON Lines saved as .json: its first values parsed (ijson, multiple_values), never a window of bytes, so
+    a blank first line, a first record over any size, or a single record are told apart from one JSON document.
+
+    True when a second top-level value follows an object, or the first object is a record: the records' own field
+    (the spec's conversation field; None: only the first test) at its top level, and not in the items of an
+    array under it (then it holds records); False for anything that is not valid JSON (the reader says where)."""
+    depth, values, first_is_object, has_field = 0, 0, False, False
     with file.open("rb") as fh:
-        first = fh.readline(1024 * 1024).removeprefix(BOM)
-        rest = fh.read(4096).strip()
-    if not first.strip().startswith(b"{"):
-        return False
-    try:
-        orjson.loads(first)
-    except orjson.JSONDecodeError:
-        return False
-    return bool(rest)
+        try:
+            for prefix, event, value in backend().parse(_WithoutBom(fh), multiple_values=True, use_float=True):
+                if depth == 0 and event != "map_key":  # a top-level value starts
+                    values += 1
+                    if values == 2:
+                        return first_is_object
+                    first_is_object = event == "start_map"
+                if event in ("start_map", "start_array"):
+                    depth += 1
+                elif event in ("end_map", "end_array"):
+                    depth -= 1
+                    if depth == 0 and has_field:
+                        return True  # the whole first value is one record
+                elif event == "map_key" and value == field and first_is_object and values == 1:
+                    if depth > 1 and prefix.endswith(".item"):
+                        return False  # records inside the object: a container
+                    has_field = has_field or depth == 1
+        except ijson.JSONError:
+            return False
+    return False
+
+
+class _WithoutBom:
+    """A file object whose leading UTF-8 BOM is skipped."""
+
+    def __init__(self, fh: Any):
+        self.fh, self.start = fh, True
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.fh.read(n)
+        if self.start and data:
+            self.start = False
+            data = data.removeprefix(BOM)
+        return data
 
 
 def _first_array_key(file: Path) -> str | None:
