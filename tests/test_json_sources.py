@@ -322,3 +322,21 @@ def test_hf_hub_unreachable_is_one_line_naming_the_cause_and_the_local_copy(tmp_
     assert text.startswith("source 'sharegpt': cannot load Aeala/ShareGPT_Vicuna_unfiltered[train] from the "
                            "Hugging Face hub: offline mode is on")
     assert "point the spec's `path` at the local copy" in text and "\n" not in text
+
+
+def test_a_lone_surrogate_rejects_its_record_with_the_reason(tmp_path, monkeypatch):
+    """yajl2_c turned "\\ud83d" alone into "?" silently; the record is rejected instead, the others kept."""
+    body = (b'[{"id": "broken", "conversations": [{"from": "human", "value": "emoji \\ud83d here"}]}, '
+            b'{"id": "pair", "conversations": [{"from": "human", "value": "emoji \\ud83d\\ude00 ok"}]}, '
+            b'{"id": "escaped", "conversations": [{"from": "human", "value": "path \\\\ud83d literal"}]}, '
+            b'{"id": "low", "conversations": [{"from": "human", "value": "\\ude00 alone"}]}]')
+    f = tmp_path / "s.json"
+    f.write_bytes(body)
+    for chunk in (jsonarray.CHUNK_BYTES, 7):  # 7: escapes split across parser chunks
+        monkeypatch.setattr(jsonarray, "CHUNK_BYTES", chunk)
+        out = list(read_records(spec_for(f)))
+        kept = {r.data["id"]: r.data["conversations"][0]["value"] for r in out if hasattr(r, "data")}
+        assert kept == {"pair": "emoji \U0001F600 ok", "escaped": "path \\ud83d literal"}, chunk
+        rejects = [r for r in out if not hasattr(r, "data")]
+        assert [r.origin.rsplit("#", 1)[1] for r in rejects] == ["0", "3"]
+        assert all("lone UTF-16 surrogate" in r.reason and r.code == "bad_json" for r in rejects)
