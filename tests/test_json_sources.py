@@ -119,7 +119,29 @@ def test_salvage_keeps_every_complete_record_and_reports_the_cut(tmp_path, layou
     ps = build_prompt_set([(spec_for(f, salvage=True), None)])
     assert counts(ps) == (5, 5, 0, {}, 4, 1)
     assert ps.reports[0].cuts == [{"file": str(f), "offset": ends[4], "records_kept": 5, "bytes_dropped": 7,
-                                   "size": cut_at, "problem": "ends in the middle of a record"}]
+                                   "size": cut_at, "problem": "ends in the middle of a record", "unclosed": False}]
+
+
+@pytest.mark.parametrize("tail", [b"", b",", b",\n  ", b"]"])
+def test_a_cut_right_after_a_complete_record_says_nothing_is_lost(tmp_path, monkeypatch, tail):
+    """Regression: a dump cut just after a record (here exactly at a parser chunk's end) said 'drop 0 bytes'."""
+    text = orjson.dumps({"data": ROWS}) if tail == b"]" else orjson.dumps(ROWS)
+    end = record_ends(text[text.index(b"["):])[3] + text.index(b"[")
+    monkeypatch.setattr(jsonarray, "CHUNK_BYTES", end)  # the record ends where a chunk ends
+    f = tmp_path / "dump.json"
+    f.write_bytes(text[:end] + tail)
+    field = {"records_field": "data"} if tail == b"]" else {}
+    with pytest.raises(TruncatedSource) as exc:
+        build_prompt_set([(spec_for(f, **field), None)])
+    message = str(exc.value)
+    assert "ends right after a complete record, without its closing brackets" in message
+    assert "keep the 4 complete records and lose nothing of a record" in message and "drop" not in message
+    ps = build_prompt_set([(spec_for(f, salvage=True, **field), None)])
+    assert ps.reports[0].read == 4
+    [cut] = ps.reports[0].cuts
+    assert cut["unclosed"] and cut["offset"] == end and cut["bytes_dropped"] == len(tail)
+    from pipeline.prompts.report import report_lines
+    assert "lost nothing of a record" in "\n".join(report_lines([ps.reports[0].as_dict()]))
 
 
 def test_invalid_json_before_the_end_is_a_cut_at_the_exact_byte(tmp_path):

@@ -79,8 +79,18 @@ def read_json(spec: SourceSpec, file: Path, shown: str, stats: ReadStats) -> Ite
         raise SourceError(spec.name, f"{shown} is JSON Lines (one record per line), not one JSON object",
                           "use `kind: jsonl` without `records_field`")
     offset, error_at = locate_cut(file, prefix, records, record_chunk, error_chunk)
-    cut_or_salvage(spec, Cut(shown, offset, records, size, size if error_chunk == -1 else error_at,
-                   truncated=error_chunk == -1), stats)
+    truncated = error_chunk == -1
+    cut_or_salvage(spec, Cut(shown, offset, records, size, size if truncated else error_at, truncated=truncated,
+                             unclosed=truncated and records > 0 and _only_separators(file, offset, size)), stats)
+
+
+def _only_separators(file: Path, start: int, end: int) -> bool:
+    """Nothing of a record between `start` and the end: whitespace, commas, closing brackets."""
+    if end - start > 4096:
+        return False
+    with file.open("rb") as fh:
+        fh.seek(start)
+        return not fh.read(end - start).translate(None, b" \t\r\n,]}")
 
 
 def _record(spec: SourceSpec, origin: str, data: Any, surrogates: "_Surrogates") -> Iterator[RawRecord | Reject]:
