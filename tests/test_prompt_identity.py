@@ -97,7 +97,7 @@ def test_a_truncated_file_stops_before_anything_runs_and_salvage_runs_what_is_co
     (report,) = manifest(run)["prompt_report"]["sources"]
     assert report["cuts"] == [{"file": "data/sharegpt.json", "offset": offset, "records_kept": 7,
                                "bytes_dropped": len(cut) - offset, "size": len(cut),
-                               "problem": "ends in the middle of a record"}]
+                               "problem": "ends in the middle of a record", "unclosed": False}]
 
 
 def hub_config(tmp: Path) -> Path:
@@ -250,6 +250,17 @@ def test_status_and_card_show_every_count_of_the_source_report(tmp_path):
     card = render_card(run, manifest(run), gather(run))
     assert "| sharegpt | 7 | 6 | 1 | 5 | 1 | blank_system 1, leading_assistant 1 | blank_content 1 |" in card
     assert "- rejected inputs: 1 — blank_content 1" in card
+
+
+@pytest.mark.parametrize("text", [b"[]", b"\xef\xbb\xbf \n [ ] \n"])
+def test_validate_refuses_a_source_without_records_like_generate(tmp_path, text):
+    # Regression: `regen validate` said "is valid" (exit 0) where `regen generate` stops with exit 2.
+    config, _, _ = setup_run(tmp_path, text, kind="json")
+    out = run_regen("validate", str(config))
+    assert out.returncode == 2, out.stdout
+    assert "  no records: regen generate refuses a source without a valid prompt" in out.stdout
+    assert "1 of 1 sources cannot be read or hold no records" in out.stderr and "is valid" not in out.stdout
+    assert run_regen("generate", "--config", str(config)).returncode == 2
 
 
 def test_validate_reports_what_it_sees_in_each_source(tmp_path):
