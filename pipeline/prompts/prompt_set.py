@@ -101,8 +101,9 @@ def normalise(raw_messages: Any, mode: str = "last_turn",
     """Validate and normalise a conversation. Returns (messages to send, reference) or raises InvalidRecord.
 
     Blank system messages are dropped, as are assistant turns before the first user turn (SpecForge's
-    preprocessing drops a first message that is not the user's); NUL characters are removed. Each is counted
-    in `dropped` (blank_system, leading_assistant, nul)."""
+    preprocessing drops a first message that is not the user's); NUL characters are removed; under last_turn a
+    blank last assistant turn (the reference a new answer replaces) is dropped. Each is counted in `dropped`
+    (blank_system, leading_assistant, nul, blank_reference); any other blank message rejects the record."""
     _check_mode(mode)
     if not isinstance(raw_messages, (list, tuple)):
         raise InvalidRecord(RejectCode.BAD_CONVERSATION, "the conversation is not a list of messages")
@@ -127,12 +128,10 @@ def normalise(raw_messages: Any, mode: str = "last_turn",
             dropped["nul"] = dropped.get("nul", 0) + content.count("\x00")
             content = content.replace("\x00", "")
         content = unicodedata.normalize("NFC", content.strip())
-        if not content:
-            if role == "system":
-                dropped["blank_system"] = dropped.get("blank_system", 0) + 1
-                continue
-            raise InvalidRecord(RejectCode.BLANK_CONTENT, f"message {i} ({role}) is blank")
-        conv.append((i, role, content))
+        if not content and role == "system":
+            dropped["blank_system"] = dropped.get("blank_system", 0) + 1
+            continue
+        conv.append((i, role, content))  # a blank one is refused below unless it is the reference
 
     for k, (i, role, _) in enumerate(conv):
         if role == "system" and k != 0:
@@ -157,6 +156,13 @@ def normalise(raw_messages: Any, mode: str = "last_turn",
             raise InvalidRecord(RejectCode.NOT_ALTERNATING,
                                 f"roles do not alternate: message {i} is {role} where {expected} was expected")
 
+    if mode == "last_turn" and body[-1][1] == "assistant" and not body[-1][2]:
+        # the reference only: a new answer takes its place, so its being blank loses nothing
+        dropped["blank_reference"] = dropped.get("blank_reference", 0) + 1
+        body = body[:-1]
+    for i, role, content in body:
+        if not content:
+            raise InvalidRecord(RejectCode.BLANK_CONTENT, f"message {i} ({role}) is blank")
     messages = [{"role": role, "content": content} for _, role, content in system + body]
     if mode == "all_turns":
         return tuple(messages), None
