@@ -194,12 +194,12 @@ LengthCheck = Callable[[tuple[dict[str, str], ...]], None]  # raises InvalidReco
 
 def build_into(sink: PromptSink, sources: list[tuple[SourceSpec, int | None]], mode: str = "last_turn",
                seed: int = 0, length_check: LengthCheck | None = None) -> BuildResult:
-    """Read every source, keep its valid prompts, apply its limit, then dedup across sources in list order.
+    """Read every source, keep its valid prompts, dedup across sources in list order, then apply its limit.
 
     A limit (the run's override, else the spec's own) keeps the N prompts of lowest sha256(f"{seed}:{prompt_id}"),
     so the choice depends on content alone, not on the order of the file; they are passed on in that order. A
     source without a limit passes its prompts on in file order. The first source in the list keeps a prompt
-    that several sources share. A source with no valid prompt raises NoValidPrompts."""
+    that several sources share, and a later source's limit counts only prompts the earlier ones lack. A source with no valid prompt raises NoValidPrompts."""
     _check_mode(mode)
     names = [spec.name for spec, _ in sources]
     dup_names = sorted({n for n in names if names.count(n) > 1})
@@ -225,10 +225,15 @@ def build_into(sink: PromptSink, sources: list[tuple[SourceSpec, int | None]], m
             sink.add_prompt(prompt)
             report.selected += 1
 
+        def offer(prompt: Prompt) -> None:
+            if prompt.prompt_id in held:  # an earlier source's: the limit counts only what this one adds
+                report.duplicates += 1
+                return
+            selection.offer(rank(seed, prompt.prompt_id), prompt)
+
         selection = BoundedSelection(limit, _encode, _decode) if limit is not None else None
         try:
-            _read_source(spec, mode, report, sink, length_check,
-                         emit if selection is None else lambda p: selection.offer(rank(seed, p.prompt_id), p))
+            _read_source(spec, mode, report, sink, length_check, emit if selection is None else offer)
             if report.valid == 0:
                 raise NoValidPrompts(spec.name, report.read, report.top_reasons())
             for prompt in selection.selected() if selection is not None else ():
