@@ -156,6 +156,29 @@ def test_missing_and_unreadable_files_are_one_line_naming_the_cause(tmp_path, mo
     assert str(exc.value).startswith("source 'sharegpt': data/sharegpt.jsonl: permission denied")
 
 
+def test_a_glob_file_gone_between_listing_and_reading_is_an_error_naming_it(tmp_path, monkeypatch):
+    # Regression: the file was hashed into run.json's source_files, then silently not read (its prompts missing).
+    from pipeline.core.config import load_config
+    from pipeline.prompts.errors import SourceError
+    from pipeline.store import promptset
+
+    config, _, data = setup_run(tmp_path, jsonl(rows(3)), path="data/part-*.jsonl")
+    data.rename(tmp_path / "data" / "part-1.jsonl")
+    (tmp_path / "data" / "part-2.jsonl").write_bytes(jsonl(rows(6)[3:]))
+    listed = promptset.file_identity
+
+    def list_then_lose_one(specs):
+        identity = listed(specs)
+        (tmp_path / "data" / "part-2.jsonl").unlink()  # what another process does meanwhile
+        return identity
+
+    monkeypatch.setattr(promptset, "file_identity", list_then_lose_one)
+    with pytest.raises(SourceError) as exc:
+        promptset.stage_prompt_set(load_config(config))
+    assert str(exc.value).startswith("source 'sharegpt': data/part-2.jsonl disappeared while the sources were read")
+    assert "'data/part-*.jsonl'" in str(exc.value)
+
+
 # --- the prompt identity ----------------------------------------------------------------------------
 def test_a_changed_spec_is_drift_with_a_diff_and_refresh_takes_it(tmp_path):
     # Regression: the spec's content was not in the identity, so a fixed spec reused the stored (empty) set.
