@@ -51,14 +51,18 @@ async def count_prompt_tokens(client: EndpointClient, messages: Messages, timeou
     return tokens if isinstance(tokens, int) else "the answer has no prompt_token_ids and no usage.prompt_tokens"
 
 
-async def chunked_prefill_problem(client: EndpointClient, server_info: dict[str, Any] | None,
-                                  longest_prompt: Messages | None, timeout_s: float) -> tuple[str | None, str | None]:
-    """(problem, warning) for the longest prompt against the server's chunked_prefill_size."""
+async def check_chunked_prefill(client: EndpointClient, server_info: dict[str, Any] | None,
+                                longest_prompt: Messages | None, timeout_s: float, problems: list[str],
+                                warnings: list[str]) -> None:
+    """The longest prompt against the server's chunked_prefill_size: a problem (or a warning) appended."""
     size = chunk_size(server_info)
     if size is None or not longest_prompt or fits_without_counting(longest_prompt, size):
-        return None, None
+        return
     tokens = await count_prompt_tokens(client, longest_prompt, timeout_s)
     if isinstance(tokens, str):
-        return None, (f"chunked_prefill_size is {size}: could not count the longest prompt's tokens ({tokens}); "
-                      "a longer prompt gets hidden states for its last chunk only")
-    return SGLangAdapter.chunked_prefill_problem(server_info or {}, tokens, "the run's longest prompt"), None
+        warnings.append(f"chunked_prefill_size is {size}: could not count the longest prompt's tokens ({tokens}); "
+                        "a longer prompt gets hidden states for its last chunk only")
+        return
+    problem = SGLangAdapter.chunked_prefill_problem(server_info or {}, tokens, "the run's longest prompt")
+    if problem:
+        problems.append(problem)

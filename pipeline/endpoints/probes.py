@@ -22,7 +22,7 @@ from ..core.config import RunConfig
 from .client import EndpointClient, _error_message, classify
 from ..core.errors import ContractError, EndpointDown, EndpointFatal, Retryable
 from .engines import OpenAIAdapter, SGLangAdapter, engine_for
-from .prefill import chunked_prefill_problem
+from .prefill import check_chunked_prefill
 
 INFO_TIMEOUT_S = 5.0  # each information endpoint
 PROBE_TIMEOUT_S = 30.0  # each tiny generation (8 chat tokens, 4 /generate tokens)
@@ -223,7 +223,8 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
     probes = [_chat_probe(client, cfg, report, found, probe_timeout_s)]
     if hidden:
         probes.append(_hidden_probe(client, cfg, report, found, probe_timeout_s, server_info))
-        probes.append(_prefill_check(client, report, found, server_info, longest_prompt, probe_timeout_s))
+        probes.append(check_chunked_prefill(client, server_info, longest_prompt, probe_timeout_s, found.other,
+                                            report.warnings))
     await asyncio.gather(*probes)
     report.reachable = not report.down_reason
     report.problems += _describe(found, cfg, report, server_info)
@@ -278,16 +279,6 @@ async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
 def wants_output_ids(cfg: RunConfig) -> bool:
     """What the run's chat requests ask for (with hidden states, the ids come from /generate instead)."""
     return cfg.return_token_ids and not cfg.hidden_states.enabled
-
-
-async def _prefill_check(client: EndpointClient, report: EndpointReport, found: _Findings,
-                         server_info: dict[str, Any] | None, longest_prompt: list[dict[str, str]] | None,
-                         timeout_s: float) -> None:
-    problem, warning = await chunked_prefill_problem(client, server_info, longest_prompt, timeout_s)
-    if problem:
-        found.other.append(problem)
-    if warning:
-        report.warnings.append(warning)
 
 
 def _version_checks(engine: SGLangAdapter, cfg: RunConfig, report: EndpointReport, found: _Findings,
