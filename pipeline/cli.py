@@ -45,10 +45,15 @@ def _validate(args: argparse.Namespace) -> int:
         spec = load_source_spec(ref.spec)
         print(f"source {spec.name}: {spec.kind} {spec.path} ({spec.format}), limit {ref.limit or spec.limit or 'none'}")
         try:
-            print("\n".join(probe_source(spec).lines()))
+            probe = probe_source(spec)
         except SourceError as exc:  # one line per source; the others are still looked at
             unreadable += 1
             print(f"  cannot read it: {exc.cause}" + (f"; {exc.hint}" if exc.hint else ""))
+            continue
+        print("\n".join(probe.lines()))
+        if probe.read == 0:  # as `regen generate` refuses it (NoValidPrompts)
+            unreadable += 1
+            print("  no records: regen generate refuses a source without a valid prompt")
     for endpoint in cfg.all_endpoints():
         secret = ""
         if endpoint.api_key_env:
@@ -56,7 +61,8 @@ def _validate(args: argparse.Namespace) -> int:
             secret = f", key from ${endpoint.api_key_env} ({state})"
         print(f"endpoint {endpoint.label}: {endpoint.url}, concurrency {endpoint.concurrency}{secret}")
     if unreadable:
-        print(f"regen: error: {args.config}: {unreadable} of {len(cfg.sources)} sources cannot be read",
+        print(f"regen: error: {args.config}: {unreadable} of {len(cfg.sources)} sources cannot be read or hold no "
+              "records",
               file=sys.stderr)
         return 2
     print(f"{args.config} is valid: model {cfg.model}, fingerprint {cfg.fingerprint()}")

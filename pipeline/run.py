@@ -22,7 +22,8 @@ from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
 from .prompts.sources import load_source_spec
 from .prompts.tokens import load_length_check
-from .store.promptset import StagedPromptSet, check_source_files, report_document, source_specs, stage_prompt_set
+from .store.promptset import (StagedPromptSet, check_source_files, longest_prompt, report_document, source_specs,
+                              stage_prompt_set)
 from .store.rundir import Committer, RunDir, RunLock, now_utc, resolve_run_dir, successor_run_dir
 from .dispatch.cluster import EndpointsFileWatch, init_ray
 from .store.records import RecordBuilder
@@ -254,7 +255,7 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
         return report_complete(run_dir, progress())
     check_hidden_space(cfg, opts, run_dir, prompts, pending)
     with local_fleet(cfg.local_fleet, run_dir.local_logs()):
-        fleet = fleet_preflight(cfg, run_dir)
+        fleet = fleet_preflight(cfg, run_dir, longest_prompt(prompts) if cfg.hidden_states.enabled else None)
         if not pending:
             return report_complete(run_dir, progress())
         log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed),
@@ -326,20 +327,21 @@ class FleetFacts:
     weight_version: str | None  # the version the run is pinned to (None: not reported)
     engines: dict  # each endpoint's engine adapter, by label
     unreachable: set[str]  # endpoints that did not answer: they start with their circuit open
+    longest_prompt: list | None = None  # checked against chunked_prefill_size here and at every readmission
 
 
-def fleet_preflight(cfg: RunConfig, run_dir: RunDir) -> FleetFacts:
+def fleet_preflight(cfg: RunConfig, run_dir: RunDir, longest: list | None = None) -> FleetFacts:
     """Probe the fleet before any prompt; pin the run to the weight version it reports (or check it) and
     record whether it is deterministic."""
     from .endpoints.preflight import preflight
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
-    reports = preflight(cfg, api_keys)
+    reports = preflight(cfg, api_keys, longest_prompt=longest)
     weight_version = pin_weight_version(run_dir, reports)
     record_determinism(run_dir, reports)
     record_engines(run_dir, reports)
     return FleetFacts(weight_version, {r.label: r.engine for r in reports if r.engine is not None},
-                      {r.label for r in reports if not r.reachable})
+                      {r.label for r in reports if not r.reachable}, longest)
 
 
 def pin_weight_version(run_dir: RunDir, reports) -> str | None:
@@ -413,7 +415,7 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
 
     dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
                             make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines),
-                                               cfg.api_key, run_dir.path.uri),
+                                               cfg.api_key, run_dir.path.uri, fleet.longest_prompt),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
                             unreachable=fleet.unreachable)
     try:

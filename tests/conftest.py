@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, require_installed
 
 REPO = Path(__file__).resolve().parent.parent
 # Test credentials for the local S3 server (moto), set before the Ray head starts so that its workers (the
@@ -91,7 +91,7 @@ def vllm_fleet(tmp_path_factory):
     from pipeline.endpoints.localfleet import LocalFleetProcesses, vllm_model_dir, vllm_python
 
     if not vllm_python().exists() or not (vllm_model_dir() / "config.json").exists():
-        pytest.skip(f"vLLM's venv ({vllm_python()}) or model ({vllm_model_dir()}) is missing: run `make vllm`")
+        require_installed(f"vLLM's venv ({vllm_python()}) or model ({vllm_model_dir()})")
     fleet = LocalFleet(engine="vllm", servers=2, base_port=free_port(), slots=4, ctx_per_slot=1024, threads=1)
     processes = LocalFleetProcesses(fleet, tmp_path_factory.mktemp("vllm-logs")).start()
     yield SimpleNamespace(fleet=fleet, processes=processes, model_dir=vllm_model_dir())

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 import pyarrow.parquet as pq
 import yaml
 
@@ -156,3 +157,11 @@ def prompt_source(tmp: Path, n: int) -> Path:
     """A source spec of n distinct short prompts."""
     write_prompts(tmp / "p.jsonl", n)
     return write_source(tmp, tmp / "p.jsonl")
+
+
+def require_installed(what: str) -> None:
+    """A cached install (the vLLM venv, its model) is missing: under `make test`, which installs it and names it in
+    REGEN_VLLM_PYTHON, that is a failure; a bare `pytest` run without it skips."""
+    if os.environ.get("REGEN_VLLM_PYTHON"):
+        pytest.fail(f"{what} is missing although `make test` installed it")
+    pytest.skip(f"{what} is missing: run `make vllm`")

@@ -119,7 +119,29 @@ def test_salvage_keeps_every_complete_record_and_reports_the_cut(tmp_path, layou
     ps = build_prompt_set([(spec_for(f, salvage=True), None)])
     assert counts(ps) == (5, 5, 0, {}, 4, 1)
     assert ps.reports[0].cuts == [{"file": str(f), "offset": ends[4], "records_kept": 5, "bytes_dropped": 7,
-                                   "size": cut_at, "problem": "ends in the middle of a record"}]
+                                   "size": cut_at, "problem": "ends in the middle of a record", "unclosed": False}]
+
+
+@pytest.mark.parametrize("tail", [b"", b",", b",\n  ", b"]"])
+def test_a_cut_right_after_a_complete_record_says_nothing_is_lost(tmp_path, monkeypatch, tail):
+    """Regression: a dump cut just after a record (here exactly at a parser chunk's end) said 'drop 0 bytes'."""
+    text = orjson.dumps({"data": ROWS}) if tail == b"]" else orjson.dumps(ROWS)
+    end = record_ends(text[text.index(b"["):])[3] + text.index(b"[")
+    monkeypatch.setattr(jsonarray, "CHUNK_BYTES", end)  # the record ends where a chunk ends
+    f = tmp_path / "dump.json"
+    f.write_bytes(text[:end] + tail)
+    field = {"records_field": "data"} if tail == b"]" else {}
+    with pytest.raises(TruncatedSource) as exc:
+        build_prompt_set([(spec_for(f, **field), None)])
+    message = str(exc.value)
+    assert "ends right after a complete record, without its closing brackets" in message
+    assert "keep the 4 complete records and lose nothing of a record" in message and "drop" not in message
+    ps = build_prompt_set([(spec_for(f, salvage=True, **field), None)])
+    assert ps.reports[0].read == 4
+    [cut] = ps.reports[0].cuts
+    assert cut["unclosed"] and cut["offset"] == end and cut["bytes_dropped"] == len(tail)
+    from pipeline.prompts.report import report_lines
+    assert "lost nothing of a record" in "\n".join(report_lines([ps.reports[0].as_dict()]))
 
 
 def test_invalid_json_before_the_end_is_a_cut_at_the_exact_byte(tmp_path):
@@ -172,7 +194,43 @@ def test_an_object_without_records_field_names_the_key_to_set(tmp_path):
 def test_kind_json_on_json_lines_says_kind_jsonl(tmp_path):
     f = tmp_path / "lines.json"
     f.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in ROWS))
-    with pytest.raises(SourceError, match="set `kind: jsonl`"):
+    with pytest.raises(SourceError, match="is JSON Lines .*use `kind: jsonl`"):
+        list(read_records(spec_for(f)))
+
+
+BIG = {"id": "big", "conversations": [{"from": "human", "value": "x" * 1_100_000}, {"from": "gpt", "value": "a"}]}
+JSONL_SHAPES = {  # JSON Lines saved as .json that a window of the first bytes misread as one object
+    "blank_first_line": b"\n" + b"".join(orjson.dumps(r) + b"\n" for r in ROWS),
+    "first_record_over_1mb": b"".join(orjson.dumps(r) + b"\n" for r in [BIG, *ROWS]),
+    "single_record": orjson.dumps(ROWS[0]) + b"\n",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(JSONL_SHAPES))
+def test_json_lines_named_json_is_told_apart_by_its_values(tmp_path, shape):
+    f = tmp_path / "train.json"
+    f.write_bytes(JSONL_SHAPES[shape])
+    with pytest.raises(SourceError) as exc:
+        list(read_records(spec_for(f)))
+    assert "train.json is JSON Lines (one record per line)" in str(exc.value) and "use `kind: jsonl`" in str(exc.value)
+    n = len(JSONL_SHAPES[shape].split(b"\n")) - 1 - (shape == "blank_first_line")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "train.json").write_bytes(JSONL_SHAPES[shape])
+    ps = build_prompt_set([(spec_for(tmp_path / "hf" / "train.json", kind="hf"), None)])  # read as JSON Lines
+    assert ps.reports[0].read == n and ps.reports[0].rejected == (1 if n > 1 else 0)
+
+
+def test_json_lines_with_records_field_is_named_json_lines(tmp_path):
+    f = tmp_path / "lines.json"
+    f.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in ROWS))
+    with pytest.raises(SourceError, match="is JSON Lines .*use `kind: jsonl` without `records_field`"):
+        list(read_records(spec_for(f, records_field="conversations")))
+
+
+def test_an_object_holding_records_under_the_conversation_field_is_still_an_object(tmp_path):
+    f = tmp_path / "obj.json"
+    f.write_bytes(orjson.dumps({"conversations": ROWS}))
+    with pytest.raises(SourceError, match="records_field: conversations"):
         list(read_records(spec_for(f)))
 
 
@@ -286,3 +344,21 @@ def test_hf_hub_unreachable_is_one_line_naming_the_cause_and_the_local_copy(tmp_
     assert text.startswith("source 'sharegpt': cannot load Aeala/ShareGPT_Vicuna_unfiltered[train] from the "
                            "Hugging Face hub: offline mode is on")
     assert "point the spec's `path` at the local copy" in text and "\n" not in text
+
+
+def test_a_lone_surrogate_rejects_its_record_with_the_reason(tmp_path, monkeypatch):
+    """yajl2_c turned "\\ud83d" alone into "?" silently; the record is rejected instead, the others kept."""
+    body = (b'[{"id": "broken", "conversations": [{"from": "human", "value": "emoji \\ud83d here"}]}, '
+            b'{"id": "pair", "conversations": [{"from": "human", "value": "emoji \\ud83d\\ude00 ok"}]}, '
+            b'{"id": "escaped", "conversations": [{"from": "human", "value": "path \\\\ud83d literal"}]}, '
+            b'{"id": "low", "conversations": [{"from": "human", "value": "\\ude00 alone"}]}]')
+    f = tmp_path / "s.json"
+    f.write_bytes(body)
+    for chunk in (jsonarray.CHUNK_BYTES, 7):  # 7: escapes split across parser chunks
+        monkeypatch.setattr(jsonarray, "CHUNK_BYTES", chunk)
+        out = list(read_records(spec_for(f)))
+        kept = {r.data["id"]: r.data["conversations"][0]["value"] for r in out if hasattr(r, "data")}
+        assert kept == {"pair": "emoji \U0001F600 ok", "escaped": "path \\ud83d literal"}, chunk
+        rejects = [r for r in out if not hasattr(r, "data")]
+        assert [r.origin.rsplit("#", 1)[1] for r in rejects] == ["0", "3"]
+        assert all("lone UTF-16 surrogate" in r.reason and r.code == "bad_json" for r in rejects)

@@ -306,3 +306,104 @@ def test_run_preflight_command(servers, tmp_path, capsys, monkeypatch):
     path = write_config(tmp_path, [good.url], endpoints=[{"url": good.url, "api_key_env": "REGEN_TEST_MISSING_KEY"}])
     assert run_preflight_command(path) == 2
     assert "REGEN_TEST_MISSING_KEY" in capsys.readouterr().err
+
+
+# --- chunked prefill: the run's longest prompt must fit in one chunk ------------------------------------------
+LONG_PROMPT = " ".join(f"word{i}" for i in range(300))
+
+
+def test_generate_refuses_a_longest_prompt_over_one_prefill_chunk(tmp_path):
+    """regen generate's own preflight counts the prompt set's longest prompt against chunked_prefill_size."""
+    import orjson
+
+    from tests.helpers import run_regen, write_config, write_source
+
+    data = tmp_path / "p.jsonl"
+    data.write_bytes(orjson.dumps({"prompt": "Why is the sky blue?"}) + b"\n" + orjson.dumps({"prompt": LONG_PROMPT})
+                     + b"\n")
+    server = start_emulator(**EAGLE3, chunked_prefill_size=64)
+    try:
+        cfg = write_config(tmp_path, [{"url": server.url}], [write_source(tmp_path, data)], model=MODEL,
+                           thinking=True, **HIDDEN)
+        done = run_regen("generate", "--config", str(cfg), timeout=180)
+    finally:
+        server.stop()
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "chunked_prefill_size is 64 tokens, shorter than the run's longest prompt" in done.stderr
+    assert "--chunked-prefill-size" in done.stderr
+    assert not list((tmp_path / "out" / "t" / "data").glob("*.parquet"))
+
+
+def test_readmission_refuses_a_server_restarted_with_a_short_prefill_chunk():
+    """The circuit breaker's readmission (built like the run's actors) runs the same chunked-prefill check."""
+    from pipeline.dispatch.actors import client_settings, local_worker_factory
+
+    server = start_emulator(**EAGLE3, chunked_prefill_size=8192)
+    cfg = make_cfg([server.url], thinking=True, **HIDDEN)
+    longest = [{"role": "user", "content": LONG_PROMPT}]
+    factory = local_worker_factory(cfg, client_settings(cfg), lambda e: None, "unused", longest_prompt=longest)
+    try:
+        assert asyncio.run(_readmit(factory(cfg.all_endpoints()[0], True)))[0]
+        server.restart(chunked_prefill_size=64)
+        admitted, why = asyncio.run(_readmit(factory(cfg.all_endpoints()[0], True)))
+        assert not admitted
+        assert "chunked_prefill_size is 64 tokens, shorter than the run's longest prompt" in why
+    finally:
+        server.stop()
+
+
+async def _readmit(worker) -> tuple[bool, str]:
+    try:
+        return await worker._passes_preflight(), worker.last_error
+    finally:
+        await worker.close()
+
+
+def test_preflight_counts_a_short_longest_prompt_as_fitting():
+    """Not every chunked server is refused: a prompt the server counts under the chunk passes."""
+    server = start_emulator(**EAGLE3, chunked_prefill_size=64)
+    try:
+        cfg = make_cfg([server.url], thinking=True, **HIDDEN)
+        [report] = preflight(cfg, {}, longest_prompt=[{"role": "user", "content": "Why is the sky blue?"}])
+        assert report.ok, report.problems
+        long_cfg = make_cfg([server.url], thinking=True, **HIDDEN)
+        error = refusal_with(long_cfg, [{"role": "user", "content": LONG_PROMPT}])
+        assert "chunked_prefill_size is 64 tokens" in str(error)
+    finally:
+        server.stop()
+
+
+def refusal_with(cfg: RunConfig, longest: list[dict]) -> PreflightError:
+    with pytest.raises(PreflightError) as info:
+        preflight(cfg, {}, longest_prompt=longest)
+    return info.value
+
+
+# --- 0.5.23 aux capture: EAGLE3's layers, not DFLASH's, DSPARK's or other ids at the same width ---------------
+def test_refuses_an_aux_capture_that_is_not_eagle3s_layers():
+    captures = {"dspark": dict(speculative_algorithm="DSPARK", return_aux_hidden_state_layer_ids="10,20,30"),
+                "dflash": dict(speculative_algorithm="DFLASH", return_aux_hidden_state_layer_ids="5"),
+                "custom": dict(return_aux_hidden_state_layer_ids="0,1,2")}
+    started = {name: start_emulator(**EAGLE3, sglang_version="0.5.23", **options) for name, options in captures.items()}
+    try:
+        for name, server in started.items():
+            error = refusal(make_cfg([server.url], thinking=True, **HIDDEN))
+            [line] = [line for line in lines_of(error, server) if "the server captures" in line]
+            if name == "custom":  # same width, same convention, other layers
+                assert "EAGLE3 auxiliary layers [0, 1, 2]" in line and "hidden_states.aux_layer_ids" in line
+                assert "without --return-aux-hidden-state-layer-ids" in line
+            else:
+                assert f"captures {name.upper()}'s auxiliary hidden states" in line
+                assert f"aux_hidden_state_capture: {name}" in line and "--speculative-algorithm EAGLE3" in line
+        # the layers the run asks for pass
+        asked = make_cfg([started["custom"].url], thinking=True,
+                         hidden_states={"enabled": True, "expected_width": 21504, "aux_layer_ids": [0, 1, 2]})
+        [report] = preflight(asked, {})
+        assert report.ok, report.problems
+        other = make_cfg([started["custom"].url], thinking=True,
+                         hidden_states={"enabled": True, "expected_width": 21504, "aux_layer_ids": [2, 30, 58]})
+        [line] = [line for line in lines_of(refusal(other), started["custom"]) if "the server captures" in line]
+        assert "the run asks for layers [2, 30, 58]" in line and "--return-aux-hidden-state-layer-ids 2 30 58" in line
+    finally:
+        for server in started.values():
+            server.stop()

@@ -97,7 +97,7 @@ def test_a_truncated_file_stops_before_anything_runs_and_salvage_runs_what_is_co
     (report,) = manifest(run)["prompt_report"]["sources"]
     assert report["cuts"] == [{"file": "data/sharegpt.json", "offset": offset, "records_kept": 7,
                                "bytes_dropped": len(cut) - offset, "size": len(cut),
-                               "problem": "ends in the middle of a record"}]
+                               "problem": "ends in the middle of a record", "unclosed": False}]
 
 
 def hub_config(tmp: Path) -> Path:
@@ -154,6 +154,29 @@ def test_missing_and_unreadable_files_are_one_line_naming_the_cause(tmp_path, mo
     with pytest.raises(SourceError) as exc:
         stage_prompt_set(cfg)
     assert str(exc.value).startswith("source 'sharegpt': data/sharegpt.jsonl: permission denied")
+
+
+def test_a_glob_file_gone_between_listing_and_reading_is_an_error_naming_it(tmp_path, monkeypatch):
+    # Regression: the file was hashed into run.json's source_files, then silently not read (its prompts missing).
+    from pipeline.core.config import load_config
+    from pipeline.prompts.errors import SourceError
+    from pipeline.store import promptset
+
+    config, _, data = setup_run(tmp_path, jsonl(rows(3)), path="data/part-*.jsonl")
+    data.rename(tmp_path / "data" / "part-1.jsonl")
+    (tmp_path / "data" / "part-2.jsonl").write_bytes(jsonl(rows(6)[3:]))
+    listed = promptset.file_identity
+
+    def list_then_lose_one(specs):
+        identity = listed(specs)
+        (tmp_path / "data" / "part-2.jsonl").unlink()  # what another process does meanwhile
+        return identity
+
+    monkeypatch.setattr(promptset, "file_identity", list_then_lose_one)
+    with pytest.raises(SourceError) as exc:
+        promptset.stage_prompt_set(load_config(config))
+    assert str(exc.value).startswith("source 'sharegpt': data/part-2.jsonl disappeared while the sources were read")
+    assert "'data/part-*.jsonl'" in str(exc.value)
 
 
 # --- the prompt identity ----------------------------------------------------------------------------
@@ -250,6 +273,17 @@ def test_status_and_card_show_every_count_of_the_source_report(tmp_path):
     card = render_card(run, manifest(run), gather(run))
     assert "| sharegpt | 7 | 6 | 1 | 5 | 1 | blank_system 1, leading_assistant 1 | blank_content 1 |" in card
     assert "- rejected inputs: 1 — blank_content 1" in card
+
+
+@pytest.mark.parametrize("text", [b"[]", b"\xef\xbb\xbf \n [ ] \n"])
+def test_validate_refuses_a_source_without_records_like_generate(tmp_path, text):
+    # Regression: `regen validate` said "is valid" (exit 0) where `regen generate` stops with exit 2.
+    config, _, _ = setup_run(tmp_path, text, kind="json")
+    out = run_regen("validate", str(config))
+    assert out.returncode == 2, out.stdout
+    assert "  no records: regen generate refuses a source without a valid prompt" in out.stdout
+    assert "1 of 1 sources cannot be read or hold no records" in out.stderr and "is valid" not in out.stdout
+    assert run_regen("generate", "--config", str(config)).returncode == 2
 
 
 def test_validate_reports_what_it_sees_in_each_source(tmp_path):

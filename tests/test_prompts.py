@@ -199,13 +199,17 @@ def test_run_limit_overrides_the_spec_limit(tmp_path):
     assert len(build_prompt_set([(no_limit, None)]).prompts) == 30
 
 
-def test_limit_applies_within_the_source_before_cross_source_dedup(tmp_path):
-    rows = _questions(10)
-    a = jsonl_source("A", write_jsonl(tmp_path / "a.jsonl", rows), "prompt")
+def test_limit_counts_only_what_a_source_adds_after_cross_source_dedup(tmp_path):
+    # Regression: the limit picked 4 of B's prompts before dedup, so B's duplicates of A left fewer than 4.
+    rows = _questions(20)
+    a = jsonl_source("A", write_jsonl(tmp_path / "a.jsonl", rows[:10]), "prompt")
     b = jsonl_source("B", write_jsonl(tmp_path / "b.jsonl", rows), "prompt", limit=4)
     ps = build_prompt_set([(a, None), (b, None)])
-    assert len(ps.prompts) == 10 and all(p.source == "A" for p in ps.prompts)
-    assert (ps.reports[1].selected, ps.reports[1].duplicates, ps.duplicates) == (0, 4, 4)
+    assert len(ps.prompts) == 14 and [p.source for p in ps.prompts].count("B") == 4
+    assert (ps.reports[1].selected, ps.reports[1].duplicates, ps.duplicates) == (4, 10, 10)
+    only_new = {p.prompt_id for p in build_prompt_set([(jsonl_source("B", write_jsonl(
+        tmp_path / "new.jsonl", rows[10:]), "prompt", limit=4), None)]).prompts}
+    assert {p.prompt_id for p in ps.prompts if p.source == "B"} == only_new  # the same rank order among new ones
 
 
 # --- the project-written sample set --------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Conformance with SGLang's own code, versions 0.5.14, 0.5.17, 0.5.18 and 0.5.23 (issue 14).
 
 The authority is each version's wheel, unpacked by `make sglang-wheels` into ~/.cache/regen/sglang/<version>
-(REGEN_SGLANG_CACHE overrides). Per version, one emulator claims that version and regen's own code (the
-preflight, the chat client streamed and not, the hidden-state route) talks to it with the emulator logging
-every body; then one subprocess, with that wheel first on its PYTHONPATH, checks those bodies and the emulator's
+(REGEN_SGLANG_CACHE overrides); a missing one fails the tests unless REGEN_ALLOW_MISSING_WHEELS=1. Per version,
+one emulator claims that version and regen's own code (the preflight, the chat client streamed and not, the
+hidden-state route) talks to it with the emulator logging every body; then one subprocess, with that wheel first on its PYTHONPATH, checks those bodies and the emulator's
 answers against the version's own models (tests/conformance/sglang_checks.py). The error texts are read out of
 the wheels' sources here, so a message SGLang renames fails instead of being misclassified.
 """
@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.core.config import RunConfig
-from pipeline.core.errors import EndpointFatal, Retryable, TerminalForPrompt
+from pipeline.core.errors import ContractError, EndpointFatal, Retryable, TerminalForPrompt
 from pipeline.emulator import expected_chat, make_config, start_emulator
 from pipeline.endpoints.client import ClientSettings, EndpointClient, classify
 from pipeline.endpoints.engines import SGLangAdapter
@@ -38,12 +38,17 @@ MODEL = "moonshotai/Kimi-K2.5"
 MESSAGES = [{"role": "user", "content": "Why is the sky blue? Answer briefly."}]
 TM, UTILS = "sglang/srt/managers/tokenizer_manager.py", "sglang/srt/managers/utils.py"
 CHAT = "sglang/srt/entrypoints/openai/serving_chat.py"
+API_TYPES = "sglang/api/v1/api_types.py"  # 0.5.23: the /generate contract (serde's texts)
 
 
 def wheel(version: str) -> Path:
+    """A missing wheel fails (`make test` unpacks them first); REGEN_ALLOW_MISSING_WHEELS=1 skips instead."""
     root = CACHE / version
     if not (root / ".installed").exists():
-        pytest.skip(f"SGLang {version} is not unpacked in {CACHE}: run `make sglang-wheels`")
+        why = f"SGLang {version} is not unpacked in {CACHE}: run `make sglang-wheels`"
+        if os.environ.get("REGEN_ALLOW_MISSING_WHEELS") == "1":
+            pytest.skip(why)
+        pytest.fail(why + " (or set REGEN_ALLOW_MISSING_WHEELS=1 to skip the conformance tests)")
     return root
 
 
@@ -67,7 +72,7 @@ async def drive_regen(url: str, run_dir: Path) -> dict:
         cfg = run_config(url, **overrides)
         probe = EndpointClient(url, "e", settings(cfg, SimpleNamespace(engine=None), False))
         try:
-            reports[name] = await check_endpoint(probe, cfg, longest=("the longest prompt", 100))
+            reports[name] = await check_endpoint(probe, cfg, longest_prompt=MESSAGES)
         finally:
             await probe.close()
     cfg = run_config(url)
@@ -174,11 +179,16 @@ def test_short_run_stores_the_exact_ids_or_is_refused(version, tmp_path):
 
 # --- the error texts, read out of the wheels ---------------------------------------------------------------------
 CONTEXT = "context overflow"
+EVERY = "every request to this endpoint would be refused"
 ERROR_TEXTS = [  # (phrase that finds the text in the wheel, files, class, classify's message prefix, from version)
     ("is longer than the model's context length", (TM,), TerminalForPrompt, CONTEXT, "0.5.14"),
     ("exceeds the model's maximum context length", (TM,), TerminalForPrompt, CONTEXT, "0.5.14"),
     ("exceeds the maximum allowed length", (UTILS,), TerminalForPrompt, CONTEXT, "0.5.14"),
-    ("max_completion_tokens is too large", (CHAT,), TerminalForPrompt, CONTEXT, "0.5.14"),
+    # every request to the endpoint would get these: it leaves the fleet, the prompt is not failed
+    ("max_completion_tokens is too large", (CHAT,), ContractError, EVERY, "0.5.14"),
+    ("return_prompt_token_ids is not supported with streaming", (CHAT,), ContractError, EVERY, "0.5.14"),
+    ("return_token_ids is not supported with streaming", (CHAT,), ContractError, EVERY, "0.5.17"),
+    ("unknown field `", (API_TYPES,), ContractError, EVERY, "0.5.23"),
     ("not configured to return", (TM,), EndpointFatal, "", "0.5.14"),
     ("return_hidden_states mode exceeds", (TM,), EndpointFatal, "", "0.5.17"),
     ("Duplicate request ID", (TM,), Retryable, "", "0.5.14"),
@@ -202,8 +212,8 @@ def test_every_sglang_marker_of_the_classifier_is_in_a_wheel():
     """A marker no checked version sends is dead (or SGLang renamed the text): it must not hide there."""
     roots = [wheel(v) for v in VERSIONS]
     texts = SGLangAdapter().error_texts
-    for marker in texts.context_overflow + texts.retry + texts.endpoint_fatal:
-        assert any(templates_with(root, (TM, UTILS, CHAT), marker) for root in roots), marker
+    for marker in texts.context_overflow + texts.retry + texts.endpoint_fatal + texts.contract:
+        assert any(templates_with(root, (TM, UTILS, CHAT, API_TYPES), marker) for root in roots), marker
 
 
 def test_emulator_messages_are_the_wheel_texts(version):
@@ -237,3 +247,32 @@ def test_emulator_messages_are_the_wheel_texts(version):
             assert status == 400 and any(as_pattern(t).match(message) for t in templates), (message, templates)
     finally:
         tight.stop()
+
+
+# --- no wheel needed -----------------------------------------------------------------------------------------------
+def test_an_unknown_version_is_named_as_such():
+    from pipeline.endpoints.engines import SGLangAdapter
+
+    unknown = SGLangAdapter(version=None)
+    problem, warning = unknown.stream_ids_problem(), unknown.version_warning()
+    assert "None" not in problem and "reports no SGLang version" in problem and "stream: false" in problem
+    assert "None" not in warning and "assume the newest" not in warning  # it asks for no stream ids: not the newest
+    assert "SGLang 0.5.18 sends no token ids on a stream" in SGLangAdapter(version="0.5.18").stream_ids_problem()
+    assert SGLangAdapter(version="0.5.23").stream_ids_problem() is None
+
+
+@pytest.mark.parametrize("name", VERSIONS)
+def test_a_stream_names_no_weight_version(name):
+    """No version's stream chunk declares `metadata`: the accumulator reads no weight version from one."""
+    import ast
+
+    from pipeline.endpoints.client import StreamAccumulator
+    from tests.conformance.sglang_source import _class_fields
+
+    protocol = ast.parse((wheel(name) / "sglang/srt/entrypoints/openai/protocol.py").read_text())
+    assert "metadata" not in _class_fields(protocol, "ChatCompletionStreamResponse")
+    assert "metadata" in _class_fields(protocol, "ChatCompletionResponse")
+    stream = StreamAccumulator()
+    stream.add({"id": "r", "model": MODEL, "metadata": {"weight_version": "v9"},
+                "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]})
+    assert stream.completion(0.1).weight_version is None

@@ -11,6 +11,7 @@ import pytest
 
 from pipeline.prompts.errors import NoValidPrompts
 from pipeline.prompts.prompt_set import build_prompt_set, normalise
+from pipeline.prompts.records import InvalidRecord
 from pipeline.prompts.sources import SourceSpec
 from pipeline.prompts.tokens import load_length_check
 
@@ -73,6 +74,21 @@ def test_blank_system_message_was_a_reject_and_is_now_dropped():
     dropped: dict[str, int] = {}
     normalise([{"role": "system", "content": " \n"}] + conversation, dropped=dropped)
     assert dropped == {"blank_system": 2}
+
+
+def test_a_blank_reference_is_dropped_under_last_turn_but_a_blank_sent_turn_rejects():
+    # Regression: a blank last assistant turn (the reference a new answer replaces) rejected the whole record.
+    sent = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+            {"role": "user", "content": "Q2"}]
+    dropped: dict[str, int] = {}
+    assert normalise(sent + [{"role": "assistant", "content": " "}], dropped=dropped) == (tuple(sent), None)
+    assert dropped == {"blank_reference": 1}
+    blank_history = [sent[0], {"role": "assistant", "content": ""}, sent[2], {"role": "assistant", "content": "A2"}]
+    with pytest.raises(InvalidRecord, match="message 2 \\(assistant\\) is blank") as exc:
+        normalise(blank_history)  # it would be sent as the context of the turn regenerated
+    assert exc.value.code.value == "blank_content"
+    with pytest.raises(InvalidRecord, match="message 4 \\(assistant\\) is blank"):
+        normalise(sent + [{"role": "assistant", "content": ""}], mode="all_turns")
 
 
 def tiny_tokenizer(folder: Path) -> Path:

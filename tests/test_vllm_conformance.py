@@ -25,6 +25,7 @@ from pipeline.endpoints.engines import OpenAIAdapter, VLLMAdapter, vllm as vllm_
 from pipeline.endpoints.localfleet import vllm_python
 from pipeline.endpoints.probes import check_endpoint
 from tests.conformance.sglang_source import render, templates_with
+from tests.helpers import require_installed
 
 WORKTREE = Path(__file__).resolve().parent.parent
 MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
@@ -34,7 +35,7 @@ def vllm_env() -> SimpleNamespace:
     python = vllm_python()
     roots = sorted(python.parent.parent.glob("lib/python3*/site-packages"))
     if not python.exists() or not roots or not (roots[0] / "vllm").is_dir():
-        pytest.skip(f"vLLM's venv is not at {python}: run `make vllm` (or set REGEN_VLLM_PYTHON)")
+        require_installed(f"vLLM's venv ({python})")
     return SimpleNamespace(python=python, root=roots[0])
 
 

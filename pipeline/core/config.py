@@ -95,6 +95,9 @@ class HiddenStates(_Strict):
     # 21504 = 3 x 7168: Kimi-K2.5's EAGLE-3 auxiliary layers. 7168 alone means the server runs EAGLE, not EAGLE3.
     expected_width: int = Field(21504, ge=1)
     layers_note: str = "EAGLE-3 auxiliary layers [2, L//2, L-3] as SGLang captures them"
+    # The aux layers the server must capture (its --return-aux-hidden-state-layer-ids); None: SGLang's default
+    # EAGLE3 layers, and a server launched with other ids is refused.
+    aux_layer_ids: list[int] | None = None
     dtype: Literal["bf16"] = "bf16"
     max_in_memory: int = Field(2, ge=1)  # answers each actor parses or writes at once (one 4K answer ~ 176 MB)
 
@@ -211,7 +214,9 @@ class RunConfig(_Strict):
             "explicit_sampling": self.sampling.explicit(),  # the values sent in place of generation_config's
             "chat_template_kwargs": self.template_kwargs(),
             # layers_note is informational (recorded for the exports, never compared)
-            "hidden_states": self.hidden_states.model_dump(exclude={"max_in_memory"})
+            # aux_layer_ids only when set: runs from before it existed keep their identity
+            "hidden_states": self.hidden_states.model_dump(
+                exclude={"max_in_memory"} | ({"aux_layer_ids"} if self.hidden_states.aux_layer_ids is None else set()))
             if self.hidden_states.enabled else None,
             "return_token_ids": self.return_token_ids,  # rows with and without token ids never mix in a run
             "stream": self.stream,

@@ -77,6 +77,11 @@ class EndpointFatal(RequestError):
     """The endpoint itself is wrong (model missing, wrong model, wrong hidden width): it leaves the fleet."""
 
 
+class ContractError(EndpointFatal):
+    """The endpoint refuses the shape of the requests regen sends it, so every one would fail the same way (a
+    field its version does not know, one it refuses on a stream, the run's max_tokens above its context)."""
+
+
 # --- whole run ---------------------------------------------------------------------------------
 class RunFatal(RegenError):
     """The run cannot go on (no healthy endpoint by the deadline, output unwritable). Resumable."""

@@ -42,7 +42,7 @@ def hidden_route(cfg: RunConfig, run_dir: str) -> HiddenRoute | None:
 
 
 def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None],
-                       run_dir: str):
+                       run_dir: str, longest_prompt: list | None = None):
     """Actors are spread round-robin over the cluster's live nodes (Ray's SPREAD leaves zero-CPU actors on
     one node); an endpoint may pin its actor instead through Ray resources (e.g. `{"node:10.0.0.7": 0.01}`,
     or a custom resource given to `ray start --resources`) or node labels (`ray start --labels rack=b`).
@@ -66,19 +66,20 @@ def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callab
         ).remote(
             e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
             cfg.circuit_failures, readmission=cfg, start_open=start_open, hidden=route,
+            longest_prompt=longest_prompt,
         )
 
     return factory
 
 
 def local_worker_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None],
-                         run_dir: str, **worker_options) -> Callable[[Endpoint, bool], EndpointWorker]:
+                         run_dir: str, longest_prompt: list | None = None, **worker_options) -> Callable[[Endpoint, bool], EndpointWorker]:
     """EndpointWorkers in this process (for LocalTransport), built with the arguments the Ray actors get."""
     route = hidden_route(cfg, run_dir)
 
     def factory(e: Endpoint, start_open: bool) -> EndpointWorker:
         return EndpointWorker(e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
                               cfg.circuit_failures, readmission=cfg, start_open=start_open, hidden=route,
-                              **worker_options)
+                              longest_prompt=longest_prompt, **worker_options)
 
     return factory

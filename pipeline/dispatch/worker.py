@@ -67,6 +67,7 @@ class EndpointWorker:
         readmission: RunConfig | None = None,
         start_open: bool = False,
         hidden: HiddenRoute | None = None,
+        longest_prompt: list | None = None,
     ):
         self.label, self.concurrency, self.mode = label, concurrency, mode
         self.client = EndpointClient(url, label, settings, api_key)
@@ -75,6 +76,7 @@ class EndpointWorker:
         self.circuit_failures = circuit_failures
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self.readmission = readmission  # the run's config: a recovered endpoint passes the full preflight again
+        self.longest_prompt = longest_prompt  # ... with the chunked-prefill check of the run's longest prompt
         self.inbox: asyncio.Queue[WorkItem] = asyncio.Queue()
         self.outbox: list[Outcome] = []
         self.ready = asyncio.Event()
@@ -283,7 +285,7 @@ class EndpointWorker:
             return True
         from ..endpoints.preflight import check_endpoint, fleet_problems
 
-        report = await check_endpoint(self.client, self.readmission)
+        report = await check_endpoint(self.client, self.readmission, longest_prompt=self.longest_prompt)
         expected = self.client.settings.expected_weight_version
         problems = report.problems + fleet_problems([report], self.readmission)
         if expected is not None and report.weight_version not in (None, expected):

@@ -60,6 +60,7 @@ class EmulatorConfig:
     enable_return_hidden_states: bool = False
     enable_return_aux_hidden_states: bool = False
     speculative_algorithm: str | None = None      # "EAGLE3", "EAGLE", ... (0.5.23 + aux flag: the convention)
+    return_aux_hidden_state_layer_ids: str | None = None  # 0.5.23, "10,20,30"; None: the model's EAGLE3 layers
     enable_deterministic_inference: bool = False  # without it SGLang ignores seed / sampling_seed
     speculative_num_steps: int = 3
     accept_length: float = 3.2
@@ -116,15 +117,23 @@ class EmulatorConfig:
     def aux_capture(self) -> str | None:
         """"eagle3" when the vectors are EAGLE-3's aux layers: 0.5.23 with --enable-return-aux-hidden-states
         (no draft), older versions with an EAGLE3 speculative draft (they have no aux flag)."""
-        eagle3 = (self.speculative_algorithm or "").upper() == "EAGLE3"
-        if self.behaviour.aux_without_draft:
-            return "eagle3" if eagle3 and self.enable_return_aux_hidden_states else None
-        return "eagle3" if eagle3 else None
+        method = (self.speculative_algorithm or "").upper()
+        if self.behaviour.aux_without_draft:  # 0.5.23 names the convention: EAGLE3, DFLASH or DSPARK
+            capture = self.enable_return_aux_hidden_states and method in ("EAGLE3", "DFLASH", "DSPARK")
+            return method.lower() if capture else None
+        return "eagle3" if method == "EAGLE3" else None
+
+    @property
+    def aux_layer_ids(self) -> list[int] | None:
+        text = self.return_aux_hidden_state_layer_ids
+        return [int(v) for v in text.split(",")] if text else None
 
     @property
     def effective_hidden_width(self) -> int:
-        """Width of returned vectors: 3 x width with EAGLE-3 aux capture, else width."""
-        return 3 * self.hidden_width if self.aux_capture else self.hidden_width
+        """Width of returned vectors: one layer per captured aux layer (EAGLE3's default: 3), else one."""
+        if not self.aux_capture:
+            return self.hidden_width
+        return self.hidden_width * (len(self.aux_layer_ids) if self.aux_layer_ids else 3)
 
     @property
     def hidden_states_allowed(self) -> bool:
@@ -149,6 +158,7 @@ class EmulatorConfig:
         if self.behaviour.aux_without_draft:
             out["enable_return_aux_hidden_states"] = self.enable_return_aux_hidden_states
             out["aux_hidden_state_capture"] = self.aux_capture
+            out["return_aux_hidden_state_layer_ids"] = self.aux_layer_ids
         return out
 
     def faults(self) -> dict[str, Any]:
@@ -222,6 +232,8 @@ _OPTIONS: list[tuple[str, Any, str]] = [
     ("enable_return_aux_hidden_states", bool, "0.5.23: capture EAGLE-3 aux layers (3 x width) without a draft, "
                                               "with --speculative-algorithm EAGLE3 naming the convention"),
     ("speculative_algorithm", str, "speculative algorithm (EAGLE3, EAGLE, ...)"),
+    ("return_aux_hidden_state_layer_ids", str, "0.5.23: the aux layers captured, comma-separated (DFLASH and "
+                                               "DSPARK need them; EAGLE3 defaults to the model's three)"),
     ("enable_deterministic_inference", bool, "report --enable-deterministic-inference (seeds then reproduce)"),
     ("speculative_num_steps", int, "draft steps (spec_accept_rate = (accept_length-1)/steps)"),
     ("accept_length", float, "mean speculative accept length"),

@@ -22,7 +22,8 @@ import orjson
 
 from ..core.work import Completion
 from ..core.errors import (
-    ConnectionDropped, EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt, Unexpected,
+    ConnectionDropped, ContractError, EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt,
+    Unexpected,
 )
 from .engines import OpenAIAdapter, Sampling, StreamIds, error_texts
 
@@ -45,6 +46,8 @@ def classify(status: int | None, message: str, endpoint: str = "", *, dropped: b
         texts = error_texts(engine)
         if any(marker in text for marker in texts.retry):
             return Retryable(message, **kwargs)  # the retry gets a fresh request id
+        if any(marker in text for marker in texts.contract):
+            return ContractError(f"every request to this endpoint would be refused: {message}", **kwargs)
         if any(marker in text for marker in texts.endpoint_fatal) or ("model" in text and _MODEL_MISSING in text):
             return EndpointFatal(message, **kwargs)
         if any(marker in text for marker in texts.context_overflow):
@@ -188,7 +191,6 @@ class StreamAccumulator:
     usage: dict[str, Any] = field(default_factory=dict)
     model: str = ""
     request_id: str = ""
-    weight_version: str | None = None
     engine: OpenAIAdapter = field(default_factory=OpenAIAdapter)
     prompt_ids: list[int] | None = None  # where the engine sends them on a stream (StreamIds)
     output_ids: list[int] | None = None
@@ -199,7 +201,6 @@ class StreamAccumulator:
             raise classify_stream_error(chunk["error"], self.endpoint, self.engine)
         self.model = chunk.get("model") or self.model
         self.request_id = chunk.get("id") or self.request_id
-        self.weight_version = (chunk.get("metadata") or {}).get("weight_version", self.weight_version)
         self.usage = chunk.get("usage") or self.usage
         ids = self.engine.stream_chunk_ids(chunk)
         if ids is not None:
@@ -218,7 +219,8 @@ class StreamAccumulator:
     def completion(self, latency_s: float) -> Completion:
         return Completion(
             content="".join(self.content), reasoning_content="".join(self.reasoning) if self.reasoning else None,
-            finish_reason=self.finish_reason, model=self.model, weight_version=self.weight_version,
+            # no SGLang stream chunk model declares `metadata`: a streamed answer names no weight version
+            finish_reason=self.finish_reason, model=self.model, weight_version=None,
             latency_s=latency_s, request_id=self.request_id, deterministic=self.engine.deterministic,
             engine=self.engine.engine, engine_version=self.engine.version, prompt_token_ids=self.prompt_ids,
             output_token_ids=self.output_ids, **_usage_fields(self.usage),

@@ -21,8 +21,9 @@ from typing import Any
 
 from ..core.config import RunConfig
 from .client import EndpointClient, _error_message, classify
-from ..core.errors import EndpointDown, EndpointFatal, Retryable
+from ..core.errors import ContractError, EndpointDown, EndpointFatal, Retryable
 from .engines import OpenAIAdapter, SGLangAdapter, engine_for, identity_path
+from .prefill import check_chunked_prefill
 
 INFO_TIMEOUT_S = 5.0  # each information endpoint
 PROBE_TIMEOUT_S = 30.0  # each tiny generation (8 chat tokens, 4 /generate tokens)
@@ -119,13 +120,13 @@ class _Findings:
 
 async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout_s: float = INFO_TIMEOUT_S,
                          probe_timeout_s: float = PROBE_TIMEOUT_S,
-                         longest: tuple[str, int] | None = None) -> EndpointReport:
+                         longest_prompt: list[dict[str, str]] | None = None) -> EndpointReport:
     """Every check of one endpoint. Never raises for the endpoint's faults: they are in the report.
 
     `report.ok` says whether the endpoint may get work; `report.reachable` False means it did not answer
     (or did not generate) and may come back; `report.problems` non-empty means it is misconfigured.
-    `longest`: (what, tokens) of the longest sequence a hidden-state pass will prefill, checked against the
-    server's chunked_prefill_size."""
+    `longest_prompt`: the messages of the run's longest prompt; with hidden states, the server counts its tokens
+    and they must fit in one chunk of its chunked_prefill_size (prefill.py)."""
     report = EndpointReport(label=client.label, url=client.url)
     models_r, (minfo_path, minfo_r), (sinfo_path, sinfo_r) = await asyncio.gather(
         _get(client, "/v1/models", info_timeout_s),
@@ -227,12 +228,14 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
         if hidden and server_info.get("disable_radix_cache") is False:
             found.add("radix", "the server reports disable_radix_cache: false")
     if isinstance(report.engine, SGLangAdapter):
-        _version_checks(report.engine, cfg, report, found, server_info or {}, longest)
+        _version_checks(report.engine, cfg, report, found, server_info or {})
 
     # 4. The tiny generations, concurrently.
     probes = [_chat_probe(client, cfg, report, found, probe_timeout_s)]
     if hidden:
         probes.append(_hidden_probe(client, cfg, report, found, probe_timeout_s, server_info))
+        probes.append(check_chunked_prefill(client, server_info, longest_prompt, probe_timeout_s, found.other,
+                                            report.warnings))
     await asyncio.gather(*probes)
     report.reachable = not report.down_reason
     report.problems += _describe(found, cfg, report, server_info)
@@ -291,13 +294,12 @@ def wants_output_ids(cfg: RunConfig) -> bool:
 
 
 def _version_checks(engine: SGLangAdapter, cfg: RunConfig, report: EndpointReport, found: _Findings,
-                    server_info: dict[str, Any], longest: tuple[str, int] | None) -> None:
+                    server_info: dict[str, Any]) -> None:
     """What this SGLang version can and cannot do for the run, read from its version and launch arguments."""
     if wants_output_ids(cfg):
         problem = engine.output_ids_problem()
-        if problem is None and cfg.stream and not engine.stream_ids:
-            problem = (f"SGLang {engine.version} sends no token ids on a stream (0.5.23 sends them in the final "
-                       "sglext chunk): set `stream: false`, upgrade the server, or set `return_token_ids: false`")
+        if problem is None and cfg.stream:
+            problem = engine.stream_ids_problem()
         if problem:
             found.add("ids", problem)
     if cfg.hidden_states.enabled and server_info:
@@ -307,9 +309,9 @@ def _version_checks(engine: SGLangAdapter, cfg: RunConfig, report: EndpointRepor
         aux = engine.aux_problem(server_info, cfg.hidden_states.expected_width, KIMI_LAYER_WIDTH)
         if aux:
             found.add("aux", aux)
-        chunked = engine.chunked_prefill_problem(server_info, longest[1], longest[0]) if longest else None
-        if chunked:
-            found.other.append(chunked)
+        capture = engine.capture_problem(server_info, cfg.hidden_states.aux_layer_ids)
+        if capture:  # whatever the width: three DSPARK layers are as wide as EAGLE3's
+            found.other.append(capture)
 
 
 def _probe_text() -> str:
@@ -338,7 +340,8 @@ async def _hidden_probe(client: EndpointClient, cfg: RunConfig, report: Endpoint
             return
         if status != 200:
             error = classify(status, _error_message(answer, f"HTTP {status}"), client.label, engine=client.engine)
-            if isinstance(error, EndpointFatal) and status == 400:  # /generate names no model: hidden states off
+            if isinstance(error, EndpointFatal) and not isinstance(error, ContractError) and status == 400:
+                # /generate names no model: hidden states off
                 found.add("hidden_off", f"/generate with return_hidden_states answered 400 {error.message!r}")
             elif isinstance(error, Retryable):
                 report.down_reason = report.down_reason or f"/generate failed ({status}: {error.message})"

@@ -29,7 +29,7 @@ class TruncatedSource(SourceError):
                  if cut.records_kept else "it holds no complete record")
         super().__init__(source, f"{file} {cut.problem} at byte {cut.error_at:,} of {cut.size:,}: {where}",
                          f"nothing was run. Fix the file, or add `salvage: true` to the source spec to keep the "
-                         f"{cut.records_kept:,} complete records and drop the last {cut.bytes_dropped:,} bytes")
+                         f"{cut.records_kept:,} complete records and {cut.what_is_dropped}")
 
 
 class NoValidPrompts(ConfigError):
@@ -56,6 +56,7 @@ class Cut:
     size: int
     error_at: int  # where the parser gave up (the end of the file when it is cut short)
     truncated: bool  # True: the file ends early; False: invalid JSON before the end
+    unclosed: bool = False  # cut right after a complete record: only separators or closing brackets follow it
 
     @property
     def bytes_dropped(self) -> int:
@@ -63,11 +64,21 @@ class Cut:
 
     @property
     def problem(self) -> str:
+        if self.unclosed:
+            return "ends right after a complete record, without its closing brackets"
         return "ends in the middle of a record" if self.truncated else "is not valid JSON"
+
+    @property
+    def what_is_dropped(self) -> str:
+        if self.unclosed:
+            return "lose nothing of a record" + (f" (the last {self.bytes_dropped:,} bytes are separators)"
+                                                if self.bytes_dropped else "")
+        return f"drop the last {self.bytes_dropped:,} bytes"
 
     def as_dict(self) -> dict[str, object]:
         return {"file": self.file, "offset": self.offset, "records_kept": self.records_kept,
-                "bytes_dropped": self.bytes_dropped, "size": self.size, "problem": self.problem}
+                "bytes_dropped": self.bytes_dropped, "size": self.size, "problem": self.problem,
+                "unclosed": self.unclosed}
 
 
 def read_error(source: str, exc: BaseException, what: str) -> SourceError:

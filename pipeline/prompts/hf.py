@@ -82,7 +82,7 @@ def _read_local_files(spec: SourceSpec, files: list[Path], stats: ReadStats) -> 
         if kind is None:
             raise SourceError(spec.name, f"{spec.shown(file)} is not a data file regen reads "
                                          f"({', '.join(DATA_EXTENSIONS)})", "select the data files with `data_files`")
-        if kind == "json" and not spec.records_field and json_lines(file):
+        if kind == "json" and not spec.records_field and json_lines(file, spec.conversation_field):
             kind = "jsonl"  # a .json file of one object per line, as `datasets` also reads it
         yield from read_file(spec, file, kind, stats)
 

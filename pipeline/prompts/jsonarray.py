@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -16,12 +18,17 @@ import ijson
 import orjson
 
 from .errors import Cut, SourceError
-from .records import RawRecord
+from .records import RAW_MAX_CHARS, RawRecord, Reject, RejectCode
 from .sources import BOM, ReadStats, SourceSpec, cut_or_salvage, first_bytes
 
 log = logging.getLogger("regen")
 
 CHUNK_BYTES = 256 * 1024
+# A \uD800-\uDFFF escape that is not half of a pair: yajl2_c turns it into "?" without a word. It is replaced,
+# same length, by \uFFFF (a noncharacter) before parsing, and a record holding one is rejected.
+_HIGH, _LOW = rb"\\u[dD][89abAB][0-9a-fA-F]{2}", rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+_LONE_SURROGATE = re.compile(rb"(?<!\\)((?:\\\\)*)(?:" + _HIGH + rb"(?!" + _LOW + rb")|(?<!" + _HIGH + rb")" + _LOW + rb")")
+_NONCHARACTER = "\uffff"
 _SCAN_LIMIT = 16 * 1024 * 1024  # how far to look for the key of an object's first array, for an error message
 
 
@@ -44,7 +51,8 @@ def read_json(spec: SourceSpec, file: Path, shown: str, stats: ReadStats) -> Ite
     records, record_chunk, error_chunk = 0, -1, None
     sink = ijson.sendable_list()
     parser = backend().items_coro(sink, prefix, use_float=True)
-    for chunk_index, (_, _, clean) in enumerate(_chunks(file, stats)):
+    surrogates = _Surrogates()
+    for chunk_index, (_, _, clean) in enumerate(_chunks(file, stats, surrogates)):
         try:
             parser.send(clean)
         except ijson.JSONError:
@@ -52,7 +60,7 @@ def read_json(spec: SourceSpec, file: Path, shown: str, stats: ReadStats) -> Ite
         if sink:
             record_chunk = chunk_index
         for data in sink:  # records completed before an error in the same chunk are whole: they count
-            yield RawRecord(spec.name, f"{shown}#{records}", data)
+            yield from _record(spec, f"{shown}#{records}", data, surrogates)
             records += 1
         del sink[:]
         if error_chunk is not None:
@@ -67,9 +75,31 @@ def read_json(spec: SourceSpec, file: Path, shown: str, stats: ReadStats) -> Ite
             raise SourceError(spec.name, f"{shown} has no records under {spec.records_field!r} (the key is missing, "
                                          "or does not hold an array)", "check `records_field`")
         return
+    if spec.records_field and json_lines(file, None):  # the records' own field named as the container's key
+        raise SourceError(spec.name, f"{shown} is JSON Lines (one record per line), not one JSON object",
+                          "use `kind: jsonl` without `records_field`")
     offset, error_at = locate_cut(file, prefix, records, record_chunk, error_chunk)
-    cut_or_salvage(spec, Cut(shown, offset, records, size, size if error_chunk == -1 else error_at,
-                   truncated=error_chunk == -1), stats)
+    truncated = error_chunk == -1
+    cut_or_salvage(spec, Cut(shown, offset, records, size, size if truncated else error_at, truncated=truncated,
+                             unclosed=truncated and records > 0 and _only_separators(file, offset, size)), stats)
+
+
+def _only_separators(file: Path, start: int, end: int) -> bool:
+    """Nothing of a record between `start` and the end: whitespace, commas, closing brackets."""
+    if end - start > 4096:
+        return False
+    with file.open("rb") as fh:
+        fh.seek(start)
+        return not fh.read(end - start).translate(None, b" \t\r\n,]}")
+
+
+def _record(spec: SourceSpec, origin: str, data: Any, surrogates: "_Surrogates") -> Iterator[RawRecord | Reject]:
+    if surrogates.seen and _NONCHARACTER in (text := orjson.dumps(data).decode()):
+        yield Reject(spec.name, origin, "a string holds a lone UTF-16 surrogate escape (half of a character, such "
+                     "as \\ud83d without its pair): its text cannot be kept exactly", text[:RAW_MAX_CHARS],
+                     RejectCode.BAD_JSON.value)
+    else:
+        yield RawRecord(spec.name, origin, data)
 
 
 def records_prefix(spec: SourceSpec, file: Path, shown: str) -> str:
@@ -86,9 +116,9 @@ def records_prefix(spec: SourceSpec, file: Path, shown: str) -> str:
     if head.startswith(b"["):
         return "item"
     if head.startswith(b"{"):
-        if json_lines(file):
-            raise SourceError(spec.name, f"{shown} holds one JSON object per line (JSON Lines)",
-                              "set `kind: jsonl` in the spec")
+        if json_lines(file, spec.conversation_field):
+            raise SourceError(spec.name, f"{shown} is JSON Lines (one record per line), not a JSON array",
+                              "use `kind: jsonl`")
         key = _first_array_key(file)
         hint = (f"set `records_field: {key}` (its first key holding an array)" if key
                 else "set `records_field` to the key that holds the records")
@@ -97,18 +127,49 @@ def records_prefix(spec: SourceSpec, file: Path, shown: str) -> str:
                                  f"{head[:16]!r})", "for JSON Lines set `kind: jsonl`")
 
 
-def json_lines(file: Path) -> bool:
-    """One complete JSON object on the first line and more after it: JSON Lines."""
+def json_lines(file: Path, field: str | None) -> bool:
+    """JSON Lines saved as .json: its first values parsed (ijson, multiple_values), never a window of bytes, so
+    a blank first line, a first record over any size, or a single record are told apart from one JSON document.
+
+    True when a second top-level value follows an object, or the first object is a record: the records' own field
+    (the spec's conversation field; None: only the first test) at its top level, and not in the items of an
+    array under it (then it holds records); False for anything that is not valid JSON (the reader says where)."""
+    depth, values, first_is_object, has_field = 0, 0, False, False
     with file.open("rb") as fh:
-        first = fh.readline(1024 * 1024).removeprefix(BOM)
-        rest = fh.read(4096).strip()
-    if not first.strip().startswith(b"{"):
-        return False
-    try:
-        orjson.loads(first)
-    except orjson.JSONDecodeError:
-        return False
-    return bool(rest)
+        try:
+            for prefix, event, value in backend().parse(_WithoutBom(fh), multiple_values=True, use_float=True):
+                if depth == 0 and event != "map_key":  # a top-level value starts
+                    values += 1
+                    if values == 2:
+                        return first_is_object
+                    first_is_object = event == "start_map"
+                if event in ("start_map", "start_array"):
+                    depth += 1
+                elif event in ("end_map", "end_array"):
+                    depth -= 1
+                    if depth == 0 and has_field:
+                        return True  # the whole first value is one record
+                elif event == "map_key" and value == field and first_is_object and values == 1:
+                    if depth > 1 and prefix.endswith(".item"):
+                        return False  # records inside the object: a container
+                    has_field = has_field or depth == 1
+        except ijson.JSONError:
+            return False
+    return False
+
+
+class _WithoutBom:
+    """A file object whose leading UTF-8 BOM is skipped."""
+
+    def __init__(self, fh: Any):
+        self.fh, self.start = fh, True
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.fh.read(n)
+        if self.start and data:
+            self.start = False
+            data = data.removeprefix(BOM)
+        return data
 
 
 def _first_array_key(file: Path) -> str | None:
@@ -140,18 +201,47 @@ class _Limited:
         return data.removeprefix(BOM)
 
 
-def _chunks(file: Path, stats: ReadStats | None = None) -> Iterator[tuple[int, bytes, bytes]]:
-    """(offset of the raw chunk, the raw chunk, what the parser gets: without the BOM and NUL bytes)."""
-    offset = 0
+@dataclass
+class _Surrogates:
+    seen: int = 0  # lone surrogate escapes replaced by \uFFFF so far
+
+
+def _chunks(file: Path, stats: ReadStats | None = None,
+            surrogates: _Surrogates | None = None) -> Iterator[tuple[int, bytes, bytes]]:
+    """(offset of the raw chunk, the raw chunk, what the parser gets: without the BOM and NUL bytes, and with
+    `surrogates`, lone surrogate escapes replaced). The chunks around give the escapes their context: 12 bytes
+    of each side, read ahead, so one split across two chunks is seen whole."""
+    offset, before = 0, b""
     with file.open("rb") as fh:
-        while raw := fh.read(CHUNK_BYTES):
-            clean = raw.removeprefix(BOM) if offset == 0 else raw
+        raw = fh.read(CHUNK_BYTES)
+        while raw:
+            after = fh.read(CHUNK_BYTES)
+            clean = raw
+            if surrogates is not None:
+                clean = _replace_lone_surrogates(before, raw, after[:12], surrogates)
+                before = raw[-12:]
+            clean = clean.removeprefix(BOM) if offset == 0 else clean
             if b"\x00" in clean:
                 if stats is not None:
                     stats.nul_bytes_removed += clean.count(b"\x00")
                 clean = clean.replace(b"\x00", b"")
             yield offset, raw, clean
             offset += len(raw)
+            raw = after
+
+
+def _replace_lone_surrogates(before: bytes, raw: bytes, after: bytes, surrogates: _Surrogates) -> bytes:
+    window = before + raw + after
+    if b"\\u" not in window:
+        return raw
+    start, end = len(before), len(before) + len(raw)
+    fixed = bytearray(window)
+    for match in _LONE_SURROGATE.finditer(window):
+        escape = match.start() + len(match.group(1))
+        fixed[escape:escape + 6] = b"\\uffff"  # same length: every offset stays the file's
+        if start <= escape < end:
+            surrogates.seen += 1
+    return bytes(fixed[start:end])
 
 
 def locate_cut(file: Path, prefix: str, records: int, record_chunk: int, error_chunk: int) -> tuple[int, int]:

@@ -101,8 +101,9 @@ def normalise(raw_messages: Any, mode: str = "last_turn",
     """Validate and normalise a conversation. Returns (messages to send, reference) or raises InvalidRecord.
 
     Blank system messages are dropped, as are assistant turns before the first user turn (SpecForge's
-    preprocessing drops a first message that is not the user's); NUL characters are removed. Each is counted
-    in `dropped` (blank_system, leading_assistant, nul)."""
+    preprocessing drops a first message that is not the user's); NUL characters are removed; under last_turn a
+    blank last assistant turn (the reference a new answer replaces) is dropped. Each is counted in `dropped`
+    (blank_system, leading_assistant, nul, blank_reference); any other blank message rejects the record."""
     _check_mode(mode)
     if not isinstance(raw_messages, (list, tuple)):
         raise InvalidRecord(RejectCode.BAD_CONVERSATION, "the conversation is not a list of messages")
@@ -127,12 +128,10 @@ def normalise(raw_messages: Any, mode: str = "last_turn",
             dropped["nul"] = dropped.get("nul", 0) + content.count("\x00")
             content = content.replace("\x00", "")
         content = unicodedata.normalize("NFC", content.strip())
-        if not content:
-            if role == "system":
-                dropped["blank_system"] = dropped.get("blank_system", 0) + 1
-                continue
-            raise InvalidRecord(RejectCode.BLANK_CONTENT, f"message {i} ({role}) is blank")
-        conv.append((i, role, content))
+        if not content and role == "system":
+            dropped["blank_system"] = dropped.get("blank_system", 0) + 1
+            continue
+        conv.append((i, role, content))  # a blank one is refused below unless it is the reference
 
     for k, (i, role, _) in enumerate(conv):
         if role == "system" and k != 0:
@@ -157,6 +156,13 @@ def normalise(raw_messages: Any, mode: str = "last_turn",
             raise InvalidRecord(RejectCode.NOT_ALTERNATING,
                                 f"roles do not alternate: message {i} is {role} where {expected} was expected")
 
+    if mode == "last_turn" and body[-1][1] == "assistant" and not body[-1][2]:
+        # the reference only: a new answer takes its place, so its being blank loses nothing
+        dropped["blank_reference"] = dropped.get("blank_reference", 0) + 1
+        body = body[:-1]
+    for i, role, content in body:
+        if not content:
+            raise InvalidRecord(RejectCode.BLANK_CONTENT, f"message {i} ({role}) is blank")
     messages = [{"role": role, "content": content} for _, role, content in system + body]
     if mode == "all_turns":
         return tuple(messages), None
@@ -188,12 +194,12 @@ LengthCheck = Callable[[tuple[dict[str, str], ...]], None]  # raises InvalidReco
 
 def build_into(sink: PromptSink, sources: list[tuple[SourceSpec, int | None]], mode: str = "last_turn",
                seed: int = 0, length_check: LengthCheck | None = None) -> BuildResult:
-    """Read every source, keep its valid prompts, apply its limit, then dedup across sources in list order.
+    """Read every source, keep its valid prompts, dedup across sources in list order, then apply its limit.
 
     A limit (the run's override, else the spec's own) keeps the N prompts of lowest sha256(f"{seed}:{prompt_id}"),
     so the choice depends on content alone, not on the order of the file; they are passed on in that order. A
     source without a limit passes its prompts on in file order. The first source in the list keeps a prompt
-    that several sources share. A source with no valid prompt raises NoValidPrompts."""
+    that several sources share, and a later source's limit counts only prompts the earlier ones lack. A source with no valid prompt raises NoValidPrompts."""
     _check_mode(mode)
     names = [spec.name for spec, _ in sources]
     dup_names = sorted({n for n in names if names.count(n) > 1})
@@ -219,10 +225,15 @@ def build_into(sink: PromptSink, sources: list[tuple[SourceSpec, int | None]], m
             sink.add_prompt(prompt)
             report.selected += 1
 
+        def offer(prompt: Prompt) -> None:
+            if prompt.prompt_id in held:  # an earlier source's: the limit counts only what this one adds
+                report.duplicates += 1
+                return
+            selection.offer(rank(seed, prompt.prompt_id), prompt)
+
         selection = BoundedSelection(limit, _encode, _decode) if limit is not None else None
         try:
-            _read_source(spec, mode, report, sink, length_check,
-                         emit if selection is None else lambda p: selection.offer(rank(seed, p.prompt_id), p))
+            _read_source(spec, mode, report, sink, length_check, emit if selection is None else offer)
             if report.valid == 0:
                 raise NoValidPrompts(spec.name, report.read, report.top_reasons())
             for prompt in selection.selected() if selection is not None else ():

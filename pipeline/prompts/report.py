@@ -57,7 +57,9 @@ def report_lines(reports: list[dict[str, Any]], indent: str = "  ") -> list[str]
         lines.append(line)
         for cut in r.cuts:
             lines.append(f"{indent}  salvaged {cut['file']}: {cut['problem']}; kept {cut['records_kept']:,} "
-                         f"records up to byte {cut['offset']:,}, dropped the last {cut['bytes_dropped']:,} bytes")
+                         f"records up to byte {cut['offset']:,}, " + (
+                             "lost nothing of a record" if cut.get("unclosed") else
+                             f"dropped the last {cut['bytes_dropped']:,} bytes"))
     return lines
 
 
@@ -73,6 +75,7 @@ def report_table(reports: list[dict[str, Any]]) -> list[str]:
                      f"{dropped} | {reasons} |")
         for cut in r.cuts:
             lines.append(f"| {r.name}: salvaged `{cut['file']}` | | | | | | | {cut['problem']}: kept "
-                         f"{cut['records_kept']} records up to byte {cut['offset']}, {cut['bytes_dropped']} bytes "
-                         "dropped |")
+                         f"{cut['records_kept']} records up to byte {cut['offset']}, "
+                         + ("nothing of a record lost |" if cut.get("unclosed") else
+                            f"{cut['bytes_dropped']} bytes dropped |"))
     return lines

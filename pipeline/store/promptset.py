@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..core.config import RunConfig
+from ..prompts.errors import SourceError
 from ..prompts.fileid import FilesCheck, compare_files, file_identity
 from ..prompts.prompt_set import BuildResult, Prompt, Reject, build_into
 from ..prompts.sources import SourceSpec, load_source_spec
@@ -117,11 +118,27 @@ def stage_prompt_set(cfg: RunConfig) -> StagedPromptSet:
         check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer or cfg.model)
         staged.result = build_into(staged, list(specs.values()), mode=cfg.mode, seed=cfg.selection_seed,
                                    length_check=check)
+        _check_every_listed_file_was_read(specs, staged)
         staged.close()
     except BaseException:
         staged.discard()
         raise
     return staged
+
+
+def _check_every_listed_file_was_read(specs: dict[str, tuple[SourceSpec, int | None]],
+                                      staged: StagedPromptSet) -> None:
+    """A file (of a glob) that was listed and hashed, then gone when the sources were read, would leave its prompts
+    out while run.json records it."""
+    reports = {r.name: r for r in staged.result.reports}
+    for key, (spec, _) in specs.items():
+        if spec.kind == "hf" or spec.name not in reports:  # hub and dataset folders: no per-file container
+            continue
+        unread = sorted(set(staged.files.get(key, {})) - set(reports[spec.name].containers))
+        if unread:
+            raise SourceError(spec.name, f"{unread[0]} disappeared while the sources were read (it matched "
+                                         f"{spec.path!r} when they were listed)",
+                              "restore it, or change `path`, and start again; nothing was written to the run")
 
 
 def check_source_files(cfg: RunConfig, manifest: dict[str, Any]) -> FilesCheck:
@@ -140,3 +157,17 @@ def report_document(staged: StagedPromptSet) -> dict[str, Any]:
     assert staged.result is not None
     return {"sources": [r.as_dict() for r in staged.result.reports], "prompts": staged.result.prompts,
             "duplicates": staged.result.duplicates, "rejects": staged.reject_count}
+
+
+def longest_prompt(prompts: pa.Table) -> list[dict[str, str]] | None:
+    """The messages of the prompt with the most characters (the chunked-prefill check counts its tokens)."""
+    import pyarrow.compute as pc
+
+    if prompts.num_rows == 0:
+        return None
+    column = prompts.column("messages").combine_chunks()
+    contents = pc.struct_field(pc.list_flatten(column), "content")
+    per_prompt = pa.table({"prompt": pc.list_parent_indices(column), "chars": pc.utf8_length(contents)}) \
+        .group_by("prompt").aggregate([("chars", "sum")])
+    best = pc.index(per_prompt.column("chars_sum"), pc.max(per_prompt.column("chars_sum"))).as_py()
+    return column[per_prompt.column("prompt")[best].as_py()].as_py()

@@ -46,10 +46,11 @@ class ErrorTexts:
     context_overflow: tuple[str, ...] = ()  # the prompt (or prompt + max_tokens) exceeds the context
     retry: tuple[str, ...] = ()  # a fresh attempt may pass (e.g. a request id still running)
     endpoint_fatal: tuple[str, ...] = ()  # the endpoint cannot serve this run (launch flags, model name)
+    contract: tuple[str, ...] = ()  # the endpoint refuses the shape of every request regen sends it
 
     def __add__(self, other: "ErrorTexts") -> "ErrorTexts":
         return ErrorTexts(self.context_overflow + other.context_overflow, self.retry + other.retry,
-                          self.endpoint_fatal + other.endpoint_fatal)
+                          self.endpoint_fatal + other.endpoint_fatal, self.contract + other.contract)
 
 
 @dataclass(frozen=True)

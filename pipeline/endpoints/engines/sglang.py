@@ -35,7 +35,13 @@ ERRORS = ErrorTexts(
         "is longer than the model's context length",  # tokenizer_manager: the prompt alone is too long
         "exceeds the model's maximum context length",  # tokenizer_manager: prompt + max_tokens too long
         "exceeds the maximum allowed length",  # managers/utils.py (scheduler): "Input length (N tokens) ..."
-        "max_completion_tokens is too large",  # serving_chat: max_tokens alone above the context
+    ),
+    # 400s every request regen sends this endpoint would get, whatever the prompt: its version or its launch
+    # refuses the request's shape (ContractError: the endpoint leaves the fleet, the prompt goes elsewhere).
+    contract=(
+        "max_completion_tokens is too large",  # serving_chat: the run's max_tokens alone above the context
+        "is not supported with streaming",  # serving_chat: return_token_ids / return_prompt_token_ids on a stream
+        "unknown field `",  # 0.5.23 api/v1/api_types.py (serde's text): a field the version does not declare
     ),
     retry=("duplicate request id",),  # the retry gets a fresh rid
     endpoint_fatal=(
@@ -130,7 +136,7 @@ class SGLangAdapter(OpenAIAdapter):
     # --- the preflight ---------------------------------------------------------------------------
     def output_ids_problem(self) -> str | None:
         """The refusal when the run needs output ids (return_token_ids, the default) and this version has none."""
-        if self.returns_output_ids is not False:
+        if self.returns_output_ids is not False:  # None: an unknown version is probed instead
             return None
         return (f"SGLang {self.version} returns no output token ids (return_token_ids exists from SGLang 0.5.17 "
                 "on; 0.5.18+ answers in choices[0].response_token_ids): upgrade the server to 0.5.17 or later, "
@@ -139,9 +145,19 @@ class SGLangAdapter(OpenAIAdapter):
     def context_fix(self, needed: int) -> str:
         return f"launch with --context-length {needed} or more"
 
+    def stream_ids_problem(self) -> str | None:
+        """The refusal when the run streams and needs token ids, and this version sends none on a stream."""
+        if self.stream_ids:
+            return None
+        who = (f"SGLang {self.version} sends no token ids on a stream" if self.version else
+               "the server reports no SGLang version, so regen cannot tell that its stream carries token ids")
+        return (f"{who} (0.5.23 sends them in the final sglext chunk): set `stream: false`, upgrade the server, or "
+                "set `return_token_ids: false`")
+
     def version_warning(self) -> str | None:
         if self.version is None:
-            return "the server reports no SGLang version: the version-dependent checks assume the newest"
+            return ("the server reports no SGLang version: regen reads either spelling of the output ids, asks for "
+                    "none on a stream, and gives 0.5.23's launch flags")
         if not self.checked:
             return (f"SGLang {self.version} is outside the versions regen was checked against "
                     f"({CHECKED_VERSIONS[0]} to {CHECKED_VERSIONS[-1]})")
@@ -182,6 +198,34 @@ class SGLangAdapter(OpenAIAdapter):
         return (f"the server runs {running} (it reports speculative_algorithm: {algorithm}, no aux capture): its "
                 f"hidden states are one layer ({layer_width} wide), not EAGLE-3's three auxiliary layers "
                 f"({expected_width}). Launch it with {self.aux_flags()}")
+
+    def capture_problem(self, info: dict[str, Any], wanted: list[int] | None = None) -> str | None:
+        """An aux capture that is not EAGLE3's layers: EAGLE3 with its default layer ids, or `wanted` (the run's
+        hidden_states.aux_layer_ids). 0.5.23 also captures DFLASH's or DSPARK's layers, or other ids, at a width
+        the probe cannot tell apart."""
+        capture = self.aux_capture(info)
+        if not capture:
+            return None
+        served = info.get("return_aux_hidden_state_layer_ids")
+        served = list(served) if isinstance(served, (list, tuple)) else None
+        layers = f"layers {served}" if served is not None else "the default layers"
+        if capture != "eagle3":
+            return (f"the server captures {capture.upper()}'s auxiliary hidden states ({layers}; it reports "
+                    f"aux_hidden_state_capture: {capture}), not EAGLE3's: EAGLE-3 training data needs "
+                    f"--enable-return-aux-hidden-states --speculative-algorithm EAGLE3"
+                    + (f" --return-aux-hidden-state-layer-ids {' '.join(map(str, wanted))}" if wanted else
+                       " without --return-aux-hidden-state-layer-ids (the model's EAGLE3 layers)"))
+        if "return_aux_hidden_state_layer_ids" not in info:  # older versions: the draft's layers, not reported
+            return None
+        if wanted is None and served is not None:
+            return (f"the server captures EAGLE3 auxiliary layers {served} (--return-aux-hidden-state-layer-ids), "
+                    "not the model's default EAGLE3 layers: launch it without --return-aux-hidden-state-layer-ids, "
+                    f"or set hidden_states.aux_layer_ids: {served} if the draft is trained on those")
+        if wanted is not None and served != wanted:
+            return (f"the server captures EAGLE3's auxiliary hidden states ({layers}), the run asks for layers {wanted} "
+                    f"(hidden_states.aux_layer_ids): launch it with --return-aux-hidden-state-layer-ids "
+                    f"{' '.join(map(str, wanted))}")
+        return None
 
     @staticmethod
     def chunked_prefill_problem(info: dict[str, Any], tokens: int, what: str) -> str | None:
