@@ -1,0 +1,63 @@
+"""Blame for crashes: which prompt made the server drop its connections, or killed the endpoint actor.
+
+A server that crashes drops every request in flight on it, and an actor that dies loses all the work it held:
+the prompt that caused it cannot be told from the ones beside it. So such a crash charges nobody. Every prompt
+it hit becomes a suspect and runs again alone: on one endpoint chosen for it, with nothing else in flight there
+(the endpoint takes no new work until it has drained). A crash during a solo run is the prompt's own and is
+charged; after `max_connection_drops` charged crashes the prompt is a failure row. An innocent prompt completes
+on its solo run; a poison prompt is terminal after at most max_connection_drops + 1 crashes. Suspects stay
+suspects until they finish, and are never hedged (a copy elsewhere would not run alone).
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from ..core.work import WorkItem
+
+
+@dataclass
+class Isolation:
+    queue: deque[WorkItem] = field(default_factory=deque)  # suspects waiting for their solo run
+    suspects: set[str] = field(default_factory=set)
+    drops: Counter[str] = field(default_factory=Counter)  # charged: the connection dropped during a solo run
+    deaths: Counter[str] = field(default_factory=Counter)  # charged: the actor died during a solo run
+    endpoint: str | None = None  # the endpoint that runs suspects, one at a time
+    running: str | None = None  # the suspect running alone there
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def suspect(self, prompt_id: str) -> None:
+        self.suspects.add(prompt_id)
+
+    def is_solo(self, label: str, prompt_id: str) -> bool:
+        return self.endpoint == label and self.running == prompt_id
+
+    def ended(self, label: str, prompt_id: str) -> bool:
+        """A prompt's run at `label` came back (or was lost). True if it was a solo run."""
+        if not self.is_solo(label, prompt_id):
+            return False
+        self.running = None
+        return True
+
+    def requeue(self, item: WorkItem) -> bool:
+        """A suspect goes back to the isolation queue (True); anything else to the router (False)."""
+        if item.prompt_id not in self.suspects:
+            return False
+        self.queue.append(item)
+        return True
+
+    def charged(self, prompt_id: str) -> int:
+        return self.drops[prompt_id] + self.deaths[prompt_id]
+
+    def finished(self, prompt_id: str) -> None:
+        self.suspects.discard(prompt_id)
+
+    def crash_message(self, prompt_id: str, endpoint: str, last: str) -> str:
+        parts = []
+        if self.drops[prompt_id]:
+            parts.append(f"the server dropped the connection on this prompt {self.drops[prompt_id]} times")
+        if self.deaths[prompt_id]:
+            parts.append(f"the actor serving it died {self.deaths[prompt_id]} times")
+        return f"{' and '.join(parts)}, each time with nothing else in flight (last at {endpoint}: {last})"
