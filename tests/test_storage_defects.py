@@ -102,3 +102,24 @@ def test_a_driver_whose_lease_ran_out_commits_nothing(object_store):
         assert sorted(run.committed_ids()) == NEW
     finally:
         lock.release()
+
+
+def test_a_lease_taken_over_between_renewals_stops_the_next_commit(object_store):
+    """Another driver writes its lease (it raced this one past SETTLE_S, or took over a lease it thought expired)
+    and no renewal has run since. Before the fix check() never read lock.json: this driver kept committing the
+    prompts the real holder commits too, until its next renewal (up to RENEW_S)."""
+    run = RunDir(Location.at(object_store("lease-race")) / "run")
+    lost = threading.Event()
+    lock = RunLock(run, on_lost=lost.set, lease_s=3600, renew_s=3600, settle_s=0).acquire()  # no renewal runs
+    try:
+        committer = buffered_committer(run, lock)
+        usurper = {"pid": 1, "host": "gpu-node-9", "owner": "u" * 32, "since": "x", "expires": time.time() + 60}
+        (run.path / "lock.json").write_atomic(orjson.dumps(usurper))
+        with pytest.raises(LeaseLost):
+            committer.flush()
+        assert run.parts(run.data) == [] and committer.buffered == set(NEW), "nothing committed"
+        with pytest.raises(LeaseLost):
+            lock.check()  # and stays lost
+    finally:
+        lock.release()
+    assert (orjson.loads((run.path / "lock.json").read_bytes()))["owner"] == "u" * 32, "the new lease stands"
