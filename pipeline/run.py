@@ -16,7 +16,7 @@ import pyarrow as pa
 from . import __version__
 from .store import schema
 from .core.config import RunConfig, load_config
-from .core.errors import DriftError, StorageError
+from .core.errors import DriftError, LeaseLost, StorageError
 from .core.identity import IDENTITY_VERSION, check_identity, resumed_manifest
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
@@ -306,11 +306,15 @@ def check_hidden_space(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, p
 
 
 def salvage(committer: Committer, progress, state: str) -> None:
-    """After a fatal error or a forced stop: commit what is buffered if the disk allows, and record the state."""
+    """After a fatal error or a forced stop: commit what is buffered if the disk allows (and the run is still
+    this driver's), and record the state. Never raises for either: the error that stopped the run is the one
+    that ends it (the caller re-raises it)."""
     progress.close()
     try:
         committer.flush()
         progress.write(state)
+    except LeaseLost as exc:  # another driver holds the run: its status is not ours to write either
+        log.error("%s; besides the error that stopped this run (below)", exc)
     except StorageError as exc:
         log.error("could not commit the last buffer (%s); it will be regenerated on resume", exc)
 
