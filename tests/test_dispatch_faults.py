@@ -231,7 +231,7 @@ def test_a_prompt_that_kills_its_actor_is_terminal_and_restarts_back_off(ray_clu
     assert {pid: [o.kind for o in outs] for pid, outs in finished.items()} == \
         {"poison": ["terminal"], **{f"p{i}": [DONE] for i in range(5)}}
     assert finished["poison"][0].message.startswith("the actor serving it died 3 times")
-    assert dispatcher.actor_restarts <= 5
+    assert dispatcher.actor_restarts <= 6  # two crashes among others, then three alone
 
 
 def test_an_actor_that_dies_on_every_prompt_trips_the_dead_fleet_deadline(ray_cluster):

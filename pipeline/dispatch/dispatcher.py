@@ -232,7 +232,7 @@ class Dispatcher:
                 if solo:
                     self.isolation.drops[outcome.prompt_id] += 1
                 else:
-                    self.isolation.suspect(outcome.prompt_id)
+                    self.isolation.hit(outcome.prompt_id)
             if outcome.kind == DONE:
                 self._finish(outcome, attempts)
             elif self._held_elsewhere(outcome.prompt_id, slot):
@@ -296,7 +296,7 @@ class Dispatcher:
                     self._finish(Outcome(prompt_id, TERMINAL, slot.label, 0, message=message),
                                  self.attempts.get(prompt_id, 0))
             else:
-                self.isolation.suspect(prompt_id)
+                self.isolation.hit(prompt_id)
         self._return_assigned(slot)
         self.transport.kill(slot.handle)  # the call may have failed with the actor still alive
         slot.handle, slot.state = None, "restarting"
