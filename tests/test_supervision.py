@@ -23,13 +23,13 @@ import orjson
 import pytest
 
 from pipeline.core import errors
-from pipeline.core.work import DONE, RUN_FATAL, Outcome
+from pipeline.core.work import DONE, Outcome
 from pipeline.dispatch.actors import client_settings, local_worker_factory
 from pipeline.dispatch.transport import LocalTransport
 from pipeline.endpoints.client import EndpointClient
 from pipeline.hidden.parts import HiddenPartWriter
 from tests.helpers import emulators
-from tests.local_dispatch import MODEL, make_cfg, run_local, work_item
+from tests.local_dispatch import make_cfg, run_local, work_item
 
 WIDTH = 3 * 32
 N_PROMPTS = 10
