@@ -40,7 +40,7 @@ from .storage import TMP_PREFIX, Location, read_columns
 log = logging.getLogger("regen")
 
 PART_RE = re.compile(r"^part-(\d{6})-[0-9a-f]{8}\.parquet$")
-VERSION_RE = re.compile(r"^(?:prompts|rejects)-(\d{6})\.parquet$")
+VERSION_RE = re.compile(r"^prompts-(\d{6})\.parquet$")
 
 
 def atomic_write(where: str | PathLike[str] | Location, data: bytes) -> None:
@@ -187,10 +187,9 @@ class RunDir:
         return _versions(self.prompts, "prompts-")
 
     def write_prompt_set(self, prompts: pa.Table, rejects: pa.Table) -> Location:
-        """A new version, numbered past every one there (a rejects file whose prompt set was never written, by
-        a start that was killed, or a version deleted by hand, must never be overwritten)."""
-        taken = [int(m.group(1)) for p in [*self.prompt_set_versions(), *_versions(self.rejects, "rejects-")]
-                 if (m := VERSION_RE.match(p.name))]
+        """A new version, numbered past the newest (with one deleted by hand, len + 1 named the newest). A
+        rejects file whose prompt set was never written (a start that was killed) is that version's: replaced."""
+        taken = [int(m.group(1)) for p in self.prompt_set_versions() if (m := VERSION_RE.match(p.name))]
         version = max(taken, default=0) + 1
         (self.rejects / f"rejects-{version:06d}.parquet").write_atomic(table_bytes(rejects))
         path = self.prompts / f"prompts-{version:06d}.parquet"
