@@ -16,17 +16,17 @@ import pyarrow as pa
 from . import __version__
 from .store import schema
 from .core.config import RunConfig, load_config
-from .core.errors import DriftError, StorageError
-from .core.identity import IDENTITY_VERSION, check_identity, resumed_manifest
+from .core.errors import DriftError, LeaseLost, StorageError
+from .core.identity import IDENTITY_VERSION, StoredRecords, check_identity, resumed_manifest
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
-from .prompts.sources import load_source_spec
 from .prompts.tokens import load_length_check
 from .store.promptset import (StagedPromptSet, check_source_files, longest_prompt, report_document, source_specs,
                               stage_prompt_set)
 from .store.rundir import Committer, RunDir, RunLock, now_utc, resolve_run_dir, successor_run_dir
 from .dispatch.cluster import EndpointsFileWatch, init_ray
-from .store.records import RecordBuilder
+from .dispatch.fleet import FleetFacts, WeightVersionDrift, check_weights_first, fleet_preflight
+from .store.records import RecordBuilder, stored_records
 from .core.work import DONE, Outcome
 
 log = logging.getLogger("regen")
@@ -91,12 +91,20 @@ def manifest_for(cfg: RunConfig, config_path: str) -> dict[str, Any]:
         "schema_version": schema.SCHEMA_VERSION,
         "identity_version": IDENTITY_VERSION,
         "fingerprint": cfg.fingerprint(),
+        "run_name": cfg.run_name,  # a successor `<run>-rN` names its run; a run called `<x>-r2` names itself
         **cfg.identity(),
         "created_at": now_utc().isoformat(timespec="seconds"),
         "config_file": config_path,
         "versions": {"regen": __version__, "python": platform.python_version(), "ray": ray.__version__,
                      "pyarrow": pa.__version__, "openai": openai.__version__},
     }
+
+
+def records_of_older(run_dir: RunDir, manifest: dict[str, Any]) -> StoredRecords:
+    """What the records of a run started by older regen show (its run.json did not record how they were made)."""
+    if manifest.get("identity_version", 1) >= IDENTITY_VERSION:
+        return StoredRecords()
+    return stored_records(run_dir)
 
 
 def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> dict[str, Any]:
@@ -110,7 +118,8 @@ def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> dict[str
         return manifest
     manifest = run_dir.read_manifest()
     identity = cfg.identity()
-    check = check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts)
+    check = check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts,
+                           records=records_of_older(run_dir, manifest))
     # the source files: a changed size or mtime is drift only if the digest differs too (a copy is not drift)
     files = None if opts.refresh_prompts else check_source_files(cfg, manifest)
     drift = check.drift + (files.drift if files else [])
@@ -176,10 +185,6 @@ class StopFlag:
         return self.signal is not None
 
 
-class WeightVersionDrift(DriftError):
-    """The fleet serves other weights than the run is pinned to (--new-run starts a successor then)."""
-
-
 # --- generate ---------------------------------------------------------------------------------------
 def generate(opts: GenerateOptions) -> int:
     cfg = load_config(opts.config)
@@ -188,8 +193,10 @@ def generate(opts: GenerateOptions) -> int:
     stop.install()
     identity = cfg.identity()
 
-    def resumable(manifest: dict[str, Any]) -> bool:
-        if not check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts).resumable:
+    def resumable(run: RunDir) -> bool:
+        manifest = run.read_manifest()
+        if not check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts,
+                              records=records_of_older(run, manifest)).resumable:
             return False
         return opts.refresh_prompts or not check_source_files(cfg, manifest).drift
 
@@ -209,6 +216,8 @@ def generate(opts: GenerateOptions) -> int:
 def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: StopFlag) -> int:
     # a new run reads its sources before it writes anything: a source that fails leaves no run directory
     staged = None if run_dir.exists() else stage_prompt_set(cfg)
+    if opts.new_run and run_dir.exists():
+        check_weights_first(cfg, run_dir)
     with RunLock(run_dir) as lock:
         setup_logging(run_dir)
         manifest = open_run(cfg, opts, run_dir)
@@ -311,77 +320,19 @@ def check_hidden_space(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, p
 
 
 def salvage(committer: Committer, progress, state: str) -> None:
-    """After a fatal error or a forced stop: commit what is buffered if the disk allows, and record the state."""
+    """After a fatal error or a forced stop: commit what is buffered if the disk allows (and the run is still
+    this driver's), and record the state. Never raises for either: the error that stopped the run is the one
+    that ends it (the caller re-raises it)."""
     progress.close()
     try:
         committer.flush()
         progress.write(state)
+    except LeaseLost as exc:  # another driver holds the run: its status is not ours to write either
+        log.error("%s; besides the error that stopped this run (below)", exc)
     except StorageError as exc:
         log.error("could not commit the last buffer (%s); it will be regenerated on resume", exc)
 
 
-@dataclass(frozen=True)
-class FleetFacts:
-    """What the preflight found that the dispatch needs."""
-
-    weight_version: str | None  # the version the run is pinned to (None: not reported)
-    engines: dict  # each endpoint's engine adapter, by label
-    unreachable: set[str]  # endpoints that did not answer: they start with their circuit open
-    longest_prompt: list | None = None  # checked against chunked_prefill_size here and at every readmission
-
-
-def fleet_preflight(cfg: RunConfig, run_dir: RunDir, longest: list | None = None) -> FleetFacts:
-    """Probe the fleet before any prompt; pin the run to the weight version it reports (or check it) and
-    record whether it is deterministic."""
-    from .endpoints.preflight import preflight
-
-    api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
-    reports = preflight(cfg, api_keys, longest_prompt=longest)
-    weight_version = pin_weight_version(run_dir, reports)
-    record_determinism(run_dir, reports)
-    record_engines(run_dir, reports)
-    return FleetFacts(weight_version, {r.label: r.engine for r in reports if r.engine is not None},
-                      {r.label for r in reports if not r.reachable}, longest)
-
-
-def pin_weight_version(run_dir: RunDir, reports) -> str | None:
-    """The run is pinned to the weight version the fleet reports; a resume against other weights is drift."""
-    from .endpoints.preflight import pinned_weight_version
-
-    version = pinned_weight_version(reports)
-    if version is None:
-        return None  # not reported (e.g. llama.cpp); a mixed fleet is refused by the preflight
-    manifest = run_dir.read_manifest()
-    pinned = manifest.get("weight_version")
-    if pinned is None:
-        run_dir.write_manifest({**manifest, "weight_version": version})
-    elif pinned != version:
-        raise WeightVersionDrift(str(run_dir.path),
-                                 [f"weight_version: {pinned!r} -> {version!r} (reported by the fleet)"])
-    return version
-
-
-def record_determinism(run_dir: RunDir, reports) -> None:
-    """run.json says whether every session of the run had a deterministic fleet (False once any had not)."""
-    from .endpoints.preflight import fleet_deterministic
-
-    manifest = run_dir.read_manifest()
-    now = fleet_deterministic(reports)
-    before = manifest.get("deterministic", now)
-    merged = False if False in (before, now) else (True if before is True and now is True else None)
-    if "deterministic" not in manifest or merged != before:
-        run_dir.write_manifest({**manifest, "deterministic": merged})
-
-
-def record_engines(run_dir: RunDir, reports) -> None:
-    """run.json names every engine (and version) that served the run, across its sessions, in order."""
-    from .endpoints.preflight import fleet_engines
-
-    manifest = run_dir.read_manifest()
-    known = list(manifest.get("engines") or [])
-    added = [e for e in fleet_engines(reports) if e not in known]
-    if added:
-        run_dir.write_manifest({**manifest, "engines": known + added})
 
 
 def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,

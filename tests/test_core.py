@@ -185,7 +185,7 @@ def test_cleanup_removes_only_temporary_files(tmp_path):
 
 def test_resolve_run_dir_new_run_makes_a_successor(tmp_path):
     def matches(fingerprint):
-        return lambda manifest: manifest["fingerprint"] == fingerprint
+        return lambda run: run.read_manifest()["fingerprint"] == fingerprint
 
     first = resolve_run_dir(tmp_path, "r", new_run=False)
     first.create()
@@ -197,6 +197,42 @@ def test_resolve_run_dir_new_run_makes_a_successor(tmp_path):
     second.create()
     second.write_manifest({"fingerprint": "fp2"})
     assert resolve_run_dir(tmp_path, "r", False, matches("fp3")).path == second.path, "resume the newest run"
+
+
+def test_a_run_whose_own_name_ends_in_rN_is_not_taken_for_a_successor(tmp_path):
+    """`exp` and a user's own run `exp-r2` side by side. Before the fix `regen generate` of exp resumed exp-r2."""
+    for name in ("exp", "exp-r2"):
+        run = RunDir(tmp_path / name)
+        run.create()
+        run.write_manifest({"fingerprint": name, "run_name": name})
+    assert resolve_run_dir(tmp_path, "exp", new_run=False).path.name == "exp"
+    assert resolve_run_dir(tmp_path, "exp", True, lambda run: False).path.name == "exp-r2", \
+        "the successor's number is free: exp-r2 is not one of exp's runs"
+    assert resolve_run_dir(tmp_path, "exp-r2", new_run=False).path.name == "exp-r2"
+
+
+def test_cleanup_removes_temporary_files_in_logs_too(tmp_path):
+    """A remote run's logs are uploaded through a temporary name; before the fix one left in logs/ stayed."""
+    run = RunDir(tmp_path / "run")
+    run.create()
+    Path(run.logs / ".tmp-regen.log.1234").write_bytes(b"torn")
+    assert [p.name for p in run.cleanup_temp()] == [".tmp-regen.log.1234"]
+
+
+def test_a_prompt_set_version_is_numbered_past_the_highest(tmp_path):
+    """Versions 1 and 3 are there (2 deleted by hand). Before the fix the next one was numbered len + 1 = 3 and
+    replaced the newest set."""
+    import pyarrow as pa
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    for version in (1, 2, 3):
+        run.write_prompt_set(pa.table({"prompt_id": [f"v{version}"]}), pa.table({"reason": ["-"]}))
+    (run.prompts / "prompts-000002.parquet").unlink()
+    newest = (run.prompts / "prompts-000003.parquet").read_bytes()
+    path = run.write_prompt_set(pa.table({"prompt_id": ["v4"]}), pa.table({"reason": ["-"]}))
+    assert path.name == "prompts-000004.parquet" and (run.prompts / "prompts-000003.parquet").read_bytes() == newest
+    assert run.load_prompt_set().column("prompt_id").to_pylist() == ["v4"]
 
 
 def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):

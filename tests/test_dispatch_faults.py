@@ -2,6 +2,7 @@
 
 3. a worker coroutine died on any exception outside RequestError (the run hung);
 4. an actor dying on every start never tripped the dead-fleet deadline;
+4b. a prompt that killed its actor was charged nothing and restarted it without backoff, for ever;
 6. all_turns counted successful turns against max_attempts;
 7. an error event inside an SSE stream bypassed the classifier (a 400 was retried);
 8. a prompt that made the server drop the connection was retried forever;
@@ -12,6 +13,7 @@ test_dispatch_windows.py, and the property test of supervision in test_supervisi
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -176,6 +178,73 @@ def test_an_actor_that_dies_on_every_start_trips_the_dead_fleet_deadline(ray_clu
         assert 1 <= dispatcher.actor_restarts <= 10, "restarts back off instead of spinning"
     finally:
         ray.shutdown()
+
+
+def crashing_fleet(ray, cfg: RunConfig, crashes_on: bytes):
+    """An actor factory: real EndpointWorkers in Ray actors whose process exits (a crash: RayActorError) when
+    handed a prompt containing `crashes_on`, after answering its first, empty exchange like any actor."""
+    class CrashesOnPrompt(EndpointWorker):
+        async def exchange(self, work, wait_s=0.5):
+            if any(crashes_on in w.messages_json for w in work):
+                os._exit(1)
+            return await super().exchange(work, wait_s)
+
+    remote = ray.remote(CrashesOnPrompt)
+    return lambda e, start_open: remote.options(num_cpus=0, max_concurrency=4, max_restarts=0).remote(
+        e.url, e.label, e.concurrency, SETTINGS, None, "last_turn", 1, 5, backoff_initial_s=0.05)
+
+
+def dispatch_on_ray(ray_cluster, cfg: RunConfig, items: list[WorkItem], crashes_on: bytes, limit_s: float = 60):
+    import ray
+    from ray._private import ray_constants
+
+    from pipeline.dispatch.dispatcher import Dispatcher
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # a loopback driver (Ray was imported before the fixture's switch)
+    ray.init(address=ray_cluster["address"])
+    finished: dict[str, list] = {}
+    started = time.monotonic()
+    dispatcher = Dispatcher(cfg, items, lambda o, a: finished.setdefault(o.prompt_id, []).append(o),
+                            lambda s: None, lambda: time.monotonic() - started > limit_s,
+                            crashing_fleet(ray, cfg, crashes_on))
+    try:
+        dispatcher.run()
+        return dispatcher, finished, None, time.monotonic() - started
+    except RunFatal as exc:
+        return dispatcher, finished, exc, time.monotonic() - started
+    finally:
+        dispatcher.shutdown()
+        ray.shutdown()
+
+
+def test_a_prompt_that_kills_its_actor_is_terminal_and_restarts_back_off(ray_cluster):
+    """The actor's process dies whenever it is handed the poison prompt. Before the fix the replacement answered
+    its empty exchange, which reset its backoff, the prompt was charged nothing, and it killed actor after actor
+    without end (577 restarts in 12 s): the run never ended."""
+    with emulators(1, preset="kimi") as (server,):
+        cfg = RunConfig.model_validate({"run_name": "poison", "model": MODEL, "sources": [{"spec": "unused.yaml"}],
+                                        "endpoints": [{"url": server.url, "name": "emu", "concurrency": 4}],
+                                        "max_connection_drops": 3, "dead_fleet_deadline_s": 60})
+        items = [item("poison", "[kill-actor] Name one fact.")] + [item(f"p{i}", f"Fact {i}?") for i in range(5)]
+        dispatcher, finished, fatal, seconds = dispatch_on_ray(ray_cluster, cfg, items, b"[kill-actor]")
+    assert fatal is None and seconds < 50, "the run ended on its own"
+    assert {pid: [o.kind for o in outs] for pid, outs in finished.items()} == \
+        {"poison": ["terminal"], **{f"p{i}": [DONE] for i in range(5)}}
+    assert finished["poison"][0].message.startswith("the actor serving it died 3 times")
+    assert dispatcher.actor_restarts <= 6  # two crashes among others, then three alone
+
+
+def test_an_actor_that_dies_on_every_prompt_trips_the_dead_fleet_deadline(ray_cluster):
+    """An endpoint whose actor dies on any prompt it is given (it answers empty exchanges): before the fix it
+    counted as healthy after each empty answer, and the run never stopped."""
+    with emulators(1, preset="kimi") as (server,):
+        cfg = RunConfig.model_validate({"run_name": "crashy", "model": MODEL, "sources": [{"spec": "unused.yaml"}],
+                                        "endpoints": [{"url": server.url, "name": "emu", "concurrency": 4}],
+                                        "dead_fleet_deadline_s": 4})
+        items = [item(f"p{i}", f"Fact {i}?") for i in range(12)]
+        dispatcher, finished, fatal, seconds = dispatch_on_ray(ray_cluster, cfg, items, b"Fact")
+    assert fatal is not None and "no healthy endpoint" in str(fatal), finished
+    assert seconds < 30 and 1 <= dispatcher.actor_restarts <= 10, "restarts back off instead of spinning"
 
 
 # --- 6. all_turns: only failed attempts count -------------------------------------------------------------------

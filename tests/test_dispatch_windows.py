@@ -1,7 +1,8 @@
 """The narrow windows of dispatch, reached on purpose with the real Dispatcher and real EndpointWorkers in this
 process (LocalTransport: no Ray) against real SGLang emulators. Each test failed on the code before its fix:
 a hedged copy's failure finished a prompt still running elsewhere; an endpoints-file read in the middle of a
-rewrite drained the fleet; hidden states ran only max_in_memory requests at once."""
+rewrite drained the fleet; hidden states ran only max_in_memory requests at once; a server crash charged every
+prompt in flight on it."""
 from __future__ import annotations
 
 import time
@@ -108,3 +109,43 @@ def test_an_endpoint_half_open_at_the_tail_of_the_run_gets_its_one_request():
     assert result.seconds < 15, f"the run hung with its only endpoint half-open ({result.seconds:.0f}s)"
     assert result.kinds() == {"p0": [DONE], "p1": [DONE]}
     assert result.dispatcher.slots["only"].stats["errors"].get("circuit_opened") == 1
+
+
+def test_a_server_crash_charges_only_the_prompt_that_caused_it(monkeypatch):
+    """A poison prompt crashes whichever server runs it, and every request in flight there is dropped with it.
+    Before the fix each drop counted against every prompt it hit: innocent prompts that shared a server with the
+    poison three times became failure rows too."""
+    import asyncio
+
+    from pipeline.core.errors import ConnectionDropped
+    from pipeline.endpoints.client import EndpointClient
+
+    real_chat = EndpointClient.chat
+    crashes: dict[int, asyncio.Event] = {}
+
+    async def chat(self, messages, seed):
+        crash = crashes.setdefault(id(self), asyncio.Event())
+        if "[crash-server]" in messages[-1]["content"]:
+            await asyncio.sleep(0.05)  # the server dies a moment into the poison's request, and takes all with it
+            crashes[id(self)] = asyncio.Event()  # the restarted server
+            crash.set()
+            raise ConnectionDropped("connection failed: server disconnected", endpoint=self.label)
+        answer = asyncio.ensure_future(real_chat(self, messages, seed))
+        crashed = asyncio.ensure_future(crash.wait())
+        await asyncio.wait([answer, crashed], return_when=asyncio.FIRST_COMPLETED)
+        crashed.cancel()
+        if not answer.done():
+            answer.cancel()
+            raise ConnectionDropped("connection failed: server disconnected", endpoint=self.label)
+        return answer.result()
+
+    monkeypatch.setattr(EndpointClient, "chat", chat)
+    with emulators(2, preset="kimi", tok_per_s=30) as servers:
+        cfg = make_cfg([{"url": s.url, "name": f"emu-{i}", "concurrency": 4} for i, s in enumerate(servers)],
+                       hedge_tail=False, max_connection_drops=3, sampling={"temperature": 0.0, "max_tokens": 8})
+        items = [work_item("poison", "[crash-server] Name a fact.", cfg)] + \
+            [work_item(f"p{i}", f"Question {i}: name a fact.", cfg) for i in range(24)]
+        result = run_local(cfg, items, time_limit_s=90)
+    kinds = result.kinds()
+    assert kinds == {"poison": ["terminal"], **{f"p{i}": [DONE] for i in range(24)}}, kinds
+    assert result.finished["poison"][0][0].message.startswith("the server dropped the connection on this prompt 3")

@@ -132,3 +132,31 @@ def test_a_sigkilled_regen_leaves_no_server_and_its_resume_starts_its_own(tmp_pa
         if driver.poll() is None:
             sigkill(driver)
         kill_leftovers(servers)
+
+
+def test_a_stop_cut_short_still_kills_the_servers_and_closes_their_lifelines(tmp_path):
+    """A second Ctrl-C arrives while stop() waits for a server that ignores SIGTERM. Before the fix the
+    interrupt left that server running and its lifeline pipe (the driver's write end) open: a leaked
+    descriptor, and a server that lives on until the driver exits."""
+    import os
+    import signal
+
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\n"
+                                 "time.sleep(60)"], stdout=subprocess.PIPE)
+    assert stubborn.stdout.readline().strip() == b"up"
+    stubborn.stdout.close()
+    read_end, write_end = os.pipe()
+    fleet = LocalFleetProcesses(LocalFleet(), tmp_path, processes=[stubborn], lifelines=[write_end])
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fleet.stop()
+        stubborn.wait(timeout=5)
+        assert stubborn.returncode is not None, "the server is gone"
+        assert os.read(read_end, 1) == b"", "the lifeline's write end is closed (end of file for the server)"
+        assert fleet.lifelines == [] and fleet.processes == []
+    finally:
+        if stubborn.poll() is None:
+            stubborn.kill()
+        os.close(read_end)

@@ -117,42 +117,63 @@ def old_run_config(tmp_path: Path, servers, **changes) -> Path:
     return path
 
 
-def test_a_run_written_by_c15f75f_resumes_and_records_what_it_lacked(tmp_path, ray_cluster):
+def test_a_run_written_by_c15f75f_is_refused_where_its_unrecorded_settings_differ(tmp_path, ray_cluster):
+    """c15f75f recorded neither stream nor return_token_ids, and sent no explicit top_k/min_p/repetition_penalty.
+    Before the fix a resume adopted all three from today's config, whatever it said (a streamed resume mixed rows
+    without token ids into a run with them). Now what its records show is compared (they carry token ids: it
+    asked for them, unstreamed), and the explicit sampling it never sent refuses the resume: --new-run."""
     run = tmp_path / "out" / "old"
     shutil.copytree(OLD_RUN / "old", run)
     old_manifest = (run / "run.json").read_bytes()
     old_parts = {p.name: p.read_bytes() for p in data_parts(run)}
-    old_ids = committed_ids(run)
-    assert 0 < len(old_ids) < 12 and "identity_version" not in orjson.loads(old_manifest)
+    assert 0 < len(committed_ids(run)) < 12 and "identity_version" not in orjson.loads(old_manifest)
     server = start_emulator(preset="kimi")
     try:
         changed = regen("generate", "--config", str(old_run_config(tmp_path, [server], sampling={"max_tokens": 9})))
         assert changed.returncode == REFUSED and "sampling.max_tokens: 8 -> 9" in changed.stderr
-        assert (run / "run.json").read_bytes() == old_manifest, "a refused resume changes nothing"
 
-        resumed = regen("generate", "--config", str(old_run_config(tmp_path, [server])))
-        assert resumed.returncode == 0, resumed.stderr
-        ids = committed_ids(run)
-        assert len(ids) == len(set(ids)) == 12
-        assert {p.name: p.read_bytes() for p in data_parts(run) if p.name in old_parts} == old_parts
-        from pipeline.core.identity import IDENTITY_VERSION
-
-        new = manifest(run)
-        old = orjson.loads(old_manifest)
-        assert new["identity_version"] == IDENTITY_VERSION and new["fingerprint"] == old["fingerprint"]
-        assert new["generation"]["return_token_ids"] is True and new["generation"]["stream"] is False
-        assert new["identity_upgrades"][0]["from_version"] == 1
-        assert set(new["identity_upgrades"][0]["adopted"]) == {
-            "generation.return_token_ids", "generation.stream", "generation.explicit_sampling",
-            "prompts.specs", "prompts.max_prompt_tokens", "prompts.tokenizer"}
-        fingerprints = {r for p in data_parts(run) for r in pq.read_table(p).column("config_fingerprint").to_pylist()}
-        assert fingerprints == {old["fingerprint"]}, "one fingerprint in one run"
+        same = regen("generate", "--config", str(old_run_config(tmp_path, [server])))
+        assert same.returncode == REFUSED, same.stderr
+        assert "generation.explicit_sampling: regen before identity version 2 sent no top_k" in same.stderr
+        assert "--new-run" in same.stderr and "generation.stream" not in same.stderr, \
+            "stream and return_token_ids are known from the records, and match"
 
         streamed = regen("generate", "--config", str(old_run_config(tmp_path, [server], stream=True)))
         assert streamed.returncode == REFUSED and "generation.stream: False -> True" in streamed.stderr, \
-            "a key recorded on resume is compared from then on"
+            "its records carry token ids: it did not stream"
+        assert (run / "run.json").read_bytes() == old_manifest, "a refused resume changes nothing"
+
+        successor = regen("generate", "--new-run", "--config", str(old_run_config(tmp_path, [server])))
+        assert successor.returncode == 0, successor.stderr
+        assert len(set(committed_ids(tmp_path / "out" / "old-r2"))) == 12
+        assert (run / "run.json").read_bytes() == old_manifest
+        assert {p.name: p.read_bytes() for p in data_parts(run)} == old_parts, "the old run stays as it was"
     finally:
         server.stop()
+
+
+def test_an_older_run_json_takes_unrecorded_keys_from_its_records_or_refuses(tmp_path):
+    """Without the fix each case adopted the config's values: nothing was refused."""
+    from pipeline.core.identity import StoredRecords, check_identity
+
+    cfg = load_config(sample_config(tmp_path, **dead_fleet()))
+    identity = cfg.identity()
+    v1 = orjson.loads(orjson.dumps(identity))
+    for key in ("stream", "return_token_ids", "explicit_sampling"):
+        del v1["generation"][key]
+
+    empty = check_identity(v1, identity, refresh_prompts=False, records=StoredRecords())
+    assert empty.resumable and {"generation.stream", "generation.explicit_sampling"} <= set(empty.adopted), \
+        "no record was made with the old values: the config's are recorded"
+
+    blind = check_identity(v1, identity, refresh_prompts=False, records=StoredRecords(count=5, with_token_ids=0))
+    keys = sorted(line.split(":")[0] for line in blind.drift)
+    assert keys == ["generation.explicit_sampling", "generation.return_token_ids", "generation.stream"], blind.drift
+    assert all("--new-run" in line for line in blind.drift) and not blind.adopted.keys() & set(keys)
+    assert "cannot be told" in next(line for line in blind.drift if line.startswith("generation.stream"))
+
+    shown = check_identity(v1, identity, refresh_prompts=False, records=StoredRecords(count=5, with_token_ids=5))
+    assert [line.split(":")[0] for line in shown.drift] == ["generation.explicit_sampling"], shown.drift
 
 
 # --- --new-run and successors (defects 9 and 13) -----------------------------------------------------
@@ -206,11 +227,15 @@ def test_new_run_starts_a_successor_when_the_fleet_serves_other_weights(tmp_path
         refused = regen("generate", "--config", str(config))
         assert refused.returncode == REFUSED, refused.stderr
         assert "weight_version: 'w1' -> 'w2'" in refused.stderr and "--new-run" in refused.stderr
+        first_manifest = (first / "run.json").read_bytes()
+        later = time.time() + 100  # the sources copied, same content: a resume would record their new times
+        os.utime(tmp_path / "p.jsonl", (later, later))
         fresh = regen("generate", "--config", str(config), "--new-run")
         assert fresh.returncode == 0, fresh.stderr
         rows = [r for p in data_parts(second) for r in pq.read_table(p).to_pylist()]
         assert len(rows) == len({r["prompt_id"] for r in rows}) == 20 and {r["weight_version"] for r in rows} == {"w2"}
         assert manifest(second)["weight_version"] == "w2" and committed_ids(first) == done_at_w1
+        assert (first / "run.json").read_bytes() == first_manifest, "the run at w1 stays as it was"
     finally:
         server.stop()
     server = start_emulator(preset="kimi", weight_version="w3")

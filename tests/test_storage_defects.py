@@ -1,5 +1,6 @@
 """Storage defects that the single-fault enumeration (tests/test_enumerated_faults.py) cannot reach: two
-faults in one commit, and a driver that has lost its run's lease. Each failed on the code before its fix."""
+faults in one commit, a driver that has lost its run's lease (taken over between renewals too), and a lease lost
+while salvaging after another error. Each failed on the code before its fix."""
 from __future__ import annotations
 
 import contextlib
@@ -100,5 +101,53 @@ def test_a_driver_whose_lease_ran_out_commits_nothing(object_store):
         with pytest.raises(LeaseLost):
             committer.flush()
         assert sorted(run.committed_ids()) == NEW
+    finally:
+        lock.release()
+
+
+def test_a_lease_taken_over_between_renewals_stops_the_next_commit(object_store):
+    """Another driver writes its lease (it raced this one past SETTLE_S, or took over a lease it thought expired)
+    and no renewal has run since. Before the fix check() never read lock.json: this driver kept committing the
+    prompts the real holder commits too, until its next renewal (up to RENEW_S)."""
+    run = RunDir(Location.at(object_store("lease-race")) / "run")
+    lost = threading.Event()
+    lock = RunLock(run, on_lost=lost.set, lease_s=3600, renew_s=3600, settle_s=0).acquire()  # no renewal runs
+    try:
+        committer = buffered_committer(run, lock)
+        usurper = {"pid": 1, "host": "gpu-node-9", "owner": "u" * 32, "since": "x", "expires": time.time() + 60}
+        (run.path / "lock.json").write_atomic(orjson.dumps(usurper))
+        with pytest.raises(LeaseLost):
+            committer.flush()
+        assert run.parts(run.data) == [] and committer.buffered == set(NEW), "nothing committed"
+        with pytest.raises(LeaseLost):
+            lock.check()  # and stays lost
+    finally:
+        lock.release()
+    assert (orjson.loads((run.path / "lock.json").read_bytes()))["owner"] == "u" * 32, "the new lease stands"
+
+
+def test_a_lease_lost_while_salvaging_keeps_the_error_that_stopped_the_run(object_store, caplog):
+    """The run stops on an error (here: no healthy endpoint), and the final flush finds the lease taken. Before
+    the fix LeaseLost escaped salvage() and replaced that error (exit 4, not 1); the error must stay the run's,
+    the lease loss is reported beside it, and nothing is committed or written to the new holder's run."""
+    from pipeline.core.errors import RunFatal
+    from pipeline.run import salvage
+    from pipeline.store.progress import Progress
+
+    run = RunDir(Location.at(object_store("lease-salvage")) / "run")
+    lock = RunLock(run, on_lost=lambda: None, lease_s=3600, renew_s=3600, settle_s=0).acquire()
+    try:
+        committer = buffered_committer(run, lock)
+        progress = Progress(run, total=len(NEW), already_done=0, failed_before=0, rejects=0)
+        usurper = {"pid": 1, "host": "gpu-node-9", "owner": "u" * 32, "since": "x", "expires": time.time() + 60}
+        (run.path / "lock.json").write_atomic(orjson.dumps(usurper))
+        with pytest.raises(RunFatal, match="no healthy endpoint"):
+            try:
+                raise RunFatal("no healthy endpoint for 600s")
+            except BaseException:
+                salvage(committer, progress, "failed")
+                raise
+        assert "lease was taken over" in caplog.text, "the lease loss is reported too"
+        assert run.parts(run.data) == [] and not (run.path / "status.json").exists()
     finally:
         lock.release()

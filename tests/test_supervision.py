@@ -8,8 +8,9 @@ injected exception comes back as an outcome for its prompt naming its type, and 
 it stops with RunFatal (every endpoint endpoint-fatal, or the output unwritable) and the resume finishes the rest.
 
 The plans are a seeded enumeration: each exception type x each position, at three of the first calls; then
-random mixes of types and positions. BaseExceptions that are not errors (KeyboardInterrupt, SystemExit) must
-propagate: the last test.
+random mixes of types and positions. SystemExit and KeyboardInterrupt raised inside a worker (a library's
+sys.exit()) are errors of the prompt too: the driver's signals never reach a worker, and asyncio would stop the
+actor's event loop on them (before the fix the run hung).
 """
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ import orjson
 import pytest
 
 from pipeline.core import errors
-from pipeline.core.work import DONE, RUN_FATAL, Outcome
+from pipeline.core.work import DONE, Outcome
+from pipeline.dispatch.actors import client_settings, local_worker_factory
 from pipeline.dispatch.transport import LocalTransport
-from pipeline.dispatch.worker import EndpointWorker
-from pipeline.endpoints.client import ClientSettings, EndpointClient
+from pipeline.endpoints.client import EndpointClient
 from pipeline.hidden.parts import HiddenPartWriter
 from tests.helpers import emulators
-from tests.local_dispatch import MODEL, make_cfg, run_local, work_item
+from tests.local_dispatch import make_cfg, run_local, work_item
 
 WIDTH = 3 * 32
 N_PROMPTS = 10
@@ -62,6 +63,8 @@ CATALOGUE = {
     "CancelledError": lambda: asyncio.CancelledError(),  # a stray one: the worker's own task is not cancelled
     "NeverSeenBefore": lambda: NeverSeenBefore("whatever this is"),
     "LibrarysOwnBaseException": lambda: LibrarysOwnBaseException("not an Exception at all"),
+    "SystemExit": lambda: SystemExit(3),  # a library's sys.exit(3)
+    "KeyboardInterrupt": lambda: KeyboardInterrupt("raised by a library"),
     "Retryable": lambda: errors.Retryable("503 The request queue is full.", status=503),
     "EndpointDown": lambda: errors.EndpointDown("connection failed: refused"),
     "ConnectionDropped": lambda: errors.ConnectionDropped("connection failed: peer closed the connection"),
@@ -145,6 +148,7 @@ class Runs:
     # Runs that stopped (RunFatal) or dropped an endpoint: outcomes still in such a worker's outbox are never
     # collected (the prompts go back to the queue, or stay pending for the resume).
     lossy: set[int]
+    fatal: dict[int, str] = field(default_factory=dict)  # run number -> the RunFatal it stopped with
 
 
 def run_until_complete(servers, tmp_path, plan: Plan, hidden: bool) -> Runs:
@@ -163,9 +167,10 @@ def run_until_complete(servers, tmp_path, plan: Plan, hidden: bool) -> Runs:
         try:
             result = run_local(cfg, pending, run_dir=str(tmp_path), time_limit_s=45, transport=transport,
                                finished=finished)
-        except errors.RunFatal:
+        except errors.RunFatal as exc:
             result = None
             runs.lossy.add(number)
+            runs.fatal[number] = str(exc)
         runs.seen += transport.outcomes
         for pid, outcomes in finished.items():  # also what a stopped run finished before it stopped
             runs.final[pid] += [o for o, _ in outcomes]
@@ -185,9 +190,14 @@ def check(plan: Plan, runs: Runs) -> None:
     pid_of = {text: pid for pid, text in TEXT_OF.items()}
     for position, name, text, number in plan.injected:
         theirs = [o for o in runs.seen if o.prompt_id == pid_of.get(text) and o.kind != DONE]
-        if name == "StorageError":
-            came_back = any(o.kind == RUN_FATAL and CATALOGUE[name]().args[0] in o.message for o in theirs)
-        elif name in TAXONOMY:  # the dispatcher may have rewritten a last failure: "attempts exhausted (3): ..."
+        if name == "StorageError":  # the actor cannot write the run's output: that run stops, naming why
+            message, fatal = CATALOGUE[name]().args[0], runs.fatal.get(number, "")
+            # unless it stopped for another run-fatal first, or the endpoint was dropped with its outbox
+            other_end = (fatal and "every endpoint left the fleet" in fatal) or \
+                (number in runs.lossy and number not in runs.fatal)
+            assert (message in fatal and "cannot write the run's output" in fatal) or other_end, (number, fatal)
+            continue
+        if name in TAXONOMY:  # the dispatcher may have rewritten a last failure: "attempts exhausted (3): ..."
             came_back = any(CATALOGUE[name]().message in o.message for o in theirs)
         else:
             came_back = any(o.message.startswith(name) or f": {name}" in o.message for o in theirs)
@@ -222,20 +232,32 @@ def test_random_mixes_of_exceptions_never_lose_double_or_hang(servers, tmp_path,
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit], ids=lambda e: e.__name__)
-def test_an_interrupt_is_not_swallowed_by_a_worker(servers, stop):
-    """KeyboardInterrupt and SystemExit are not errors of a prompt: they propagate out of the worker."""
-    async def scenario():
-        worker = EndpointWorker(servers[0].url, "emu", 1, ClientSettings(model=MODEL, temperature=0.0, top_p=1.0,
-                                                                         max_tokens=4))
+def test_an_interrupt_raised_inside_a_worker_comes_back_as_the_prompts_error(servers, stop):
+    """A library raises SystemExit / KeyboardInterrupt inside a worker coroutine, on every request of one prompt
+    and on the first request of another. Before the fix it propagated, asyncio stopped the workers' event loop,
+    and the run waited until its time limit."""
+    cfg = make_cfg([{"url": servers[0].url, "name": "emu", "concurrency": 2}], attempts_per_endpoint=1,
+                   max_attempts=2, dead_fleet_deadline_s=5, hedge_tail=False)
+    calls: dict[str, int] = {}
+    real_chat = EndpointClient.chat
 
-        async def chat(messages, seed):
-            raise stop()
+    async def chat(self, messages, seed):
+        text = messages[-1]["content"]
+        calls[text] = calls.get(text, 0) + 1
+        if text == "always" or (text == "once" and calls[text] == 1):
+            raise CATALOGUE[stop.__name__]()
+        return await real_chat(self, messages, seed)
 
-        worker.client.chat = chat
-        try:
-            await worker._run(work_item("p", "q", make_cfg([{"url": servers[0].url}])))
-        finally:
-            await worker.client.close()
+    base = local_worker_factory(cfg, client_settings(cfg), cfg.api_key, "", backoff_initial_s=0.05)
 
-    with pytest.raises(stop):
-        asyncio.run(scenario())
+    def factory(endpoint, start_open):
+        worker = base(endpoint, start_open)
+        worker.client.chat = chat.__get__(worker.client)
+        return worker
+
+    result = run_local(cfg, [work_item(p, p, cfg) for p in ("always", "once", "never")], time_limit_s=30,
+                       factory=factory)
+    assert result.seconds < 25, "the run ended on its own"
+    assert result.kinds() == {"always": ["terminal"], "once": [DONE], "never": [DONE]}
+    assert result.finished["always"][0][0].message == f"attempts exhausted (2): {stop.__name__}" + \
+        (": raised by a library" if stop is KeyboardInterrupt else ": 3")

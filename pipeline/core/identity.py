@@ -14,6 +14,11 @@ Adding a key to the identity is one line in `generation_identity()` or `prompt_i
 `prompts.source_files: [...]` beside `prompts.sources`: a field added inside a value (each item of the `sources`
 list) changes that whole value, which is drift for every older run. Removing a key, or changing what a stored
 value means, needs IDENTITY_VERSION bumped and a step in UPGRADES that rewrites the older run.json.
+
+What an older version did but did not record is never taken from today's config: a step of UPGRADES fills in
+the fixed behaviour of that code where it had one, or what the run's committed records show; a key still
+unknown then refuses the resume (UNRECORDED names it, and --new-run starts a new run). A run with no committed
+record was shaped by nothing: the config's values are recorded for it as for any missing key.
 """
 from __future__ import annotations
 
@@ -30,8 +35,40 @@ import orjson
 IDENTITY_VERSION = 2
 SECTIONS = frozenset({"generation", "generation.sampling", "generation.hidden_states", "prompts"})
 INFORMATIONAL = frozenset({"generation.hidden_states.layers_note"})
-# version n -> a function rewriting a version-n run.json into version n + 1. Version 1 -> 2 only adds keys.
-UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+@dataclass(frozen=True)
+class StoredRecords:
+    """What a run's committed data records show of how they were made (the store reads it: store/rundir.py)."""
+
+    count: int = 0
+    with_token_ids: int = 0  # records carrying output token ids
+
+
+# Keys version 1 code used but did not record: why a resume cannot take them from the config.
+UNRECORDED = {
+    "generation.explicit_sampling": "regen before identity version 2 sent no top_k, min_p or repetition_penalty "
+                                    "(the server filled them from the model's generation_config); regen now sends "
+                                    "them on every request",
+    "generation.return_token_ids": "not recorded by this run (identity version 1), and its records carry no token "
+                                   "ids, so whether it asked for them cannot be told",
+    "generation.stream": "not recorded by this run (identity version 1), and its records carry no token ids, so "
+                         "whether it streamed cannot be told",
+}
+
+
+def _upgrade_1(manifest: dict[str, Any], records: StoredRecords) -> dict[str, Any]:
+    if not records.count or "generation" not in manifest:
+        return manifest  # nothing was made with the old values: the config's are recorded
+    generation = {"explicit_sampling": None, **manifest["generation"]}  # None: not sent
+    if records.with_token_ids:  # a streamed answer carries no token ids (the client reads them unstreamed)
+        generation = {"return_token_ids": True, "stream": False, **generation}
+    return {**manifest, "generation": generation}
+
+
+# version n -> a function rewriting a version-n run.json (and what its records show) into version n + 1.
+UPGRADES: dict[int, Callable[[dict[str, Any], StoredRecords], dict[str, Any]]] = {1: _upgrade_1}
+
 
 @dataclass
 class IdentityCheck:
@@ -39,6 +76,7 @@ class IdentityCheck:
 
     drift: list[str] = field(default_factory=list)  # "key: stored -> config" lines: the resume is refused
     adopted: dict[str, Any] = field(default_factory=dict)  # keys the stored run.json lacked -> the config's value
+    records: StoredRecords = field(default_factory=StoredRecords)  # what the run's records showed
 
     @property
     def resumable(self) -> bool:
@@ -70,20 +108,22 @@ def current_identity(generation: dict[str, Any], prompts: dict[str, Any]) -> dic
     return {"generation": _json(generation), "prompts": _json(prompts)}
 
 
-def upgraded(manifest: dict[str, Any]) -> dict[str, Any]:
+def upgraded(manifest: dict[str, Any], records: StoredRecords) -> dict[str, Any]:
     """A stored run.json in the form of IDENTITY_VERSION (a newer version is read as it is)."""
     version = manifest.get("identity_version", 1)
     while version < IDENTITY_VERSION:
         step = UPGRADES.get(version)
-        manifest = step(manifest) if step else manifest
+        manifest = step(manifest, records) if step else manifest
         version += 1
     return manifest
 
 
-def check_identity(manifest: dict[str, Any], identity: dict[str, Any], *, refresh_prompts: bool) -> IdentityCheck:
-    """Compare a stored run.json with the config's identity. With --refresh-prompts the prompt set may change."""
-    stored = upgraded(manifest)
-    check = IdentityCheck()
+def check_identity(manifest: dict[str, Any], identity: dict[str, Any], *, refresh_prompts: bool,
+                   records: StoredRecords = StoredRecords()) -> IdentityCheck:
+    """Compare a stored run.json with the config's identity. With --refresh-prompts the prompt set may change.
+    `records`: what the run's committed records show (read for a run.json older than IDENTITY_VERSION)."""
+    stored = upgraded(manifest, records)
+    check = IdentityCheck(records=records)
     version = stored.get("identity_version", 1)
     if version > IDENTITY_VERSION:
         check.drift.append(f"identity_version: {version} (run.json was written by a newer regen, which compares "
@@ -96,7 +136,24 @@ def check_identity(manifest: dict[str, Any], identity: dict[str, Any], *, refres
             check.adopted[section] = identity[section]
         else:
             _compare(stored[section], identity[section], section, check)
+    if version == 1 and records.count:
+        _refuse_unrecorded(stored, identity, check)
     return check
+
+
+def _refuse_unrecorded(stored: dict[str, Any], identity: dict[str, Any], check: IdentityCheck) -> None:
+    """A key version 1 used without recording it: still unknown, or its fixed behaviour (None: not sent) is not
+    what this regen does. (A value the records showed is compared as usual.)"""
+    generation = stored.get("generation", {})
+    for key, why in UNRECORDED.items():
+        name = key.split(".", 1)[1]
+        current = identity["generation"].get(name)
+        if name in generation and (generation[name] is not None or current is None):
+            continue
+        check.adopted.pop(key, None)
+        check.drift = [line for line in check.drift if not line.startswith(f"{key}:")]
+        check.drift.append(f"{key}: {why}; this config has {current!r}. Resume with the regen that made the run, "
+                           "or start a new run with this config (--new-run)")
 
 
 def resumed_manifest(manifest: dict[str, Any], identity: dict[str, Any], check: IdentityCheck) -> dict[str, Any]:
@@ -104,7 +161,7 @@ def resumed_manifest(manifest: dict[str, Any], identity: dict[str, Any], check: 
     stored one wherever both have a key), and a note of what this resume adopted. The fingerprint is the run's,
     fixed when it was created: every record of a run carries the same one."""
     old_version = manifest.get("identity_version", 1)
-    manifest = upgraded(manifest)
+    manifest = upgraded(manifest, check.records)
     updated = {**manifest, "identity_version": IDENTITY_VERSION}
     for section, document in identity.items():
         updated[section] = _merged(manifest.get(section), document, section)

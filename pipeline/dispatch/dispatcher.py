@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
 from ..core.config import Endpoint, RunConfig
 from ..core.errors import RunFatal
-from ..core.work import DONE, DROPPED, RETRY, RUN_FATAL, TERMINAL, Exchange, Outcome, WorkItem
+from ..core.work import DONE, DROPPED, RETRY, RETURNED, RUN_FATAL, TERMINAL, Exchange, Outcome, WorkItem
 from .actors import ACTOR_NAMESPACE, client_settings, make_actor_factory  # noqa: F401 - the run's imports
+from .isolation import Isolation
 from .routing import Router
 from .transport import ActorLost, RayTransport, Transport
 
@@ -45,7 +45,7 @@ class Slot:
     created_at: float = field(default_factory=time.monotonic)  # of the current actor
     answered: bool = False  # the current actor has answered once: Ray placed it and it runs
     warned_unplaced: bool = False
-    losses: int = 0  # actors lost in a row without one answering
+    losses: int = 0  # actors lost in a row without one bringing back the outcome of a prompt
     restart_at: float | None = None  # a lost actor's replacement starts then (backoff)
 
     @property
@@ -78,7 +78,7 @@ class Dispatcher:
         self.router = Router(affinity=cfg.prefix_affinity_chars > 0, balance_abs=cfg.balance_abs_threshold,
                              balance_rel=cfg.balance_rel_threshold)
         self.attempts: dict[str, int] = {}
-        self.drops: Counter[str] = Counter()  # connections dropped mid-request, per prompt
+        self.isolation = Isolation()  # prompts a crash hit, run again alone to find the one to blame
         self.unfinished = {item.prompt_id for item in items}
         self.on_outcome, self.on_tick, self.should_stop = on_outcome, on_tick, should_stop
         self.actor_factory, self.fleet_watch = actor_factory, fleet_watch
@@ -117,7 +117,9 @@ class Dispatcher:
         except ActorLost as exc:
             self._actor_lost(slot, exc)
             return
-        slot.answered, slot.losses = True, 0
+        slot.answered = True
+        if any(o.kind != RETURNED for o in exchange.outcomes):
+            slot.losses = 0  # it ran a prompt and lived: an actor that only answers an empty call is not proven
         self._absorb(slot, exchange)
         if slot.label not in self.slots:
             return
@@ -146,7 +148,11 @@ class Dispatcher:
         """The actor's demand is its free slots plus one concurrency's worth of prefetch. Near the end of
         the run the prefetch would strand work behind a slow endpoint, so there it gets free slots only,
         and once the queue is empty an idle endpoint re-runs the oldest work held by others (hedging:
-        whichever answer comes first is committed, the late one is dropped)."""
+        whichever answer comes first is committed, the late one is dropped). Suspects of a crash run alone
+        first (isolation.py)."""
+        solo = self._isolated(slot)
+        if solo is not None:
+            return solo
         if slot.state == "healthy" and len(self.router) < sum(s.endpoint.concurrency for s in self.slots.values()):
             demand = max(0, demand - slot.endpoint.concurrency)  # a probing endpoint asks for its one request only
         elsewhere = any(s.state == "healthy" for s in self.slots.values() if s is not slot and not s.draining)
@@ -167,20 +173,51 @@ class Dispatcher:
             for prompt_id, item in other.assigned.items():  # insertion order: oldest first
                 if len(picked) == n or other.sent_at.get(prompt_id, cutoff) > cutoff:
                     break
-                if prompt_id in self.unfinished and prompt_id not in self.hedged and prompt_id not in slot.assigned:
+                if (prompt_id in self.unfinished and prompt_id not in self.hedged and prompt_id not in slot.assigned
+                        and prompt_id not in self.isolation.suspects):
                     self.hedged.add(prompt_id)
                     picked.append(item)
         return picked
 
+    def _isolated(self, slot: Slot) -> list[WorkItem] | None:
+        """The slot's work while suspects wait: one suspect alone, or nothing while it drains for one, or
+        None (the slot takes from the router as usual)."""
+        iso = self.isolation
+        if iso.endpoint == slot.label and iso.running is not None:
+            return []  # nothing beside a suspect running alone
+        if not iso.queue:
+            return None
+        chosen = self.slots.get(iso.endpoint) if iso.endpoint else None
+        if chosen is None or not self._can_isolate(chosen):
+            usable = [s for s in self.slots.values() if self._can_isolate(s)]
+            # an endpoint whose actor has been dying is the last choice: it would charge the innocent
+            chosen = min(usable, key=lambda s: (s.losses > 0, len(s.assigned)), default=None)
+            iso.endpoint = chosen.label if chosen else None
+        if chosen is not slot:
+            return None
+        if slot.assigned:
+            return []  # drains first
+        while iso.queue:
+            item = iso.queue.popleft()
+            if item.prompt_id in self.unfinished:
+                iso.running = item.prompt_id
+                return [item]
+        return []
+
+    @staticmethod
+    def _can_isolate(slot: Slot) -> bool:
+        return slot.state == "healthy" and not slot.draining and slot.handle is not None
+
     # --- outcomes -----------------------------------------------------------------------------------
     def _absorb(self, slot: Slot, exchange: Exchange) -> None:
         slot.state, slot.stats = exchange.state, exchange.stats
-        down = exchange.state in ("open", "fatal")
+        down = exchange.state in ("open", "fatal") or slot.losses > 0
         slot.down_since = (slot.down_since or time.monotonic()) if down else None
         fatal: Outcome | None = None
         for outcome in exchange.outcomes:
             item = slot.assigned.pop(outcome.prompt_id, None)
             slot.sent_at.pop(outcome.prompt_id, None)
+            solo = self.isolation.ended(slot.label, outcome.prompt_id)
             if outcome.kind == DONE:
                 latency = sum(c.latency_s for c in outcome.completions)
                 self.mean_latency = latency if self.mean_latency is None else 0.9 * self.mean_latency + 0.1 * latency
@@ -191,8 +228,11 @@ class Dispatcher:
                 continue  # a late answer for work already finished elsewhere
             attempts = self.attempts.get(outcome.prompt_id, 0) + outcome.attempts
             self.attempts[outcome.prompt_id] = attempts
-            if outcome.kind == DROPPED:
-                self.drops[outcome.prompt_id] += 1
+            if outcome.kind == DROPPED:  # a crash: the prompt's own only if it ran alone
+                if solo:
+                    self.isolation.drops[outcome.prompt_id] += 1
+                else:
+                    self.isolation.hit(outcome.prompt_id)
             if outcome.kind == DONE:
                 self._finish(outcome, attempts)
             elif self._held_elsewhere(outcome.prompt_id, slot):
@@ -216,23 +256,26 @@ class Dispatcher:
         if outcome.kind == RETRY and attempts >= self.cfg.max_attempts:
             outcome.kind, outcome.message = TERMINAL, f"attempts exhausted ({attempts}): {outcome.message}"
             return True
-        drops = self.drops[outcome.prompt_id]
-        if outcome.kind == DROPPED and drops >= self.cfg.max_connection_drops:
-            outcome.kind, outcome.message = TERMINAL, (f"the server dropped the connection on this prompt {drops} "
-                                                       f"times (last at {outcome.endpoint}: {outcome.message})")
+        if outcome.kind == DROPPED and self.isolation.charged(outcome.prompt_id) >= self.cfg.max_connection_drops:
+            outcome.kind = TERMINAL
+            outcome.message = self.isolation.crash_message(outcome.prompt_id, outcome.endpoint, outcome.message)
             return True
         return False
 
     def _finish(self, outcome: Outcome, attempts: int) -> None:
         self.unfinished.discard(outcome.prompt_id)
         self.router.forget(outcome.prompt_id)
+        self.isolation.finished(outcome.prompt_id)
         self.on_outcome(outcome, attempts)
 
     def _requeue(self, item: WorkItem, failed_at: str | None = None) -> None:
         self.requeued += 1
-        self.router.requeue(item, failed_at)
+        if not self.isolation.requeue(item):
+            self.router.requeue(item, failed_at)
 
     def _return_assigned(self, slot: Slot) -> None:
+        for prompt_id in list(slot.assigned):
+            self.isolation.ended(slot.label, prompt_id)
         for item in slot.assigned.values():
             if item.prompt_id in self.unfinished and not self._held_elsewhere(item.prompt_id, slot):
                 self._requeue(item)
@@ -241,9 +284,19 @@ class Dispatcher:
 
     # --- fleet health and changes -------------------------------------------------------------------
     def _actor_lost(self, slot: Slot, exc: Exception) -> None:
-        """A dead actor's in-flight work is requeued and a fresh actor takes its place: at once the first time,
-        then with backoff while no replacement answers (an actor that dies on every start)."""
+        """A dead actor's in-flight work is requeued (suspects of the crash, isolation.py) and a fresh actor
+        takes its place: at once the first time, then with backoff until a replacement has run a prompt (an
+        actor that dies on every start, or on every prompt it is given); meanwhile the endpoint counts as down."""
         log.warning("actor for %s died (%s); requeueing %d prompts", slot.label, exc, len(slot.assigned))
+        for prompt_id in slot.assigned:
+            if self.isolation.ended(slot.label, prompt_id):
+                self.isolation.deaths[prompt_id] += 1
+                if prompt_id in self.unfinished and self.isolation.charged(prompt_id) >= self.cfg.max_connection_drops:
+                    message = self.isolation.crash_message(prompt_id, slot.label, str(exc))
+                    self._finish(Outcome(prompt_id, TERMINAL, slot.label, 0, message=message),
+                                 self.attempts.get(prompt_id, 0))
+            else:
+                self.isolation.hit(prompt_id)
         self._return_assigned(slot)
         self.transport.kill(slot.handle)  # the call may have failed with the actor still alive
         slot.handle, slot.state = None, "restarting"

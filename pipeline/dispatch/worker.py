@@ -42,10 +42,12 @@ class _Failed(Exception):
 
 
 def _must_propagate(exc: BaseException) -> bool:
-    """What may end a worker: an interrupt, or the cancellation of this worker itself (close(), the loop ending).
-    A CancelledError while the worker's task is not being cancelled (a library's stray cancel), or a library's
-    own BaseException subclass, is an error of the prompt like any other."""
-    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+    """What may end a worker: the cancellation (or closing) of this worker itself (close(), the loop ending).
+    Anything else is an error of the prompt: a CancelledError while the worker's task is not being cancelled (a
+    library's stray cancel), a library's own BaseException subclass, and SystemExit or KeyboardInterrupt too. The
+    driver's signals reach only its main thread, never a worker, so these come from a library (a sys.exit()), and
+    asyncio would stop the actor's whole event loop on them, leaving its prompts and the run hanging."""
+    if isinstance(exc, GeneratorExit):
         return True
     task = asyncio.current_task()
     return isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling() > 0
@@ -273,7 +275,9 @@ class EndpointWorker:
                     self.state = "probing"  # half-open: one request decides
                     self.consecutive_failures = 0
                     return
-            except Exception as exc:  # a probe that fails oddly is a failed probe, never a silent end
+            except BaseException as exc:  # a probe that fails oddly is a failed probe, never a silent end
+                if _must_propagate(exc):
+                    raise
                 self.errors["probe_error"] += 1
                 self.last_error = f"probe failed: {unexpected(exc).message}"
             await asyncio.sleep(delay)

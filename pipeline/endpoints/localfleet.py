@@ -232,20 +232,29 @@ class LocalFleetProcesses:
             os.close(read_end)
 
     def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
-            _kill_session(process.pid)  # what the server started (vLLM's EngineCore and workers), if still there
-        self.processes.clear()
-        for fd in self.lifelines:
-            os.close(fd)
-        self.lifelines.clear()
+        """SIGTERM, then SIGKILL after 30 s (vLLM takes a while), and then whatever the server started (vLLM's
+        EngineCore and workers). Whatever cuts this short (a second signal, a server that will not die), every
+        server is killed and every lifeline closed: an open one leaks its descriptor."""
+        try:
+            for process in self.processes:
+                if process.poll() is None:
+                    process.terminate()
+            for process in self.processes:
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(timeout=10)
+        finally:
+            for process in self.processes:
+                if process.poll() is None:
+                    process.kill()
+                _kill_session(process.pid)
+            self.processes.clear()
+            for fd in self.lifelines:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self.lifelines.clear()
 
     def __enter__(self) -> "LocalFleetProcesses":
         return self.start()

@@ -5,12 +5,14 @@ from typing import Any
 
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..core.config import RunConfig
+from ..core.identity import StoredRecords
 from ..core.work import Outcome, WorkItem, affinity_key
 from ..prompts.conversation import histories, seed_for
 from .quality import quality_flags
-from .rundir import now_utc
+from .rundir import RunDir, now_utc
 
 
 class RecordBuilder:
@@ -66,3 +68,19 @@ class RecordBuilder:
             "endpoint": outcome.endpoint, "attempts": attempts, "config_fingerprint": self.fingerprint,
             "created_at": now_utc(),
         }
+
+
+def stored_records(run_dir: RunDir) -> StoredRecords:
+    """What the committed data records show of how they were made, for a run.json that did not record it
+    (core/identity.py). Reads the token id column part by part, and stops at the first part that has them."""
+    count = with_token_ids = 0
+    for part in run_dir.parts(run_dir.data):
+        has_ids = "output_token_ids" in part.parquet_schema().names  # parts of early regen have no such column
+        table = part.read_parquet(columns=["output_token_ids" if has_ids else "prompt_id"])
+        count += table.num_rows
+        if has_ids:
+            lengths = pc.list_value_length(table.column(0)).fill_null(0)
+            with_token_ids += pc.sum(pc.greater(lengths, 0)).as_py() or 0
+        if with_token_ids:
+            break
+    return StoredRecords(count, with_token_ids)

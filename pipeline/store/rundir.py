@@ -40,6 +40,7 @@ from .storage import TMP_PREFIX, Location, read_columns
 log = logging.getLogger("regen")
 
 PART_RE = re.compile(r"^part-(\d{6})-[0-9a-f]{8}\.parquet$")
+VERSION_RE = re.compile(r"^prompts-(\d{6})\.parquet$")
 
 
 def atomic_write(where: str | PathLike[str] | Location, data: bytes) -> None:
@@ -139,7 +140,7 @@ class RunDir:
     def cleanup_temp(self) -> list[Location]:
         """Remove temporary files a killed writer left behind; they were never committed."""
         removed = []
-        for folder in (self.path, self.data, self.failures, self.rejects, self.prompts):
+        for folder in (self.path, self.data, self.failures, self.rejects, self.prompts, self.logs):
             for tmp in folder.iterdir():
                 if tmp.name.startswith(TMP_PREFIX):
                     tmp.unlink()
@@ -186,7 +187,10 @@ class RunDir:
         return _versions(self.prompts, "prompts-")
 
     def write_prompt_set(self, prompts: pa.Table, rejects: pa.Table) -> Location:
-        version = len(self.prompt_set_versions()) + 1
+        """A new version, numbered past the newest (with one deleted by hand, len + 1 named the newest). A
+        rejects file whose prompt set was never written (a start that was killed) is that version's: replaced."""
+        taken = [int(m.group(1)) for p in self.prompt_set_versions() if (m := VERSION_RE.match(p.name))]
+        version = max(taken, default=0) + 1
         (self.rejects / f"rejects-{version:06d}.parquet").write_atomic(table_bytes(rejects))
         path = self.prompts / f"prompts-{version:06d}.parquet"
         path.write_atomic(table_bytes(prompts))  # last: its presence means the set is complete
@@ -258,7 +262,8 @@ def now_utc() -> datetime:
 
 
 def _numbered_runs(output_dir: str | PathLike[str], run_name: str) -> dict[int, Location]:
-    """`<run>` (number 1) and its successors `<run>-rN` that exist, with or without a run.json."""
+    """`<run>` (number 1) and its successors `<run>-rN` that exist, with or without a run.json. A `<run>-rN`
+    whose run.json names another run is that run (a user's own run called e.g. `exp-r2`), not a successor."""
     root = Location.at(output_dir)
     runs = {}
     for path in root.iterdir():
@@ -266,23 +271,26 @@ def _numbered_runs(output_dir: str | PathLike[str], run_name: str) -> dict[int, 
         if path.name == run_name:
             runs[1] = path
         elif path.name.startswith(f"{run_name}-r") and suffix.isdigit() and int(suffix) >= 2:
+            manifest = path / "run.json"
+            if manifest.exists() and orjson.loads(manifest.read_bytes()).get("run_name", run_name) != run_name:
+                continue
             runs[int(suffix)] = path
     return runs
 
 
 def resolve_run_dir(output_dir: str | PathLike[str], run_name: str, new_run: bool,
-                    resumable: Callable[[dict[str, Any]], bool] = lambda manifest: True) -> RunDir:
+                    resumable: Callable[["RunDir"], bool] = lambda run: True) -> RunDir:
     """`outputs/<run>` or its successors `<run>-r2`, `<run>-r3`, ... started by --new-run.
 
     Without --new-run the newest run of that name is resumed (the drift guard then checks it).
-    With --new-run the newest run is resumed only if `resumable(its run.json)`; otherwise a successor starts.
+    With --new-run the newest run is resumed only if `resumable(it)`; otherwise a successor starts.
     """
     runs = _numbered_runs(output_dir, run_name)
     started = [runs[n] for n in sorted(runs) if (runs[n] / "run.json").exists()]
     if not started:
         return RunDir(Location.at(output_dir) / run_name)
     newest = RunDir(started[-1])
-    if not new_run or resumable(newest.read_manifest()):
+    if not new_run or resumable(newest):
         return newest
     return successor_run_dir(output_dir, run_name)
 
