@@ -208,7 +208,7 @@ class EndpointWorker:
             # An unreachable endpoint is not retried here: the circuit breaker handles it.
             retry=retry_if_exception(lambda e: isinstance(e, Retryable) and not isinstance(e, EndpointDown)),
             stop=stop_after_attempt(self.attempts_per_endpoint),
-            wait=wait_exponential_jitter(initial=self.backoff_initial_s, max=self.backoff_max_s),
+            wait=wait_exponential_jitter(multiplier=self.backoff_initial_s, max=self.backoff_max_s),
             reraise=True,
         )
         try:
