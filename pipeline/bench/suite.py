@@ -134,6 +134,33 @@ def markdown(results: list[Result], ctx: Ctx, elapsed: float, args: argparse.Nam
     return "\n".join(out)
 
 
+def kept_from(previous: str, rerun: set[str]) -> tuple[list[str], list[str]]:
+    """The table rows and `## name` sections of the benchmarks an earlier report holds and this run did not redo
+    (`--merge`), in their order."""
+    rows, sections, current = [], [], None
+    for line in previous.splitlines():
+        if line.startswith("| ") and not line.startswith(("| benchmark ", "|---")):
+            if line.split("|")[1].strip() not in rerun:
+                rows.append(line)
+        elif line.startswith("## "):
+            name = line[3:].split(" (", 1)[0].strip()
+            current = None if name in rerun or name == "Errors" else name
+            if current:
+                sections.append(line + " (an earlier run)")
+        elif current:
+            sections.append(line)
+    return rows, sections
+
+
+def merged(report: str, previous: str, rerun: set[str]) -> str:
+    rows, sections = kept_from(previous, rerun)
+    lines = report.splitlines()
+    end_of_table = max(i for i, line in enumerate(lines) if line.startswith("|"))
+    note = (f"This run redid {', '.join(sorted(rerun))}; the other rows and sections come from the earlier "
+            "report it was merged into (`--merge`).")
+    return "\n".join(lines[:end_of_table + 1] + rows + [""] + [note, ""] + lines[end_of_table + 1:] + sections)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.bench", description=__doc__.split("\n")[0],
                                 epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=None, help="overhead pairs to run (default 3, quick 1)")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile of the overhead run")
     p.add_argument("--out", default=str(REPO / "BENCHMARKS.md"), help="markdown report (default: BENCHMARKS.md)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the figures of the benchmarks not run from the existing --out report")
     p.add_argument("--workdir", default=None, help="keep run directories here (default: a temp dir, removed)")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(BENCHES)
@@ -172,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     elapsed = time.perf_counter() - t0
     report = markdown(results, ctx, elapsed, args, errors)
+    if args.merge and Path(args.out).exists():
+        report = merged(report, Path(args.out).read_text(), {r.name for r in results})
     Path(args.out).write_text(report)
     print("\n".join(table(results)))
     if ctx._head is not None and ctx._head.startup_s is not None:
