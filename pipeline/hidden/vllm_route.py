@@ -3,8 +3,9 @@
 The server runs `--speculative-config '{"method": "extract_hidden_states", "num_speculative_tokens": 1,
 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [a, b, c, L]}}}'` (the three aux ids, then
 L = num_hidden_layers: the last layer's output before the final norm) and a hidden-states KV connector with
-`kv_role: kv_producer` and a `shared_storage_path` this actor can read (on CPU, a subclass of vLLM's
-ExampleHiddenStatesConnector that does not pin memory). Per sample: POST /v1/completions with the ids as the
+`kv_role: kv_producer` and a `shared_storage_path` this actor can read (on vLLM's CPU build, regen's
+CpuHiddenStatesConnector, pipeline/endpoints/vllm_plugins/, which does not pin memory; `local_fleet` with
+`hidden_states_dir` starts such a server). Per sample: POST /v1/completions with the ids as the
 prompt and max_tokens 1; the answer's `kv_transfer_params.hidden_states_path` names a file holding
 `hidden_states` [T, 4, H] and `token_ids` [T]; the actor waits on `<path>.lock`, checks the ids, computes the final
 post-norm state with the model's own RMSNorm weight and epsilon (read from the model folder), and deletes the file.

@@ -1,0 +1,106 @@
+"""Route vllm of `regen capture` against one real vLLM capture server (its CPU build, SmolLM2-135M float32),
+started by `local_fleet`'s own code with `hidden_states_dir` (extract_hidden_states and regen's CPU connector).
+
+Every stored state is checked against the layer loop of tests/test_capture.py (the model's modules run one at a
+time, never vLLM's code nor the model's forward). One server, started when this module's first test needs it and stopped
+when the module ends: never beside test_vllm_engine's two (pytest finishes one module's fixtures before the next
+module starts)."""
+from __future__ import annotations
+
+import collections
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import yaml
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from pipeline.store.capture_ledger import capture_run_dir
+from tests.helpers import free_port, run_regen
+from tests.smollm2_run import SAMPLES, make_smollm2_run, smollm2_records
+from tests.test_capture import AUX, LayerLoop, bf16_close, stored_samples
+
+pytestmark = [pytest.mark.vllm, pytest.mark.torch]
+
+
+@pytest.fixture(scope="module")
+def capture_server(tmp_path_factory):
+    from pipeline.core.config import LocalFleet
+    from pipeline.endpoints.localfleet import LocalFleetProcesses, vllm_model_dir, vllm_python
+
+    if not vllm_python().exists() or not (vllm_model_dir() / "config.json").exists():
+        pytest.skip(f"vLLM's venv ({vllm_python()}) or model ({vllm_model_dir()}) is missing: run `make vllm`")
+    files = tmp_path_factory.mktemp("vllm-hidden-states")
+    fleet = LocalFleet(engine="vllm", servers=1, base_port=free_port(), slots=4, ctx_per_slot=1024, threads=1,
+                       hidden_states_dir=str(files))
+    started = time.monotonic()
+    processes = LocalFleetProcesses(fleet, tmp_path_factory.mktemp("vllm-capture-logs")).start()
+    print(f"\nvLLM capture server ready in {time.monotonic() - started:.1f}s")
+    yield SimpleNamespace(url=fleet.endpoints()[0].url, files=files, model_dir=vllm_model_dir())
+    processes.stop()
+
+
+@pytest.fixture(scope="module")
+def ref(capture_server):
+    return LayerLoop(capture_server.model_dir)
+
+
+def write_capture_config(tmp, capture_server, **extra):
+    path = tmp / "capture.yaml"
+    path.write_text(yaml.safe_dump({
+        "route": "vllm", "model": str(capture_server.model_dir), "actors": 1, "actor_num_cpus": 0.5,
+        "prompts_per_call": 2, "flush_records": 2, "flush_interval_s": 0.5,
+        "vllm": {"url": capture_server.url, "timeout_s": 120, "lock_timeout_s": 60}, **extra}))
+    return path
+
+
+def server_files(capture_server) -> list[str]:
+    return sorted(p.name for p in capture_server.files.rglob("*") if p.is_file())
+
+
+def relative_error(stored, expected) -> float:
+    exp = expected.double().numpy()
+    big = np.abs(exp) > 0.05
+    return float((np.abs(stored.astype(np.float64) - exp)[big] / np.abs(exp)[big]).max())
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory, ray_cluster, capture_server, ref):
+    """SmolLM2's four samples (one cut at max_tokens) captured through the server by `regen capture`."""
+    tmp = tmp_path_factory.mktemp("vllm-capture")
+    records = smollm2_records(ref.tok)
+    run = make_smollm2_run(tmp / "run", [records])
+    config = write_capture_config(tmp, capture_server)
+    started = time.monotonic()
+    result = run_regen("capture", str(run.path), "--config", str(config), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    print(f"\nregen capture (route vllm, 4 samples) in {time.monotonic() - started:.1f}s")
+    return SimpleNamespace(run=run, records=records, tmp=tmp)
+
+
+def test_route_vllm_stores_every_layer_as_the_layer_loop_and_removes_the_server_files(captured, capture_server, ref):
+    cap = capture_run_dir(captured.run)
+    ledger = cap.read_table(cap.data).to_pylist()
+    counts = collections.Counter(r["sample_id"] for r in ledger)
+    assert sorted(counts) == [f"{pid}#turn0" for pid, *_ in SAMPLES] and set(counts.values()) == {1}
+    layout, samples = stored_samples(captured.run)
+    assert layout["aux_layer_ids"] == AUX
+    worst: dict[str, float] = collections.defaultdict(float)
+    for rec in captured.records:
+        ids = rec["prompt_token_ids"] + rec["output_token_ids"]
+        sample, stored = samples[rec["prompt_id"]]
+        assert sample.token_ids.tolist() == ids and stored.shape == (len(ids), 5, 576)  # T rows for T tokens
+        inputs, post = ref.states(ids)
+        expected = {f"aux{layer}": inputs[:, layer] for layer in AUX}
+        # the final post-norm state: the route's RMSNorm (the model's weight) on the server's pre-norm state;
+        # layer id L: the last layer's output before the final norm
+        expected.update(post_norm=post, pre_norm=inputs[:, 30])
+        for k, (name, want) in enumerate(expected.items()):
+            bf16_close(stored[:, k], want)
+            worst[name] = max(worst[name], relative_error(stored[:, k], want))
+    print("\nroute vllm against the layer loop, max |diff| / |ref| (values above 0.05): "
+          + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+    assert server_files(capture_server) == [], "the server's files are removed once read"
