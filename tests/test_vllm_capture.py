@@ -2,7 +2,8 @@
 started by `local_fleet`'s own code with `hidden_states_dir` (extract_hidden_states and regen's CPU connector).
 
 Every stored state is checked against the layer loop of tests/test_capture.py (the model's modules run one at a
-time, never vLLM's code nor the model's forward). One server, started when this module's first test needs it and stopped
+time, never vLLM's code nor the model's forward), and `--speculators-data` goes through speculators' own
+`prepare-data` and `check_hidden_states`. One server, started when this module's first test needs it and stopped
 when the module ends: never beside test_vllm_engine's two (pytest finishes one module's fixtures before the next
 module starts)."""
 from __future__ import annotations
@@ -14,14 +15,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import yaml
+from safetensors.numpy import load_file
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from pipeline.export.jsonl import export_run
 from pipeline.store.capture_ledger import capture_run_dir
 from tests.helpers import free_port, run_regen
 from tests.smollm2_run import SAMPLES, make_smollm2_run, smollm2_records
 from tests.test_capture import AUX, LayerLoop, bf16_close, stored_samples
+from tests.trainlib import run_checks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.torch]
 
@@ -104,3 +108,31 @@ def test_route_vllm_stores_every_layer_as_the_layer_loop_and_removes_the_server_
     print("\nroute vllm against the layer loop, max |diff| / |ref| (values above 0.05): "
           + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
     assert server_files(capture_server) == [], "the server's files are removed once read"
+
+
+def test_speculators_data_gets_hs_files_in_prepare_data_row_order(captured, capture_server):
+    """`--speculators-data DIR`: hs_{i} go into a `speculators prepare-data` folder, following ITS shuffled rows."""
+    jsonl = captured.tmp / "spec.jsonl"
+    export_run(captured.run.path, "speculators", jsonl)
+    prepared = captured.tmp / "prepared"
+    got = run_checks({"check": "speculators_prepare", "path": str(jsonl), "tokenizer": str(capture_server.model_dir),
+                      "out": str(prepared)})
+    rows = [r["input_ids"] for r in got["rows"]]
+    records = [r["prompt_token_ids"] + r["output_token_ids"] for r in captured.records]
+    assert sorted(rows) == sorted(records)
+    assert rows != records, "prepare-data shuffles: the test needs an order other than the run's"
+    result = run_regen("export", str(captured.run.path), "--format", "speculators-hidden", "--out",
+                       str(captured.tmp / "unused"), "--speculators-data", str(prepared))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for idx, ids in enumerate(rows):
+        hs = load_file(str(prepared / "hidden_states" / f"hs_{idx}.safetensors"))
+        assert hs["token_ids"].tolist() == ids, idx
+        assert hs["hidden_states"].shape == (len(ids), 4, 576)
+    checked = run_checks({"check": "speculators_hidden", "path": str(prepared), "save": str(captured.tmp / "s.pt")})
+    assert checked["checked"] == 4 and checked["not_loaded"] == [], checked
+    saved = torch.load(captured.tmp / "s.pt", weights_only=False)
+    masks = {tuple(r["input_ids"]): r["loss_mask"] for r in got["rows"]}
+    for item in saved["items"]:  # its dataset pairs each row with the states of the same ids
+        ids = tuple(item["input_ids"].tolist())
+        assert item["loss_mask"].tolist() == masks[ids]
+        assert item["hidden_states"].shape[0] == len(ids)
