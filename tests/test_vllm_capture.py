@@ -3,7 +3,8 @@ started by `local_fleet`'s own code with `hidden_states_dir` (extract_hidden_sta
 
 Every stored state is checked against the layer loop of tests/test_capture.py (the model's modules run one at a
 time, never vLLM's code nor the model's forward), and `--speculators-data` goes through speculators' own
-`prepare-data` and `check_hidden_states`. One server, started when this module's first test needs it and stopped
+`prepare-data` and `check_hidden_states`; a driver SIGKILL then a resume captures each sample once and leaves
+none of the server's files. One server, started when this module's first test needs it and stopped
 when the module ends: never beside test_vllm_engine's two (pytest finishes one module's fixtures before the next
 module starts)."""
 from __future__ import annotations
@@ -21,8 +22,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from pipeline.export.jsonl import export_run
+from pipeline.hidden.parts import hidden_parts
 from pipeline.store.capture_ledger import capture_run_dir
-from tests.helpers import free_port, run_regen
+from tests.helpers import free_port, run_regen, sigkill, start_regen, wait_for
 from tests.smollm2_run import SAMPLES, make_smollm2_run, smollm2_records
 from tests.test_capture import AUX, LayerLoop, bf16_close, stored_samples
 from tests.trainlib import run_checks
@@ -136,3 +138,38 @@ def test_speculators_data_gets_hs_files_in_prepare_data_row_order(captured, capt
         ids = tuple(item["input_ids"].tolist())
         assert item["loss_mask"].tolist() == masks[ids]
         assert item["hidden_states"].shape[0] == len(ids)
+
+
+def test_driver_sigkill_then_resume_captures_each_sample_exactly_once(tmp_path, ray_cluster, capture_server, ref):
+    samples = [(f"k{i}", f"Tell me fact number {i} about owls.", f"Owls fact {i}: they can turn their heads.",
+                "stop") for i in range(8)]
+    records = smollm2_records(ref.tok, samples)
+    run = make_smollm2_run(tmp_path / "run", [records])
+    config = write_capture_config(tmp_path, capture_server, prompts_per_call=1, flush_records=1)
+    # files in the server's folder that are not this capture's: another client's, another capture's
+    others = [capture_server.files / "cmpl-someone-else-0-1a2b.safetensors",
+              capture_server.files / "cmpl-regen-0123456789ab-99t1-0-0-1a2b.safetensors"]
+    for other in others:
+        other.write_bytes(b"not ours")
+    cap = capture_run_dir(run)
+    proc = start_regen("capture", str(run.path), "--config", str(config), log=tmp_path / "first.log")
+    wait_for(lambda: len(cap.committed_ids()) >= 1, timeout=120, interval=0.02, what="a first commit")
+    sigkill(proc)
+    before = cap.committed_ids()
+    assert 1 <= len(before) < 8, "the kill must land mid-capture"
+    resumed = run_regen("capture", str(run.path), "--config", str(config), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ledger = cap.read_table(cap.data).to_pylist()
+    assert sorted(r["sample_id"] for r in ledger) == sorted(f"k{i}#turn0" for i in range(8))  # none twice
+    assert {p.name for p in hidden_parts(cap)} == {r["hidden_part"] for r in ledger}
+    _, stored = stored_samples(run)
+    for rec in records:
+        ids = rec["prompt_token_ids"] + rec["output_token_ids"]
+        sample, states = stored[rec["prompt_id"]]
+        assert sample.token_ids.tolist() == ids
+        bf16_close(states[:, 4], ref.states(ids)[0][:, 30])
+    # a killed actor's request still reaches the server, which writes its file after answering: nobody reads it;
+    # the next session removes it (and never another client's or capture's files)
+    assert server_files(capture_server) == sorted(o.name for o in others)
+    for other in others:
+        other.unlink()
