@@ -110,6 +110,8 @@ def test_route_vllm_stores_every_layer_as_the_layer_loop_and_removes_the_server_
     print("\nroute vllm against the layer loop, max |diff| / |ref| (values above 0.05): "
           + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
     assert server_files(capture_server) == [], "the server's files are removed once read"
+    tokens, route_s = sum(r["n_tokens"] for r in ledger), sum(r["capture_s"] for r in ledger)
+    print(f"route vllm: {tokens} tokens at {tokens / route_s:.0f} tok/s per request (request, file, norm)")
 
 
 def test_speculators_data_gets_hs_files_in_prepare_data_row_order(captured, capture_server):
