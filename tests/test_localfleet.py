@@ -160,3 +160,25 @@ def test_a_stop_cut_short_still_kills_the_servers_and_closes_their_lifelines(tmp
         if stubborn.poll() is None:
             stubborn.kill()
         os.close(read_end)
+
+
+def test_a_vllm_capture_server_gets_both_flags_and_only_the_connector_folder_on_its_path(tmp_path):
+    import json
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
+    fleet = LocalFleet(engine="vllm", servers=1, model_path=str(model), hidden_states_dir=str(tmp_path / "hs"))
+    cmd = localfleet.vllm_command(fleet, 18500, 3)
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27, 30]
+    assert (kv["kv_connector"], kv["kv_role"]) == ("CpuHiddenStatesConnector", "kv_producer")
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "hs")
+    path = localfleet.vllm_environment(fleet, 0)["PYTHONPATH"]
+    assert (Path(path) / f"{kv['kv_connector_module_path']}.py").exists()
+    plain = LocalFleet(engine="vllm", servers=1, model_path=str(model))
+    assert "--kv-transfer-config" not in localfleet.vllm_command(plain, 18500, 3)
+    with pytest.raises(ValueError, match="need engine: vllm"):
+        LocalFleet(hidden_states_dir=str(tmp_path / "hs"))

@@ -1,6 +1,7 @@
 """A real inference engine: runs against two vLLM servers (its CPU build, SmolLM2-135M-Instruct), started by
 `local_fleet: {engine: vllm}`'s own code (the vllm_fleet fixture), through a real Ray head, with the real `regen`
-command in a subprocess and real SIGKILLs. The ids are checked with the model's own tokenizer (transformers).
+command in a subprocess and real SIGKILLs. The ids are checked with the model's own tokenizer (transformers), and
+the run's token exports are loaded by SpecForge's and speculators' own code (tests/trainlib.py).
 The test that SIGKILLs a server is last: the fleet is shared by the module."""
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.emulator import start_emulator
+from pipeline.export.jsonl import export_run
 from tests.helpers import (
     all_prompt_ids, committed_ids, data_parts, run_regen, sigkill, start_regen, wait_for, write_config,
     write_prompts, write_source,
 )
+from tests.trainlib import run_checks
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 32
@@ -72,6 +75,31 @@ def test_token_ids_decode_to_the_content_and_the_chat_rendering(tmp_path, ray_cl
     manifest = json.loads((run / "run.json").read_text())
     assert manifest["engines"] == [{"engine": "vllm", "version": "0.32.0"}]
     assert manifest["schema_version"] == 3
+    check_token_exports_in_the_libraries(tmp_path, run, rows, vllm_fleet.model_dir)
+
+
+def check_token_exports_in_the_libraries(tmp_path, run, rows, model_dir):
+    """The run's token exports through SpecForge's pre-tokenized path and `speculators prepare-data` (their own
+    code, tests/trainlib_checks.py): each row's ids are a record's prompt + output ids, and every mask is 0 on the
+    prompt, 1 on the output, 0 on the last position of a record cut at max_tokens."""
+    expected = {}
+    for row in rows:
+        mask = [0] * len(row["prompt_token_ids"]) + [1] * len(row["output_token_ids"])
+        if row["finish_reason"] == "length":
+            mask[-1] = 0
+        expected[tuple(row["prompt_token_ids"] + row["output_token_ids"])] = mask
+    assert len(expected) == len(rows), "two records with the same ids: the check below could not tell them apart"
+    tokens, spec = tmp_path / "sf-tokens.jsonl", tmp_path / "spec.jsonl"
+    export_run(run, "specforge-tokens", tokens)
+    export_run(run, "speculators", spec)
+    loaded = {
+        "specforge": run_checks({"check": "specforge_rows", "path": str(tokens)})["rows"],
+        "speculators": run_checks({"check": "speculators_prepare", "path": str(spec), "tokenizer": str(model_dir),
+                                   "out": str(tmp_path / "prepared")})["rows"]}
+    for library, got in loaded.items():
+        assert sorted(tuple(r["input_ids"]) for r in got) == sorted(expected), f"{library}: not the records' ids"
+        mis_masked = [r for r in got if r["loss_mask"] != expected[tuple(r["input_ids"])]]
+        assert not mis_masked, f"{library}: {len(mis_masked)} mis-masked rows of {len(got)}"
 
 
 def test_streaming_run(tmp_path, ray_cluster, vllm_fleet, tokenizer):

@@ -61,6 +61,19 @@ class LocalFleet(_Strict):
     model_path: str | None = None
     kv_cache_gib: int = Field(1, ge=1)  # VLLM_CPU_KVCACHE_SPACE
     start_timeout_s: float | None = Field(None, gt=0)  # None: 120 s (llama.cpp), 600 s (vLLM)
+    # vLLM only: serve as a hidden-states capture server for `regen capture` route vllm (extract_hidden_states and
+    # regen's CPU hidden-states connector), writing its files into this folder.
+    hidden_states_dir: str | None = None
+    # The ids the server writes: three aux layers, then num_hidden_layers (None: [2, L//2, L-3, L] of the model).
+    hidden_layer_ids: list[int] | None = Field(None, min_length=4, max_length=4)
+
+    @model_validator(mode="after")
+    def _hidden_states_need_vllm(self) -> "LocalFleet":
+        if (self.hidden_states_dir or self.hidden_layer_ids) and self.engine != "vllm":
+            raise ValueError("local_fleet.hidden_states_dir / hidden_layer_ids need engine: vllm")
+        if self.hidden_layer_ids and not self.hidden_states_dir:
+            raise ValueError("local_fleet.hidden_layer_ids needs hidden_states_dir (where the server writes)")
+        return self
 
     def endpoints(self) -> list[Endpoint]:
         return [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 from typing import Any, Callable
 
@@ -29,6 +30,8 @@ class CapturePool:
         self.on_rows, self.on_tick, self.should_stop = on_rows, on_tick, should_stop
         self.remote = ray.remote(CaptureWorker)
         self.generation = 0
+        # this driver's session: names the route's server-side files, so a later session can tell its own apart
+        self.session = f"{os.getpid()}t{time.time_ns() // 1_000_000:x}"
         self.failed_prompts: list[str] = []
         self.actor_restarts = 0
 
@@ -37,7 +40,7 @@ class CapturePool:
         tag = f"cap{os.getpid()}s{slot}g{self.generation}"
         return self.remote.options(num_cpus=self.cfg.actor_num_cpus, num_gpus=self.cfg.actor_num_gpus,
                                    max_restarts=0, max_concurrency=1).remote(
-            self.cfg, self.capture_uri, tag, self.fingerprint)
+            self.cfg, self.capture_uri, tag, self.fingerprint, self.session)
 
     def run(self, batches: list[list[list[Sample]]]) -> None:
         queue = deque(batches)

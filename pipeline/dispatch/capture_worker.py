@@ -3,6 +3,7 @@ committed hidden parts. One hidden part per call, committed before the call retu
 (the driver commits those): a kill in between leaves an unreferenced part, removed on the next start."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import numpy as np
 from ..hidden.kernel import f32_to_bf16
 from ..hidden.parts import HiddenPartWriter
 from ..hidden.routes import build_route
+from ..hidden.vllm_route import RequestOwner
 
 
 @dataclass(frozen=True)
@@ -28,14 +30,15 @@ class Sample:
 
 
 class CaptureWorker:
-    def __init__(self, cfg, capture_dir: str, tag: str, fingerprint: str):
+    def __init__(self, cfg, capture_dir: str, tag: str, fingerprint: str, session: str = "s"):
         self.cfg, self.capture_dir, self.tag, self.fingerprint = cfg, capture_dir, tag, fingerprint
+        self.owner = RequestOwner(hashlib.sha1(capture_dir.encode()).hexdigest()[:12], session)
         self.route = None
         self.counter = itertools.count(1)
 
     def ready(self) -> bool:
         if self.route is None:
-            self.route = build_route(self.cfg)
+            self.route = build_route(self.cfg, self.owner)
         return True
 
     def capture(self, prompts: list[list[Sample]]) -> list[list[dict[str, Any]]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -33,6 +34,9 @@ from ..core.config import LocalFleet
 from ..core.errors import ConfigError, RunFatal
 
 VLLM_SERVE = Path(__file__).with_name("vllm_serve.py")
+# Loaded by a vLLM capture server (kv_connector_module_path), from this folder on its PYTHONPATH.
+VLLM_PLUGINS = Path(__file__).with_name("vllm_plugins")
+HIDDEN_STATES_CONNECTOR = ("regen_hidden_states_connector", "CpuHiddenStatesConnector")
 START_TIMEOUT_S = {"llamacpp": 120.0, "vllm": 600.0}  # vLLM takes 45-100 s to be ready on a loaded 2-core box
 # The environment of a vLLM server: no Hugging Face hub, no usage reports to an outside host, a bounded KV cache.
 VLLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -75,7 +79,33 @@ def vllm_command(fleet: LocalFleet, port: int, lifeline_fd: int) -> list[str]:
     return [str(python), str(VLLM_SERVE), "--lifeline-fd", str(lifeline_fd), "--",
             "--model", str(model), "--served-model-name", fleet.model_alias, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(fleet.ctx_per_slot),
-            "--max-num-seqs", str(fleet.slots)]
+            "--max-num-seqs", str(fleet.slots), *hidden_states_arguments(fleet, model)]
+
+
+def hidden_layer_ids(fleet: LocalFleet, model: Path) -> list[int]:
+    """The aux layers, then L (the last layer's output before the final norm): vLLM/speculators ids."""
+    if fleet.hidden_layer_ids:
+        return list(fleet.hidden_layer_ids)
+    try:
+        config = json.loads((model / "config.json").read_text())
+        layers = int((config.get("text_config") or config)["num_hidden_layers"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"local_fleet.hidden_states_dir: cannot read num_hidden_layers from {model}/config.json "
+                          f"({exc}); set local_fleet.hidden_layer_ids") from None
+    return [2, layers // 2, layers - 3, layers]
+
+
+def hidden_states_arguments(fleet: LocalFleet, model: Path) -> list[str]:
+    """A capture server (route vllm of `regen capture`): vLLM's extract_hidden_states method writes each request's
+    states of `hidden_layer_ids` through regen's CPU connector into hidden_states_dir (nothing otherwise)."""
+    if not fleet.hidden_states_dir:
+        return []
+    module, connector = HIDDEN_STATES_CONNECTOR
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": hidden_layer_ids(fleet, model)}}}
+    kv = {"kv_connector": connector, "kv_connector_module_path": module, "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(Path(fleet.hidden_states_dir).resolve())}}
+    return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
 
 
 def vllm_environment(fleet: LocalFleet, index: int) -> dict[str, str]:
@@ -84,6 +114,8 @@ def vllm_environment(fleet: LocalFleet, index: int) -> dict[str, str]:
     cpus = os.cpu_count() or 1
     cores = sorted({(index * fleet.threads + k) % cpus for k in range(fleet.threads)})
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    if fleet.hidden_states_dir:  # only the connector's folder: vLLM imports nothing else of regen
+        env["PYTHONPATH"] = str(VLLM_PLUGINS)
     return {**env, **VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(fleet.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
 

@@ -84,14 +84,15 @@ class TransformersRoute:
         return torch.stack(picked, dim=1).float().cpu().numpy()
 
 
-def build_route(cfg) -> CaptureRoute:
-    """The route a capture config names (`cfg`: core.capture_config.CaptureConfig), built in the actor."""
+def build_route(cfg, owner=None) -> CaptureRoute:
+    """The route a capture config names (`cfg`: core.capture_config.CaptureConfig), built in the actor. `owner`
+    (vllm_route.RequestOwner): the capture and session that name route vllm's server-side files."""
     if cfg.route == "transformers":
         return TransformersRoute(TransformersOptions(cfg.model, tuple(cfg.aux_layer_ids or ()) or None,
                                                      cfg.torch_dtype, cfg.torch_threads))
     from .vllm_route import VllmRoute
 
-    return VllmRoute(cfg)
+    return VllmRoute(cfg, owner)
 
 
 def layout_for(cfg) -> CaptureLayout:
