@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 from pipeline.export.jsonl import export_run
 from pipeline.hidden.parts import hidden_parts
 from pipeline.store.capture_ledger import capture_run_dir
-from tests.helpers import free_port, run_regen, sigkill, start_regen, wait_for
+from tests.helpers import free_port, require_installed, run_regen, sigkill, start_regen, wait_for
 from tests.smollm2_run import SAMPLES, make_smollm2_run, smollm2_records
 from tests.test_capture import AUX, LayerLoop, bf16_close, stored_samples
 from tests.trainlib import run_checks
@@ -38,7 +38,7 @@ def capture_server(tmp_path_factory):
     from pipeline.endpoints.localfleet import LocalFleetProcesses, vllm_model_dir, vllm_python
 
     if not vllm_python().exists() or not (vllm_model_dir() / "config.json").exists():
-        pytest.skip(f"vLLM's venv ({vllm_python()}) or model ({vllm_model_dir()}) is missing: run `make vllm`")
+        require_installed(f"vLLM's venv ({vllm_python()}) or model ({vllm_model_dir()})")
     files = tmp_path_factory.mktemp("vllm-hidden-states")
     fleet = LocalFleet(engine="vllm", servers=1, base_port=free_port(), slots=4, ctx_per_slot=1024, threads=1,
                        hidden_states_dir=str(files))
