@@ -148,6 +148,8 @@ def test_a_stop_cut_short_still_kills_the_servers_and_closes_their_lifelines(tmp
     stubborn.stdout.close()
     read_end, write_end = os.pipe()
     fleet = LocalFleetProcesses(LocalFleet(), tmp_path, processes=[stubborn], lifelines=[write_end])
+    # Python's own Ctrl-C handler, whatever an earlier test in this process installed
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -157,6 +159,7 @@ def test_a_stop_cut_short_still_kills_the_servers_and_closes_their_lifelines(tmp
         assert os.read(read_end, 1) == b"", "the lifeline's write end is closed (end of file for the server)"
         assert fleet.lifelines == [] and fleet.processes == []
     finally:
+        signal.signal(signal.SIGINT, previous)
         if stubborn.poll() is None:
             stubborn.kill()
         os.close(read_end)
