@@ -15,7 +15,7 @@ CHECK_PYTHON = $(PYTHON) -c 'import sys; need = tuple(int(n) for n in "$(PYTHON_
 	+ "$(PYTHON) is Python " + sys.version.split()[0] + " (" + sys.executable + "). Install a newer Python, or " \
 	+ "name one: make setup PYTHON=python3.12")'
 
-.PHONY: setup check-python generate status export card test serve-local emulate help sglang-wheels trainlib-wheels capture vllm
+.PHONY: setup check-python generate status export card test serve-local emulate help sglang-wheels trainlib-wheels capture vllm test-deps
 
 help:
 	@echo "make setup        create $(VENV) with PYTHON=$(PYTHON) (>= $(PYTHON_MIN)) and install regen with the local fleet and test extras"
@@ -75,12 +75,12 @@ SGLANG_LIGHT_DEPS := msgspec pybase64 ipython partial_json_parser
 
 sglang-wheels: $(VENV)/.sglang-deps $(foreach v,$(SGLANG_VERSIONS),$(SGLANG_CACHE)/$(v)/.installed)
 
-$(VENV)/.sglang-deps: $(VENV)/.installed
+$(VENV)/.sglang-deps: $(VENV)/.verify  # after it: two pip runs must not install into one venv at once
 	$(PY) -c "import msgspec, pybase64, IPython, partial_json_parser" 2>/dev/null || \
 		$(PY) -m pip install -q $(SGLANG_LIGHT_DEPS)
 	touch $@
 
-$(SGLANG_CACHE)/%/.installed:
+$(SGLANG_CACHE)/%/.installed: | $(VENV)/.installed
 	rm -rf $(SGLANG_CACHE)/$*.tmp
 	$(PY) -m pip install -q --no-deps --no-compile --target $(SGLANG_CACHE)/$*.tmp "sglang==$*"
 	rm -rf $(SGLANG_CACHE)/$* && mv $(SGLANG_CACHE)/$*.tmp $(SGLANG_CACHE)/$*
@@ -100,7 +100,7 @@ TRAINLIB_IN_VENV  := transformers datasets openai aiohttp anyio certifi h11 idna
 
 trainlib-wheels: $(TRAINLIB_CACHE)/$(TRAINLIB_KEY)/.installed
 
-$(TRAINLIB_CACHE)/$(TRAINLIB_KEY)/.installed: $(VENV)/.verify
+$(TRAINLIB_CACHE)/$(TRAINLIB_KEY)/.installed: $(VENV)/.sglang-deps  # (one pip run into the venv at a time)
 	$(PY) -c "import $(subst $(space),$(comma),$(TRAINLIB_IN_VENV))" 2>/dev/null || \
 		$(PY) -m pip install -q $(TRAINLIB_IN_VENV)
 	rm -rf $(TRAINLIB_CACHE)/$(TRAINLIB_KEY).tmp
@@ -137,9 +137,13 @@ $(VLLM_CACHE)/%/.installed:
 $(SMOLLM2_HF)/.complete: $(VENV)/.verify
 	$(PY) -m pipeline.tools.convert_smollm2 --out $(SMOLLM2_HF)
 
+# What the tests need, installed 3 at a time: vLLM's own venv (the longest) beside the project venv's chain.
+test-deps: setup $(VENV)/.verify sglang-wheels trainlib-wheels vllm
+
 # The layering contract ([tool.importlinter] in pyproject.toml) first: a stage importing a later one fails here.
 # The vLLM tests find the venv and the model through REGEN_VLLM_PYTHON and REGEN_VLLM_MODEL.
-test: setup $(VENV)/.verify sglang-wheels trainlib-wheels vllm
+test:
+	@$(MAKE) --no-print-directory -j3 test-deps
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	REGEN_VLLM_PYTHON=$(VLLM_VENV)/bin/python REGEN_VLLM_MODEL=$(SMOLLM2_HF) $(PY) -m pytest -q $(PYTEST_ARGS)
 
