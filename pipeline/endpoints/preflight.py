@@ -17,10 +17,10 @@ import time
 from ..core.config import RunConfig
 from .client import ClientSettings, EndpointClient
 from ..core.errors import ConfigError, PreflightError
-from .engines import SGLangAdapter
+from .engines import OpenAIAdapter, SGLangAdapter
 from .probes import PROBE_RID_PREFIX, EndpointReport, check_endpoint
 
-__all__ = ["PROBE_RID_PREFIX", "EndpointReport", "check_endpoint", "fleet_deterministic", "fleet_engines",
+__all__ = ["PROBE_RID_PREFIX", "EndpointReport", "check_endpoint", "engine_refusal", "fleet_deterministic", "fleet_engines",
            "fleet_notes",
            "fleet_problems", "pinned_weight_version",
            "preflight", "preflight_async", "probe_fleet", "run_preflight_command"]
@@ -57,6 +57,22 @@ def fleet_problems(reports: list[EndpointReport], cfg: RunConfig) -> list[str]:
         out.append(f"endpoints run different weight versions ({_groups(versions)}): one run must not mix "
                    "them; update the stale servers or leave them out")
     return out
+
+
+def engine_refusal(engine: OpenAIAdapter | None, run_engines: tuple[tuple[str, str | None], ...]) -> str | None:
+    """Why an endpoint running `engine` may not join a run whose preflight admitted `run_engines` ((engine,
+    version) pairs); None: it may. Another engine, or a version of it the run does not name, would mix the run
+    and leave run.json's `engines` untrue."""
+    if engine is None or not run_engines:
+        return None
+    admitted = ", ".join(f"{name} {version}" if version else f"{name} (version unknown)" for name, version in run_engines)
+    if engine.engine not in {name for name, _ in run_engines}:
+        return (f"it now runs {engine.describe()}, not the run's engine ({admitted}): one run must come from one "
+                "engine, so it stays out of this run")
+    if (engine.engine, engine.version) not in run_engines:
+        return (f"it now runs {engine.describe()}, a version the run's preflight did not admit ({admitted}): it "
+                "stays out of this session; rerun to resume with it (the preflight records its version)")
+    return None
 
 
 def fleet_notes(reports: list[EndpointReport], cfg: RunConfig) -> list[str]:

@@ -1,0 +1,116 @@
+"""Which engine made a run, and what regen says about it: a readmitted endpoint on another engine stays out, a
+resume on another engine is drift, a run from before schema 3 does not claim an engine for its old records, the
+probe asks for ids on the run's own transport, and engines it cannot identify are named. Real emulator and
+llama.cpp processes on 127.0.0.1, and small HTTP servers that answer like vLLM (tests/fake_engines.py)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from pipeline.core.config import RunConfig
+from pipeline.dispatch.actors import client_settings, local_worker_factory
+from pipeline.dispatch.fleet import UNRECORDED_ENGINE, EngineDrift, fleet_preflight
+from pipeline.emulator import start_emulator
+from pipeline.store.rundir import Committer, RunDir, now_utc
+from pipeline.store import schema
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def make_cfg(urls: list[str], tmp_path=None, **overrides) -> RunConfig:
+    raw = {"run_name": "engine-test", "model": MODEL, "sources": [{"spec": "prompts_sources/sample_prompts.yaml"}],
+           "endpoints": [{"url": url, "name": f"e{i}"} for i, url in enumerate(urls)],
+           "sampling": {"temperature": 0.0, "max_tokens": 8}, "dead_fleet_deadline_s": 5}
+    if tmp_path is not None:
+        raw["output_dir"] = str(tmp_path / "out")
+    raw.update(overrides)
+    return RunConfig.model_validate(raw)
+
+
+@pytest.fixture(scope="module")
+def sglang():
+    server = start_emulator(preset="kimi", served_model_name=MODEL)
+    yield server
+    server.stop()
+
+
+# --- 1. readmission ---------------------------------------------------------------------------------------
+async def _readmit(worker) -> tuple[bool, str, str]:
+    try:
+        return await worker._passes_preflight(), worker.last_error, worker.state
+    finally:
+        await worker.close()
+
+
+def test_a_readmitted_endpoint_on_another_engine_stays_out(sglang):
+    """The run's preflight admitted llama.cpp; the endpoint comes back as SGLang: refused, and for good (its
+    state is fatal, so the driver drops it with that reason in its log)."""
+    cfg = make_cfg([sglang.url])
+    endpoint = cfg.all_endpoints()[0]
+    same = local_worker_factory(cfg, client_settings(cfg, run_engines=[{"engine": "sglang", "version": "0.5.23"}]),
+                                lambda e: None, "unused")
+    assert asyncio.run(_readmit(same(endpoint, True)))[0], "the run's own engine is readmitted"
+    other = local_worker_factory(cfg, client_settings(cfg, run_engines=[{"engine": "llamacpp", "version": "b6670"}]),
+                                 lambda e: None, "unused")
+    admitted, why, state = asyncio.run(_readmit(other(endpoint, True)))
+    assert not admitted and state == "fatal"
+    assert "it now runs sglang 0.5.23, not the run's engine (llamacpp b6670)" in why
+    newer = local_worker_factory(cfg, client_settings(cfg, run_engines=[{"engine": "sglang", "version": "0.5.18"}]),
+                                 lambda e: None, "unused")
+    admitted, why, _ = asyncio.run(_readmit(newer(endpoint, True)))
+    assert not admitted and "a version the run's preflight did not admit (sglang 0.5.18)" in why
+
+
+# --- 3 and 4. resume ----------------------------------------------------------------------------------------
+def _run_dir(tmp_path, manifest: dict, records: int = 0) -> RunDir:
+    run = RunDir(tmp_path / "out" / "engine-test")
+    run.create()
+    run.write_manifest(manifest)
+    if records:
+        committer = Committer(run, done=set(), flush_records=100, flush_interval_s=60,
+                              records_schema=schema.records_schema(manifest.get("schema_version")))
+        for i in range(records):
+            committer.add_records([{"prompt_id": f"p{i}", "turn_index": 0, "source": "s",
+                                    "messages": [{"role": "user", "content": "q"}], "content": "a",
+                                    "finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": 1,
+                                    "deterministic": True, "created_at": now_utc()}])
+        committer.flush()
+    return run
+
+
+def test_a_resume_on_another_engine_is_drift(sglang, tmp_path):
+    manifest = {"schema_version": 3, "engines": [{"engine": "llamacpp", "version": "b6670"}]}
+    run = _run_dir(tmp_path, manifest, records=2)
+    with pytest.raises(EngineDrift) as info:
+        fleet_preflight(make_cfg([sglang.url], tmp_path), run)
+    assert info.value.diff == ["engines: ['llamacpp'] -> ['sglang'] (reported by the fleet)"]
+    assert "--new-run" in str(info.value)
+    assert run.read_manifest() == manifest, "run.json is left as it was"
+
+
+def test_a_resume_on_the_same_engine_adds_its_new_version(sglang, tmp_path):
+    run = _run_dir(tmp_path, {"schema_version": 3, "engines": [{"engine": "sglang", "version": "0.5.18"}]}, 2)
+    facts = fleet_preflight(make_cfg([sglang.url], tmp_path), run)
+    assert run.read_manifest()["engines"] == [{"engine": "sglang", "version": "0.5.18"},
+                                              {"engine": "sglang", "version": "0.5.23"}]
+    assert facts.run_engines == run.read_manifest()["engines"]
+
+
+def test_a_run_from_before_schema_3_does_not_claim_an_engine_for_its_old_records(sglang, tmp_path, caplog):
+    """Its records came from an engine nobody recorded: run.json says so, then names this session's engine; the
+    resume is accepted, with a note."""
+    run = _run_dir(tmp_path, {"schema_version": 2}, records=2)
+    with caplog.at_level(logging.WARNING, logger="regen.fleet"):
+        facts = fleet_preflight(make_cfg([sglang.url], tmp_path), run)
+    assert run.read_manifest()["engines"] == [UNRECORDED_ENGINE, {"engine": "sglang", "version": "0.5.23"}]
+    assert UNRECORDED_ENGINE["engine"] is None
+    assert facts.run_engines == [{"engine": "sglang", "version": "0.5.23"}]
+    assert any("did not record their inference engine" in r.getMessage() for r in caplog.records)
+
+
+def test_a_new_run_records_only_its_engine(sglang, tmp_path):
+    run = _run_dir(tmp_path, {"schema_version": 3})
+    fleet_preflight(make_cfg([sglang.url], tmp_path), run)
+    assert run.read_manifest()["engines"] == [{"engine": "sglang", "version": "0.5.23"}]
