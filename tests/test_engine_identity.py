@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -13,8 +15,13 @@ from pipeline.core.config import RunConfig
 from pipeline.dispatch.actors import client_settings, local_worker_factory
 from pipeline.dispatch.fleet import UNRECORDED_ENGINE, EngineDrift, fleet_preflight
 from pipeline.emulator import start_emulator
+from pipeline.endpoints.engines import OpenAIAdapter, VLLMAdapter
+from pipeline.endpoints.localfleet import wait_healthy
+from pipeline.endpoints.preflight import probe_fleet
 from pipeline.store.rundir import Committer, RunDir, now_utc
 from pipeline.store import schema
+from tests.fake_engines import DEV_MODE_SERVER_INFO, FakeVLLM
+from tests.helpers import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -114,3 +121,85 @@ def test_a_new_run_records_only_its_engine(sglang, tmp_path):
     run = _run_dir(tmp_path, {"schema_version": 3})
     fleet_preflight(make_cfg([sglang.url], tmp_path), run)
     assert run.read_manifest()["engines"] == [{"engine": "sglang", "version": "0.5.23"}]
+
+
+# --- 2, 5, 7. identification and the probe ----------------------------------------------------------------
+@pytest.fixture
+def fake():
+    started: list[FakeVLLM] = []
+
+    def start(**options) -> FakeVLLM:
+        started.append(FakeVLLM(**options).start())
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def probe(cfg: RunConfig):
+    return asyncio.run(probe_fleet(cfg, {}))
+
+
+def test_a_vllm_in_dev_mode_is_vllm_not_sglang(fake):
+    """VLLM_SERVER_DEV_MODE=1 adds /server_info with vLLM's own keys: owned_by and /version still decide, and
+    vLLM's `reasoning` is read (a thinking run passes)."""
+    server = fake(server_info=DEV_MODE_SERVER_INFO, reasoning="2 + 2 is 4")
+    [report] = probe(make_cfg([server.url], thinking=True))
+    assert report.engine == VLLMAdapter(version="0.32.0")
+    assert report.ok, report.problems
+    assert report.sglang is False and not any("SGLang" in w for w in report.warnings), report.warnings
+
+
+def test_a_run_leaving_thinking_to_a_server_of_unknown_parser_is_warned(fake, sglang):
+    [report] = probe(make_cfg([fake().url]))
+    assert any("does not report its reasoning parser" in w for w in report.warnings), report.warnings
+    [decided] = probe(make_cfg([fake().url], thinking=False))
+    assert not any("reasoning parser" in w for w in decided.warnings)
+    [known] = probe(make_cfg([sglang.url]))  # SGLang reports its parser (kimi_k2)
+    assert not any("does not report its reasoning parser" in w for w in known.warnings)
+
+
+def test_sglang_is_still_identified_by_its_server_info(sglang):
+    [report] = probe(make_cfg([sglang.url]))
+    assert report.engine.engine == "sglang" and report.engine.version == "0.5.23" and report.sglang
+
+
+def test_stream_with_token_ids_probes_the_ids_on_a_stream(fake):
+    """The run streams and stores ids: the probe streams too. An unidentified server (a proxy: owned_by openai,
+    no /version) is asked for none on a stream, so it is refused before the run; vLLM itself passes."""
+    proxied = fake(owned_by="openai", version=None)
+    [report] = probe(make_cfg([proxied.url], stream=True, return_token_ids=True))
+    assert not report.ok
+    assert any("returns no output token ids" in p and "a tiny streamed generation" in p for p in report.problems)
+    assert any(r.get("stream") for r in proxied.requests), "the probe streamed"
+    direct = fake()
+    [report] = probe(make_cfg([direct.url], stream=True, return_token_ids=True))
+    assert report.ok, report.problems
+    assert any(r.get("stream") and r.get("return_token_ids") for r in direct.requests)
+
+
+def test_llama_cpp_streaming_with_token_ids_is_refused(tmp_path):
+    """llama.cpp returns no ids, streamed or not: the refusal does not depend on `stream`."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "pipeline.endpoints.localfleet", "--port", str(port),
+                               "--slots", "1", "--ctx-per-slot", "1024", "--threads", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", 60, server)
+        for stream in (False, True):
+            [report] = probe(make_cfg([f"http://127.0.0.1:{port}"], stream=stream, return_token_ids=True))
+            assert report.engine.engine == "llamacpp"
+            assert any("returns no output token ids" in p for p in report.problems), (stream, report.problems)
+    finally:
+        server.terminate()
+        server.wait(20)
+
+
+def test_an_engine_behind_a_proxy_is_named_unknown(fake):
+    [report] = probe(make_cfg([fake(owned_by="openai", version=None).url]))
+    assert type(report.engine) is OpenAIAdapter and report.ok
+    [warning] = [w for w in report.warnings if "inference engine is unknown" in w]
+    assert "owned_by: openai" in warning and "cannot check that the fleet runs one engine" in warning
+    [direct] = probe(make_cfg([fake().url]))
+    assert not any("inference engine is unknown" in w for w in direct.warnings)
