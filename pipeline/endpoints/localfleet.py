@@ -232,8 +232,8 @@ class LocalFleetProcesses:
             os.close(read_end)
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 30 s (vLLM takes a while), and then whatever the server started (vLLM's
-        EngineCore and workers). Whatever cuts this short (a second signal, a server that will not die), every
+        """SIGTERM, then SIGKILL after 30 s (vLLM takes a while), and then whatever is left of the server's session
+        (a vLLM launcher stops the API server's own group, EngineCore and workers, itself). Whatever cuts this short (a second signal, a server that will not die), every
         server is killed and every lifeline closed: an open one leaks its descriptor."""
         try:
             for process in self.processes:
