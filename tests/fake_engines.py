@@ -22,7 +22,7 @@ class FakeVLLM:
     server_info: dict | None = None  # DEV_MODE_SERVER_INFO: dev mode
     max_model_len: int = 2048
     reasoning: str | None = None  # `message.reasoning` of every answer
-    completion_tokens: int = 2  # usage.completion_tokens (and as many output ids)
+    completion_tokens: Any = 2  # usage.completion_tokens (and as many output ids), or a function of the request
     finish_reason: str = "stop"
     requests: list[dict] = field(default_factory=list)
 
@@ -73,9 +73,9 @@ class FakeVLLM:
 
     def answer(self, body: dict) -> tuple[int, Any, str]:
         ids = bool(body.get("return_token_ids"))
-        output = list(range(1, self.completion_tokens + 1))
-        usage = {"prompt_tokens": 3, "completion_tokens": self.completion_tokens,
-                 "total_tokens": 3 + self.completion_tokens}
+        tokens = self.completion_tokens(body) if callable(self.completion_tokens) else self.completion_tokens
+        output = list(range(1, tokens + 1))
+        usage = {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}
         if not body.get("stream"):
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": "ready",
                                                               "reasoning": self.reasoning},

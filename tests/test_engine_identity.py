@@ -9,6 +9,7 @@ import logging
 import subprocess
 import sys
 
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.core.config import RunConfig
@@ -21,7 +22,7 @@ from pipeline.endpoints.preflight import probe_fleet
 from pipeline.store.rundir import Committer, RunDir, now_utc
 from pipeline.store import schema
 from tests.fake_engines import DEV_MODE_SERVER_INFO, FakeVLLM
-from tests.helpers import free_port
+from tests.helpers import data_parts, free_port, run_regen, write_config, write_source
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -203,3 +204,23 @@ def test_an_engine_behind_a_proxy_is_named_unknown(fake):
     assert "owned_by: openai" in warning and "cannot check that the fleet runs one engine" in warning
     [direct] = probe(make_cfg([fake().url]))
     assert not any("inference engine is unknown" in w for w in direct.warnings)
+
+
+# --- 8. the context caps max_tokens ---------------------------------------------------------------------
+def test_an_answer_the_context_capped_is_flagged_apart_from_max_tokens(fake, tmp_path, ray_cluster):
+    """vLLM cuts max_tokens to what the context leaves, without an error: finish `length` with fewer tokens than
+    max_tokens. Those records say `context_capped` (and `truncated`); one cut at max_tokens says `truncated`."""
+    def tokens(body: dict) -> int:
+        return 3 if "capped" in body["messages"][-1]["content"] else body["max_tokens"]
+
+    server = fake(finish_reason="length", completion_tokens=tokens)
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "a capped one"}\n{"prompt": "a full one"}\n')
+    cfg = write_config(tmp_path, [{"url": server.url, "name": "v"}], [write_source(tmp_path, data)],
+                       sampling={"temperature": 0.0, "max_tokens": 8}, thinking=False)
+    done = run_regen("generate", "--config", str(cfg))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r["messages"][-1]["content"]: r for p in data_parts(tmp_path / "out" / "t")
+            for r in pq.read_table(p).to_pylist()}
+    assert rows["a capped one"]["flags"] == ["truncated", "context_capped"]
+    assert rows["a full one"]["flags"] == ["truncated"]
