@@ -5,6 +5,7 @@ vLLM's (tests/standin_vllm_server.py): the launcher code is the same, without vL
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,9 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from pipeline.endpoints.localfleet import VLLM_SERVE
-from tests.helpers import wait_for
+from pipeline.core.config import LocalFleet
+from pipeline.core.errors import RunFatal
+from pipeline.endpoints.localfleet import VLLM_SERVE, LocalFleetProcesses
+from pipeline.endpoints.preflight import run_preflight_command
+from tests.helpers import free_port, wait_for
 
 STANDIN = Path(__file__).with_name("standin_vllm_server.py")
 
@@ -74,3 +79,36 @@ def test_the_drivers_sigterm_stops_the_server_and_its_engine_processes(launched)
     launched["launcher"].terminate()
     assert launched["launcher"].wait(30) == 128 + signal.SIGTERM
     assert not alive(launched["engine"]) and not alive(launched["server"])
+
+
+# --- a server that does not start ----------------------------------------------------------------------------
+def broken_fleet(tmp_path) -> dict:
+    """A vLLM fleet whose python has no vLLM (regen's own): its launcher starts, its server fails to import."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return {"engine": "vllm", "servers": 1, "base_port": free_port(), "vllm_python": sys.executable,
+            "model_path": str(model), "start_timeout_s": 60}
+
+
+def test_a_vllm_that_does_not_start_says_why_with_its_log(tmp_path):
+    fleet = LocalFleet(**broken_fleet(tmp_path))
+    with pytest.raises(RunFatal) as info:
+        LocalFleetProcesses(fleet, tmp_path / "logs").start()
+    log = tmp_path / "logs" / f"vllm-{fleet.base_port}.log"
+    assert "exited with status 1 while starting" in str(info.value)
+    assert f"(its log: {log}), ending:" in str(info.value)
+    assert "No module named" in str(info.value), "the last lines of its log"
+
+
+def test_regen_preflight_keeps_the_log_of_a_server_that_did_not_start(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"run_name": "r", "model": "SmolLM2-135M-Instruct",
+                                      "sources": [{"spec": "prompts_sources/sample_prompts.yaml"}],
+                                      "local_fleet": broken_fleet(tmp_path)}))
+    assert run_preflight_command(str(config)) == 1
+    error = capsys.readouterr().err
+    assert "No module named" in error
+    log = Path(error.split("(its log: ", 1)[1].split(")", 1)[0])
+    assert log.exists() and "No module named" in log.read_text()
+    shutil.rmtree(log.parent)

@@ -231,11 +231,24 @@ def run_preflight_command(config_path: str) -> int:
 
 
 def _with_local_fleet(cfg: RunConfig, api_keys: dict[str, str | None]) -> list[EndpointReport]:
+    """The servers' logs go to a temporary directory, kept (and named in the error) if a server fails to start."""
+    import shutil
     import tempfile
     from pathlib import Path
 
+    from ..core.errors import RunFatal
     from .localfleet import LocalFleetProcesses
 
-    with tempfile.TemporaryDirectory(prefix="regen-preflight-") as logs:
-        with LocalFleetProcesses(cfg.local_fleet, Path(logs)):
-            return preflight(cfg, api_keys)
+    logs = Path(tempfile.mkdtemp(prefix="regen-preflight-"))
+    try:
+        with LocalFleetProcesses(cfg.local_fleet, logs):
+            reports = preflight(cfg, api_keys)
+    except RunFatal:
+        if not any(logs.iterdir()):  # e.g. a port in use: nothing started, nothing to keep
+            shutil.rmtree(logs, ignore_errors=True)
+        raise  # the message names the log, which stays
+    except BaseException:
+        shutil.rmtree(logs, ignore_errors=True)
+        raise
+    shutil.rmtree(logs, ignore_errors=True)
+    return reports
