@@ -191,6 +191,9 @@ def test_llama_cpp_streaming_with_token_ids_is_refused(tmp_path):
         for stream in (False, True):
             [report] = probe(make_cfg([f"http://127.0.0.1:{port}"], stream=stream, return_token_ids=True))
             assert report.engine.engine == "llamacpp"
+            # xllamacpp's llama.cpp reports build_info "b0-unknown": no version, said so
+            assert report.engine.version is None
+            assert any("names no build (/props build_info 'b0-unknown')" in w for w in report.warnings)
             assert any("returns no output token ids" in p for p in report.problems), (stream, report.problems)
     finally:
         server.terminate()

@@ -75,14 +75,20 @@ def engine_refusal(engine: OpenAIAdapter | None, run_engines: tuple[tuple[str, s
     return None
 
 
+# Who fills an unset sampling value from the model's generation_config, by engine.
+_DEFAULTS_APPLIED_BY = {"sglang": "SGLang's chat route (its /generate applies none)",
+                        "vllm": "vLLM (--generation-config auto, its default)"}
+
+
 def fleet_notes(reports: list[EndpointReport], cfg: RunConfig) -> list[str]:
     """What the user must know about the whole fleet, said once: the sampling values regen sends in place of
     the server's defaults, seeds that reproduce nothing, and weight pinning in stream mode."""
     live = [r for r in reports if r.reachable]
     sent = ", ".join(f"{k}={v}" for k, v in {"temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
                                                 **cfg.sampling.explicit()}.items())
+    who = sorted({_DEFAULTS_APPLIED_BY.get(r.engine.engine, "the server") for r in live if r.engine is not None})
     notes = [f"every request sends {sent} explicitly: they override the model's generation_config defaults "
-             "that SGLang's chat route would otherwise apply (its /generate applies none)"]
+             f"that {' and '.join(who or ['the server'])} would otherwise apply"]
     for r in live:
         if r.preferred_sampling:
             notes.append(f"{r.label} was launched with preferred_sampling_params {r.preferred_sampling}: "

@@ -247,6 +247,20 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
     return report
 
 
+async def identify(client: EndpointClient, timeout_s: float = INFO_TIMEOUT_S) -> OpenAIAdapter:
+    """The endpoint's engine adapter from /v1/models, /server_info and the engine's identity path, set on the
+    client (for tools that need the engine but not the whole preflight, e.g. bench-endpoints)."""
+    models, (_, info) = await asyncio.gather(_get(client, "/v1/models", timeout_s), _info(client, "server", timeout_s))
+    body = models[1] if not isinstance(models, EndpointDown) and models[0] == 200 else None
+    server_info = info[1] if not isinstance(info, EndpointDown) and info[0] == 200 else None
+    identity, path = None, identity_path(body)
+    if path is not None:
+        result = await _get(client, path, timeout_s)
+        identity = result[1] if not isinstance(result, EndpointDown) and result[0] == 200 else None
+    client.engine = engine_for(body, server_info if isinstance(server_info, dict) else None, identity)
+    return client.engine
+
+
 def _read_sglang_info(report: EndpointReport, model_info: dict | None, server_info: dict | None) -> dict | None:
     """What SGLang's /model_info and /server_info tell; returns the server_info (None if it did not answer)."""
     if model_info is not None:
