@@ -67,8 +67,9 @@ def test_a_readmitted_endpoint_on_another_engine_stays_out(sglang):
     assert "it now runs sglang 0.5.23, not the run's engine (llamacpp b6670)" in why
     newer = local_worker_factory(cfg, client_settings(cfg, run_engines=[{"engine": "sglang", "version": "0.5.18"}]),
                                  lambda e: None, "unused")
-    admitted, why, _ = asyncio.run(_readmit(newer(endpoint, True)))
+    admitted, why, state = asyncio.run(_readmit(newer(endpoint, True)))
     assert not admitted and "a version the run's preflight did not admit (sglang 0.5.18)" in why
+    assert state == "open", "another version is refused this time only: the breaker probes it again"
 
 
 # --- 3 and 4. resume ----------------------------------------------------------------------------------------

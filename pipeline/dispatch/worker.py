@@ -294,12 +294,15 @@ class EndpointWorker:
         problems = report.problems + fleet_problems([report], self.readmission)
         if expected is not None and report.weight_version not in (None, expected):
             problems.append(f"weight version {report.weight_version!r} differs from the run's {expected!r}")
-        other_engine = engine_refusal(report.engine, self.client.settings.run_engines) if report.reachable else None
-        if other_engine:
-            # Not a flag a restart fixes: the endpoint leaves the fleet (the driver logs why), the run stays one
-            # engine's, and run.json's `engines` stays true.
-            problems.append(other_engine)
-            self.state = "fatal"
+        run_engines = self.client.settings.run_engines
+        refusal = engine_refusal(report.engine, run_engines) if report.reachable else None
+        if refusal:
+            problems.append(refusal)
+            if report.engine.engine not in {name for name, _ in run_engines}:
+                # Another engine: the endpoint leaves the fleet (the driver logs why), the run stays one engine's
+                # and run.json's `engines` stays true. Another version (or none read, e.g. /version timing out)
+                # is refused this time only, like other weights.
+                self.state = "fatal"
         if problems:
             self.last_error = "refused on recovery: " + "; ".join(problems)
             self.errors["readmission_refused"] += 1

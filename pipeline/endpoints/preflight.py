@@ -71,7 +71,7 @@ def engine_refusal(engine: OpenAIAdapter | None, run_engines: tuple[tuple[str, s
                 "engine, so it stays out of this run")
     if (engine.engine, engine.version) not in run_engines:
         return (f"it now runs {engine.describe()}, a version the run's preflight did not admit ({admitted}): it "
-                "stays out of this session; rerun to resume with it (the preflight records its version)")
+                "gets no work while it does; rerun to resume with it (the preflight records its version)")
     return None
 
 
