@@ -22,7 +22,7 @@ from pipeline.endpoints.preflight import probe_fleet
 from pipeline.store.rundir import Committer, RunDir, now_utc
 from pipeline.store import schema
 from tests.fake_engines import DEV_MODE_SERVER_INFO, FakeVLLM
-from tests.helpers import data_parts, free_port, run_regen, write_config, write_source
+from tests.helpers import data_parts, free_port, run_regen, write_config, write_prompts, write_source
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -228,3 +228,30 @@ def test_an_answer_the_context_capped_is_flagged_apart_from_max_tokens(fake, tmp
             for r in pq.read_table(p).to_pylist()}
     assert rows["a capped one"]["flags"] == ["truncated", "context_capped"]
     assert rows["a full one"]["flags"] == ["truncated"]
+
+
+def test_new_run_on_another_engine_starts_a_successor(sglang, tmp_path, ray_cluster):
+    """--new-run checks the engines before anything of the run changes: another engine makes `<run>-r2`."""
+    write_prompts(tmp_path / "p.jsonl", 3)
+    spec = write_source(tmp_path, tmp_path / "p.jsonl")
+    first = write_config(tmp_path, [{"url": sglang.url, "name": "sgl"}], [spec], thinking=False,
+                         return_token_ids=False)  # the same identity as the second: only the engine differs
+    assert run_regen("generate", "--config", str(first)).returncode == 0
+    before = (tmp_path / "out" / "t" / "run.json").read_text()
+    port = free_port()
+    llama = subprocess.Popen([sys.executable, "-m", "pipeline.endpoints.localfleet", "--port", str(port), "--slots",
+                              "2", "--ctx-per-slot", "1024", "--threads", "1"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", 60, llama)
+        second = write_config(tmp_path, [{"url": f"http://127.0.0.1:{port}", "name": "llama"}], [spec],
+                              thinking=False, return_token_ids=False)
+        done = run_regen("generate", "--config", str(second), "--new-run")
+    finally:
+        llama.terminate()
+        llama.wait(20)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "engines: ['sglang'] -> ['llamacpp']" in done.stderr
+    assert (tmp_path / "out" / "t" / "run.json").read_text() == before
+    rows = [r for p in data_parts(tmp_path / "out" / "t-r2") for r in pq.read_table(p).to_pylist()]
+    assert len(rows) == 3 and {r["engine"] for r in rows} == {"llamacpp"}
