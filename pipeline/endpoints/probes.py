@@ -23,9 +23,9 @@ from ..core.config import RunConfig
 from .client import EndpointClient, _error_message, classify
 from ..core.errors import ContractError, EndpointDown, EndpointFatal, RequestError, Retryable
 from .engines import OpenAIAdapter, SGLangAdapter, engine_for, identity_path, owners
+from .identity import INFO_TIMEOUT_S, get_info, info_path, read_sglang_info
 from .prefill import check_chunked_prefill
 
-INFO_TIMEOUT_S = 5.0  # each information endpoint
 PROBE_TIMEOUT_S = 30.0  # each tiny generation (8 chat tokens, 4 /generate tokens)
 CHAT_PROBE_TOKENS = 8
 HIDDEN_PROBE_TOKENS = 4
@@ -77,24 +77,6 @@ class EndpointReport:
 
 
 # --- one endpoint -------------------------------------------------------------------------------------
-async def _get(client: EndpointClient, path: str, timeout_s: float) -> tuple[int, Any] | EndpointDown:
-    try:
-        return await client.get_json(path, timeout_s=timeout_s)
-    except EndpointDown as exc:
-        return exc
-
-
-async def _info(client: EndpointClient, kind: str, timeout_s: float) -> tuple[str, tuple[int, Any] | EndpointDown]:
-    """An information endpoint by its current path, else its deprecated alias (which 0.5.23 logs a warning
-    for on every call): (the path that answered, its result)."""
-    paths = client.engine.info_paths(kind)
-    for path in paths:
-        result = await _get(client, path, timeout_s)
-        if isinstance(result, EndpointDown) or result[0] != 404 or path == paths[-1]:
-            return path, result
-    raise AssertionError("unreachable")
-
-
 def _context_of(models_body: dict, model: str) -> int | None:
     """max_model_len (SGLang, vLLM) or meta.n_ctx (llama.cpp) of the configured model's entry."""
     entries = [m for m in models_body.get("data", []) if isinstance(m, dict)]
@@ -129,9 +111,9 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
     and they must fit in one chunk of its chunked_prefill_size (prefill.py)."""
     report = EndpointReport(label=client.label, url=client.url)
     models_r, (minfo_path, minfo_r), (sinfo_path, sinfo_r) = await asyncio.gather(
-        _get(client, "/v1/models", info_timeout_s),
-        _info(client, "model", info_timeout_s),
-        _info(client, "server", info_timeout_s),
+        get_info(client, "/v1/models", info_timeout_s),
+        info_path(client, "model", info_timeout_s),
+        info_path(client, "server", info_timeout_s),
     )
     # 1. /v1/models: is anything there?
     if isinstance(models_r, EndpointDown):
@@ -171,7 +153,7 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
     identity = None
     path = identity_path(body)
     if path is not None:
-        result = await _get(client, path, info_timeout_s)
+        result = await get_info(client, path, info_timeout_s)
         if isinstance(result, EndpointDown) or result[0] != 200:
             report.warnings.append(f"{path} did not answer: the engine's version is unknown")
         else:
@@ -179,7 +161,7 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
     client.engine = report.engine = engine_for(body, answered.get(sinfo_path), identity)
     server_info: dict[str, Any] | None = None
     if isinstance(report.engine, SGLangAdapter):
-        server_info = _read_sglang_info(report, answered.get(minfo_path), answered.get(sinfo_path))
+        server_info = read_sglang_info(report, answered.get(minfo_path), answered.get(sinfo_path))
     else:
         report.sglang = False if answered else report.sglang  # e.g. vLLM's dev-mode /server_info
     report.deterministic = report.engine.deterministic
@@ -245,43 +227,6 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
     report.reachable = not report.down_reason
     report.problems += _describe(found, cfg, report, server_info)
     return report
-
-
-async def identify(client: EndpointClient, timeout_s: float = INFO_TIMEOUT_S) -> OpenAIAdapter:
-    """The endpoint's engine adapter from /v1/models, /server_info and the engine's identity path, set on the
-    client (for tools that need the engine but not the whole preflight, e.g. bench-endpoints)."""
-    models, (_, info) = await asyncio.gather(_get(client, "/v1/models", timeout_s), _info(client, "server", timeout_s))
-    body = models[1] if not isinstance(models, EndpointDown) and models[0] == 200 else None
-    server_info = info[1] if not isinstance(info, EndpointDown) and info[0] == 200 else None
-    identity, path = None, identity_path(body)
-    if path is not None:
-        result = await _get(client, path, timeout_s)
-        identity = result[1] if not isinstance(result, EndpointDown) and result[0] == 200 else None
-    client.engine = engine_for(body, server_info if isinstance(server_info, dict) else None, identity)
-    return client.engine
-
-
-def _read_sglang_info(report: EndpointReport, model_info: dict | None, server_info: dict | None) -> dict | None:
-    """What SGLang's /model_info and /server_info tell; returns the server_info (None if it did not answer)."""
-    if model_info is not None:
-        report.model_path = model_info.get("model_path") or None
-        report.preferred_sampling = model_info.get("preferred_sampling_params")
-        report.weight_version = model_info.get("weight_version") or report.weight_version
-        if "reasoning_parser" in model_info:
-            report.reasoning_parser = model_info.get("reasoning_parser")
-    if server_info is None:
-        return None
-    info = server_info
-    report.sglang_version = str(info["version"]) if info.get("version") is not None else None
-    report.speculative_algorithm = info.get("speculative_algorithm")
-    report.reasoning_parser = info.get("reasoning_parser", report.reasoning_parser)
-    report.model_path = report.model_path or info.get("model_path") or None
-    report.weight_version = report.weight_version or info.get("weight_version") or None
-    if report.context is None and isinstance(info.get("context_length"), int):
-        report.context = info["context_length"]
-    if "disable_radix_cache" in info:
-        report.radix_cache = not bool(info["disable_radix_cache"])
-    return info
 
 
 async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointReport, found: _Findings,

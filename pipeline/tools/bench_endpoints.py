@@ -29,7 +29,7 @@ from ..core.errors import RegenError
 from ..dispatch.dispatcher import client_settings
 from ..endpoints.client import EndpointClient, _error_message, classify
 from ..endpoints.engines import SGLangAdapter, vllm as vllm_engine
-from ..endpoints.probes import identify
+from ..endpoints.identity import identify
 from ..hidden.capture import prompt_ids
 
 PROMPTS = [
