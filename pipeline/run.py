@@ -25,7 +25,7 @@ from .store.promptset import (StagedPromptSet, check_source_files, longest_promp
                               stage_prompt_set)
 from .store.rundir import Committer, RunDir, RunLock, now_utc, resolve_run_dir, successor_run_dir
 from .dispatch.cluster import EndpointsFileWatch, init_ray
-from .dispatch.fleet import FleetFacts, WeightVersionDrift, check_weights_first, fleet_preflight
+from .dispatch.fleet import FleetDrift, FleetFacts, check_fleet_first, fleet_preflight
 from .store.records import RecordBuilder, stored_records
 from .core.work import DONE, Outcome
 
@@ -204,12 +204,12 @@ def generate(opts: GenerateOptions) -> int:
     run_dir = resolve_run_dir(cfg.output_dir, cfg.run_name, opts.new_run, resumable)
     try:
         return generate_in(cfg, opts, run_dir, stop)
-    except WeightVersionDrift as drift:
+    except FleetDrift as drift:
         if not opts.new_run:
             raise
         run_dir = successor_run_dir(cfg.output_dir, cfg.run_name)
-        log.warning("%s serves other weights (%s); --new-run: starting %s", drift.run_dir, "; ".join(drift.diff),
-                    run_dir.path)
+        log.warning("%s was made by another fleet (%s); --new-run: starting %s", drift.run_dir,
+                    "; ".join(drift.diff), run_dir.path)
         return generate_in(cfg, opts, run_dir, stop)
 
 
@@ -217,7 +217,7 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: St
     # a new run reads its sources before it writes anything: a source that fails leaves no run directory
     staged = None if run_dir.exists() else stage_prompt_set(cfg)
     if opts.new_run and run_dir.exists():
-        check_weights_first(cfg, run_dir)
+        check_fleet_first(cfg, run_dir)
     with RunLock(run_dir) as lock:
         setup_logging(run_dir)
         manifest = open_run(cfg, opts, run_dir)
@@ -365,7 +365,7 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
         progress.tick(endpoints)
 
     dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
-                            make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines),
+                            make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines, fleet.run_engines),
                                                cfg.api_key, run_dir.path.uri, fleet.longest_prompt),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
                             unreachable=fleet.unreachable)

@@ -44,3 +44,22 @@ def test_bench_endpoints_on_the_local_llama_endpoints(tmp_path, llama_fleet):
         rate = float(section.split("one at a time: ")[1].split(" tok/s")[0])
         assert rate > 0
     assert "speculative" not in result.stdout
+
+
+def test_bench_endpoints_identifies_the_engine_first(tmp_path):
+    """A vLLM server gets vLLM's request fields (request_id, return_token_ids), not SGLang's rid and
+    return_prompt_token_ids, which it would ignore."""
+    from tests.fake_engines import FakeVLLM
+
+    server = FakeVLLM().start()
+    try:
+        write_prompts(tmp_path / "p.jsonl", 1)
+        config = write_config(tmp_path, [{"url": server.url, "name": "v"}],
+                              [write_source(tmp_path, tmp_path / "p.jsonl")])
+        result = run_regen("bench-endpoints", str(config), "--max-tokens", "8", "--prompts", "5", "--concurrency", "2")
+        assert result.returncode == 0, result.stderr
+        chats = [r for r in server.requests if "messages" in r]
+        assert len(chats) == 7 and all("request_id" in r and "rid" not in r for r in chats)
+        assert not any("return_prompt_token_ids" in r for r in chats)
+    finally:
+        server.stop()

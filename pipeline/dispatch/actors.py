@@ -17,8 +17,9 @@ ACTOR_NAMESPACE = "regen"
 
 
 def client_settings(cfg: RunConfig, weight_version: str | None = None,
-                    engines: dict | None = None) -> ClientSettings:
-    """`engines`: each endpoint's engine adapter by label, as the preflight identified it."""
+                    engines: dict | None = None, run_engines: list[dict] | None = None) -> ClientSettings:
+    """`engines`: each endpoint's engine adapter by label, as the preflight identified it; `run_engines`: the
+    run's engines ([{"engine", "version"}], run.json), which a readmitted endpoint must run."""
     return ClientSettings(
         model=cfg.model,
         temperature=cfg.sampling.temperature,
@@ -32,6 +33,7 @@ def client_settings(cfg: RunConfig, weight_version: str | None = None,
         expected_weight_version=weight_version,
         **cfg.sampling.explicit(),
         engines=dict(engines or {}),
+        run_engines=tuple((e["engine"], e.get("version")) for e in run_engines or [] if e.get("engine")),
     )
 
 

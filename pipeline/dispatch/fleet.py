@@ -2,15 +2,31 @@
 the fleet is deterministic and which engines serve it (all recorded in run.json)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 from ..core.config import RunConfig
 from ..core.errors import DriftError
 from ..store.rundir import RunDir
 
+log = logging.getLogger("regen.fleet")
 
-class WeightVersionDrift(DriftError):
-    """The fleet serves other weights than the run is pinned to (--new-run starts a successor then)."""
+
+class FleetDrift(DriftError):
+    """The fleet is not the one the run was made by (--new-run starts a successor then)."""
+
+
+class WeightVersionDrift(FleetDrift):
+    """The fleet serves other weights than the run is pinned to."""
+
+
+class EngineDrift(FleetDrift):
+    """The fleet runs another inference engine than the run's earlier sessions."""
+
+
+# run.json `engines` entry for the sessions of a run made before regen recorded engines (schema_version < 3)
+UNRECORDED_ENGINE = {"engine": None, "version": None,
+                     "note": "the sessions before regen recorded engines (schema_version < 3): unknown"}
 
 
 @dataclass(frozen=True)
@@ -21,6 +37,7 @@ class FleetFacts:
     engines: dict  # each endpoint's engine adapter, by label
     unreachable: set[str]  # endpoints that did not answer: they start with their circuit open
     longest_prompt: list | None = None  # checked against chunked_prefill_size here and at every readmission
+    run_engines: list = field(default_factory=list)  # run.json's known engines: a readmission must run one
 
 
 def fleet_preflight(cfg: RunConfig, run_dir: RunDir, longest: list | None = None) -> FleetFacts:
@@ -30,27 +47,63 @@ def fleet_preflight(cfg: RunConfig, run_dir: RunDir, longest: list | None = None
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
     reports = preflight(cfg, api_keys, longest_prompt=longest)
+    check_engines(run_dir, reports)
     weight_version = pin_weight_version(run_dir, reports)
     record_determinism(run_dir, reports)
-    record_engines(run_dir, reports)
+    engines = record_engines(run_dir, reports)
     return FleetFacts(weight_version, {r.label: r.engine for r in reports if r.engine is not None},
-                      {r.label for r in reports if not r.reachable}, longest)
+                      {r.label for r in reports if not r.reachable}, longest,
+                      [e for e in engines if e.get("engine")])
 
 
-def check_weights_first(cfg: RunConfig, run_dir: RunDir) -> None:
-    """--new-run about to resume a run pinned to weights: the fleet's are checked before anything of that run
-    changes (run.json, the prompt set), so other weights start a successor and leave the old run as it was."""
+def check_fleet_first(cfg: RunConfig, run_dir: RunDir) -> None:
+    """--new-run about to resume a run pinned to weights or made by a known engine: the fleet's are checked
+    before anything of that run changes (run.json, the prompt set), so other weights or another engine start a
+    successor and leave the old run as it was."""
     from ..endpoints.localfleet import local_fleet
     from ..endpoints.preflight import pinned_weight_version, preflight
 
-    pinned = run_dir.read_manifest().get("weight_version")
-    if pinned is None:
+    manifest = run_dir.read_manifest()
+    pinned = manifest.get("weight_version")
+    if pinned is None and not _known_engines(manifest):
         return
     with local_fleet(cfg.local_fleet, run_dir.local_logs()):
-        version = pinned_weight_version(preflight(cfg, {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}))
-    if version is not None and version != pinned:
+        reports = preflight(cfg, {e.label: cfg.api_key(e) for e in cfg.all_endpoints()})
+    check_engines(run_dir, reports)
+    version = pinned_weight_version(reports)
+    if pinned is not None and version is not None and version != pinned:
         raise WeightVersionDrift(str(run_dir.path),
                                  [f"weight_version: {pinned!r} -> {version!r} (reported by the fleet)"])
+
+
+def _known_engines(manifest: dict) -> set[str]:
+    return {e["engine"] for e in manifest.get("engines") or [] if isinstance(e, dict) and e.get("engine")}
+
+
+def check_engines(run_dir: RunDir, reports) -> None:
+    """A resume on another engine is drift: run.json's `engines` decide (its token ids, reasoning split and
+    sampling differ). A run whose earlier sessions recorded no engine is accepted, with a note."""
+    from ..endpoints.preflight import fleet_engines
+
+    manifest = run_dir.read_manifest()
+    known = _known_engines(manifest)
+    now = sorted({e["engine"] for e in fleet_engines(reports)})
+    if not known:
+        if _unrecorded(run_dir, manifest):
+            log.warning("the earlier sessions of %s did not record their inference engine (regen before schema 3): "
+                        "regen cannot check that this fleet's (%s) made its records; run.json says they are unknown",
+                        run_dir.path, ", ".join(now))
+        return
+    if set(now) - known:
+        raise EngineDrift(str(run_dir.path), [f"engines: {sorted(known)} -> {now} (reported by the fleet)"])
+
+
+def _unrecorded(run_dir: RunDir, manifest: dict) -> bool:
+    """Records or failures exist but run.json names no engine: they were made before regen recorded it (a
+    session of today's regen records the engines at its preflight, before any record)."""
+    if "engines" in manifest:
+        return False
+    return bool(run_dir.committed_ids() or run_dir.failed_ids())
 
 
 def pin_weight_version(run_dir: RunDir, reports) -> str | None:
@@ -82,12 +135,17 @@ def record_determinism(run_dir: RunDir, reports) -> None:
         run_dir.write_manifest({**manifest, "deterministic": merged})
 
 
-def record_engines(run_dir: RunDir, reports) -> None:
-    """run.json names every engine (and version) that served the run, across its sessions, in order."""
+def record_engines(run_dir: RunDir, reports) -> list[dict]:
+    """run.json names every engine (and version) that served the run, across its sessions, in order; the
+    sessions of a run made before regen recorded engines are one entry of unknown engine. Returns the list."""
     from ..endpoints.preflight import fleet_engines
 
     manifest = run_dir.read_manifest()
     known = list(manifest.get("engines") or [])
-    added = [e for e in fleet_engines(reports) if e not in known]
-    if added:
+    if not known and _unrecorded(run_dir, manifest):
+        known = [dict(UNRECORDED_ENGINE)]
+    added = [e for e in fleet_engines(reports) if e not in [{"engine": k.get("engine"), "version": k.get("version")}
+                                                            for k in known]]
+    if added or known != list(manifest.get("engines") or []):
         run_dir.write_manifest({**manifest, "engines": known + added})
+    return known + added

@@ -284,16 +284,25 @@ class EndpointWorker:
             delay = min(self.backoff_max_s, delay * 2)
 
     async def _passes_preflight(self) -> bool:
-        """A restarted server may come back with other flags, another model or other weights."""
+        """A restarted server may come back with other flags, another model, other weights or another engine."""
         if self.readmission is None:
             return True
-        from ..endpoints.preflight import check_endpoint, fleet_problems
+        from ..endpoints.preflight import check_endpoint, engine_refusal, fleet_problems
 
         report = await check_endpoint(self.client, self.readmission, longest_prompt=self.longest_prompt)
         expected = self.client.settings.expected_weight_version
         problems = report.problems + fleet_problems([report], self.readmission)
         if expected is not None and report.weight_version not in (None, expected):
             problems.append(f"weight version {report.weight_version!r} differs from the run's {expected!r}")
+        run_engines = self.client.settings.run_engines
+        refusal = engine_refusal(report.engine, run_engines) if report.reachable else None
+        if refusal:
+            problems.append(refusal)
+            if report.engine.engine not in {name for name, _ in run_engines}:
+                # Another engine: the endpoint leaves the fleet (the driver logs why), the run stays one engine's
+                # and run.json's `engines` stays true. Another version (or none read, e.g. /version timing out)
+                # is refused this time only, like other weights.
+                self.state = "fatal"
         if problems:
             self.last_error = "refused on recovery: " + "; ".join(problems)
             self.errors["readmission_refused"] += 1

@@ -138,6 +138,8 @@ class ClientSettings:
     repetition_penalty: float = 1.0
     # Each endpoint's engine adapter, by label, as the preflight identified it (absent: the neutral adapter).
     engines: dict[str, OpenAIAdapter] = field(default_factory=dict)
+    # The (engine, version) pairs the run's preflight admitted: a readmitted endpoint must run one of them.
+    run_engines: tuple[tuple[str, str | None], ...] = ()
 
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty)

@@ -203,11 +203,38 @@ def refuse_port_in_use(port: int, wait_s: float | None = None) -> None:
         time.sleep(0.2)
 
 
-def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
+LOG_TAIL_LINES = 15
+
+
+def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of a server's log, indented, for an error message ('' if there is none)."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            tail = f.read().decode("utf-8", "replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return "".join(f"\n    {line[:400]}" for line in tail)
+
+
+def _log_note(log_path: Path | None) -> str:
+    if log_path is None:
+        return ""
+    tail = log_tail(log_path)
+    return f" (its log: {log_path}){', ending:' if tail else ''}{tail}"
+
+
+def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = None,
+                 log_path: Path | None = None) -> None:
+    """Until GET /health is 200. RunFatal if the server exits or the time runs out: with the last lines of its
+    log and the log's path, when `log_path` is given."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            raise RunFatal(f"local server {url} exited with status {process.returncode} while starting")
+            raise RunFatal(f"local server {url} exited with status {process.returncode} while starting"
+                           + _log_note(log_path))
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                 if response.status == 200:
@@ -215,7 +242,7 @@ def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = 
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.2)
-    raise RunFatal(f"local server {url} did not become healthy within {timeout_s:.0f}s")
+    raise RunFatal(f"local server {url} did not become healthy within {timeout_s:.0f}s" + _log_note(log_path))
 
 
 @dataclass
@@ -238,7 +265,7 @@ class LocalFleetProcesses:
             for index, endpoint in enumerate(self.fleet.endpoints()):
                 self._spawn(int(endpoint.url.rsplit(":", 1)[1]), index)
             for endpoint, process in zip(self.fleet.endpoints(), self.processes):
-                wait_healthy(endpoint.url, timeout_s, process)
+                wait_healthy(endpoint.url, timeout_s, process, self.log_path(int(endpoint.url.rsplit(":", 1)[1])))
         except BaseException:  # a refused port, a server that will not start, or a signal: stop what started
             self.stop()
             raise
@@ -257,15 +284,18 @@ class LocalFleetProcesses:
                    "--threads", str(self.fleet.threads), "--alias", self.fleet.model_alias,
                    "--lifeline-fd", str(read_end)]
         try:
-            with open(self.log_dir / f"{self.fleet.engine}-{port}.log", "ab") as server_log:
+            with open(self.log_path(port), "ab") as server_log:
                 self.processes.append(subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT, env=env,
                                                        start_new_session=True, pass_fds=(read_end,)))
         finally:
             os.close(read_end)
 
+    def log_path(self, port: int) -> Path:
+        return self.log_dir / f"{self.fleet.engine}-{port}.log"
+
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 30 s (vLLM takes a while), and then whatever the server started (vLLM's
-        EngineCore and workers). Whatever cuts this short (a second signal, a server that will not die), every
+        """SIGTERM, then SIGKILL after 30 s (vLLM takes a while), and then whatever is left of the server's session
+        (a vLLM launcher stops the API server's own group, EngineCore and workers, itself). Whatever cuts this short (a second signal, a server that will not die), every
         server is killed and every lifeline closed: an open one leaks its descriptor."""
         try:
             for process in self.processes:

@@ -17,10 +17,10 @@ import time
 from ..core.config import RunConfig
 from .client import ClientSettings, EndpointClient
 from ..core.errors import ConfigError, PreflightError
-from .engines import SGLangAdapter
+from .engines import OpenAIAdapter, SGLangAdapter
 from .probes import PROBE_RID_PREFIX, EndpointReport, check_endpoint
 
-__all__ = ["PROBE_RID_PREFIX", "EndpointReport", "check_endpoint", "fleet_deterministic", "fleet_engines",
+__all__ = ["PROBE_RID_PREFIX", "EndpointReport", "check_endpoint", "engine_refusal", "fleet_deterministic", "fleet_engines",
            "fleet_notes",
            "fleet_problems", "pinned_weight_version",
            "preflight", "preflight_async", "probe_fleet", "run_preflight_command"]
@@ -59,14 +59,36 @@ def fleet_problems(reports: list[EndpointReport], cfg: RunConfig) -> list[str]:
     return out
 
 
+def engine_refusal(engine: OpenAIAdapter | None, run_engines: tuple[tuple[str, str | None], ...]) -> str | None:
+    """Why an endpoint running `engine` may not join a run whose preflight admitted `run_engines` ((engine,
+    version) pairs); None: it may. Another engine, or a version of it the run does not name, would mix the run
+    and leave run.json's `engines` untrue."""
+    if engine is None or not run_engines:
+        return None
+    admitted = ", ".join(f"{name} {version}" if version else f"{name} (version unknown)" for name, version in run_engines)
+    if engine.engine not in {name for name, _ in run_engines}:
+        return (f"it now runs {engine.describe()}, not the run's engine ({admitted}): one run must come from one "
+                "engine, so it stays out of this run")
+    if (engine.engine, engine.version) not in run_engines:
+        return (f"it now runs {engine.describe()}, a version the run's preflight did not admit ({admitted}): it "
+                "gets no work while it does; rerun to resume with it (the preflight records its version)")
+    return None
+
+
+# Who fills an unset sampling value from the model's generation_config, by engine.
+_DEFAULTS_APPLIED_BY = {"sglang": "SGLang's chat route (its /generate applies none)",
+                        "vllm": "vLLM (--generation-config auto, its default)"}
+
+
 def fleet_notes(reports: list[EndpointReport], cfg: RunConfig) -> list[str]:
     """What the user must know about the whole fleet, said once: the sampling values regen sends in place of
     the server's defaults, seeds that reproduce nothing, and weight pinning in stream mode."""
     live = [r for r in reports if r.reachable]
     sent = ", ".join(f"{k}={v}" for k, v in {"temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
                                                 **cfg.sampling.explicit()}.items())
+    who = sorted({_DEFAULTS_APPLIED_BY.get(r.engine.engine, "the server") for r in live if r.engine is not None})
     notes = [f"every request sends {sent} explicitly: they override the model's generation_config defaults "
-             "that SGLang's chat route would otherwise apply (its /generate applies none)"]
+             f"that {' and '.join(who or ['the server'])} would otherwise apply"]
     for r in live:
         if r.preferred_sampling:
             notes.append(f"{r.label} was launched with preferred_sampling_params {r.preferred_sampling}: "
@@ -215,11 +237,24 @@ def run_preflight_command(config_path: str) -> int:
 
 
 def _with_local_fleet(cfg: RunConfig, api_keys: dict[str, str | None]) -> list[EndpointReport]:
+    """The servers' logs go to a temporary directory, kept (and named in the error) if a server fails to start."""
+    import shutil
     import tempfile
     from pathlib import Path
 
+    from ..core.errors import RunFatal
     from .localfleet import LocalFleetProcesses
 
-    with tempfile.TemporaryDirectory(prefix="regen-preflight-") as logs:
-        with LocalFleetProcesses(cfg.local_fleet, Path(logs)):
-            return preflight(cfg, api_keys)
+    logs = Path(tempfile.mkdtemp(prefix="regen-preflight-"))
+    try:
+        with LocalFleetProcesses(cfg.local_fleet, logs):
+            reports = preflight(cfg, api_keys)
+    except RunFatal:
+        if not any(logs.iterdir()):  # e.g. a port in use: nothing started, nothing to keep
+            shutil.rmtree(logs, ignore_errors=True)
+        raise  # the message names the log, which stays
+    except BaseException:
+        shutil.rmtree(logs, ignore_errors=True)
+        raise
+    shutil.rmtree(logs, ignore_errors=True)
+    return reports

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.config import RunConfig
 from .client import EndpointClient, _error_message, classify
-from ..core.errors import ContractError, EndpointDown, EndpointFatal, Retryable
-from .engines import OpenAIAdapter, SGLangAdapter, engine_for, identity_path
+from ..core.errors import ContractError, EndpointDown, EndpointFatal, RequestError, Retryable
+from .engines import OpenAIAdapter, SGLangAdapter, engine_for, identity_path, owners
+from .identity import INFO_TIMEOUT_S, get_info, info_path, read_sglang_info
 from .prefill import check_chunked_prefill
 
-INFO_TIMEOUT_S = 5.0  # each information endpoint
 PROBE_TIMEOUT_S = 30.0  # each tiny generation (8 chat tokens, 4 /generate tokens)
 CHAT_PROBE_TOKENS = 8
 HIDDEN_PROBE_TOKENS = 4
@@ -77,24 +77,6 @@ class EndpointReport:
 
 
 # --- one endpoint -------------------------------------------------------------------------------------
-async def _get(client: EndpointClient, path: str, timeout_s: float) -> tuple[int, Any] | EndpointDown:
-    try:
-        return await client.get_json(path, timeout_s=timeout_s)
-    except EndpointDown as exc:
-        return exc
-
-
-async def _info(client: EndpointClient, kind: str, timeout_s: float) -> tuple[str, tuple[int, Any] | EndpointDown]:
-    """An information endpoint by its current path, else its deprecated alias (which 0.5.23 logs a warning
-    for on every call): (the path that answered, its result)."""
-    paths = client.engine.info_paths(kind)
-    for path in paths:
-        result = await _get(client, path, timeout_s)
-        if isinstance(result, EndpointDown) or result[0] != 404 or path == paths[-1]:
-            return path, result
-    raise AssertionError("unreachable")
-
-
 def _context_of(models_body: dict, model: str) -> int | None:
     """max_model_len (SGLang, vLLM) or meta.n_ctx (llama.cpp) of the configured model's entry."""
     entries = [m for m in models_body.get("data", []) if isinstance(m, dict)]
@@ -129,9 +111,9 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
     and they must fit in one chunk of its chunked_prefill_size (prefill.py)."""
     report = EndpointReport(label=client.label, url=client.url)
     models_r, (minfo_path, minfo_r), (sinfo_path, sinfo_r) = await asyncio.gather(
-        _get(client, "/v1/models", info_timeout_s),
-        _info(client, "model", info_timeout_s),
-        _info(client, "server", info_timeout_s),
+        get_info(client, "/v1/models", info_timeout_s),
+        info_path(client, "model", info_timeout_s),
+        info_path(client, "server", info_timeout_s),
     )
     # 1. /v1/models: is anything there?
     if isinstance(models_r, EndpointDown):
@@ -152,8 +134,9 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
     report.models = [str(m.get("id")) for m in body.get("data", []) if isinstance(m, dict)]
     report.context = _context_of(body, cfg.model)
 
-    # 2. SGLang information endpoints (404: not SGLang).
-    server_info: dict[str, Any] | None = None
+    # 2. The information endpoints (SGLang's; a vLLM in dev mode answers /server_info with its own keys), and
+    # the engine's own identity path: they pick the adapter.
+    answered: dict[str, dict[str, Any]] = {}
     for path, result in ((minfo_path, minfo_r), (sinfo_path, sinfo_r)):
         if isinstance(result, EndpointDown):
             report.warnings.append(f"{path} did not answer ({result.message}); the checks that need it are skipped")
@@ -166,34 +149,30 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
             report.warnings.append(f"{path} answered {status}; the checks that need it are skipped")
             continue
         report.sglang = True
-        if path == minfo_path:
-            report.model_path = info.get("model_path") or None
-            report.preferred_sampling = info.get("preferred_sampling_params")
-            report.weight_version = info.get("weight_version") or report.weight_version
-            if "reasoning_parser" in info:
-                report.reasoning_parser = info.get("reasoning_parser")
-        else:
-            server_info = info
-            report.sglang_version = str(info["version"]) if info.get("version") is not None else None
-            report.speculative_algorithm = info.get("speculative_algorithm")
-            report.reasoning_parser = info.get("reasoning_parser", report.reasoning_parser)
-            report.model_path = report.model_path or info.get("model_path") or None
-            report.weight_version = report.weight_version or info.get("weight_version") or None
-            if report.context is None and isinstance(info.get("context_length"), int):
-                report.context = info["context_length"]
-            if "disable_radix_cache" in info:
-                report.radix_cache = not bool(info["disable_radix_cache"])
-
+        answered[path] = info
     identity = None
     path = identity_path(body)
     if path is not None:
-        result = await _get(client, path, info_timeout_s)
+        result = await get_info(client, path, info_timeout_s)
         if isinstance(result, EndpointDown) or result[0] != 200:
             report.warnings.append(f"{path} did not answer: the engine's version is unknown")
         else:
             identity = result[1]
-    client.engine = report.engine = engine_for(body, server_info, identity)
+    client.engine = report.engine = engine_for(body, answered.get(sinfo_path), identity)
+    server_info: dict[str, Any] | None = None
+    if isinstance(report.engine, SGLangAdapter):
+        server_info = read_sglang_info(report, answered.get(minfo_path), answered.get(sinfo_path))
+    else:
+        report.sglang = False if answered else report.sglang  # e.g. vLLM's dev-mode /server_info
     report.deterministic = report.engine.deterministic
+    if type(report.engine) is OpenAIAdapter:
+        named = ", ".join(sorted(owners(body))) or "nothing"
+        report.warnings.append(
+            f"its inference engine is unknown (/v1/models owned_by: {named}; no /version, /props or SGLang "
+            "/server_info names one: a proxy in front?): regen reads every engine's spelling of the fields, asks "
+            "for token ids only unstreamed, and cannot check that the fleet runs one engine, the engine's version, "
+            "its reasoning parser or launch flags; records name engine 'openai'. Point regen at the servers "
+            "themselves to have them checked")
     warning = report.engine.version_warning()
     if warning:
         report.warnings.append(warning)
@@ -227,11 +206,19 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
                                    "content. Set `thinking:` or launch with --reasoning-parser kimi_k2")
         if hidden and server_info.get("disable_radix_cache") is False:
             found.add("radix", "the server reports disable_radix_cache: false")
+    parser_reported = server_info is not None and "reasoning_parser" in server_info
+    if not parser_reported and "thinking" not in cfg.template_kwargs():
+        report.warnings.append(f"the server ({report.engine.describe()}) does not report its reasoning parser and the "
+                               "config leaves thinking to the server's default: if the model thinks by default and "
+                               "no parser splits it out, its reasoning ends up in content. Set `thinking:` (the "
+                               "preflight then checks the split), or check the server's --reasoning-parser")
     if isinstance(report.engine, SGLangAdapter):
         _version_checks(report.engine, cfg, report, found, server_info or {})
 
     # 4. The tiny generations, concurrently.
     probes = [_chat_probe(client, cfg, report, found, probe_timeout_s)]
+    if wants_output_ids(cfg) and cfg.stream:  # the ids on the run's own transport
+        probes.append(_stream_ids_probe(client, cfg, report, found, probe_timeout_s))
     if hidden:
         probes.append(_hidden_probe(client, cfg, report, found, probe_timeout_s, server_info))
         probes.append(check_chunked_prefill(client, server_info, longest_prompt, probe_timeout_s, found.other,
@@ -286,6 +273,31 @@ async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
         found.add("parser", f"a tiny thinking probe ({CHAT_PROBE_TOKENS} tokens) came back with no "
                             f"{client.engine.reasoning_field}, "
                             f"its content is {str(message.get('content') or '')[:40]!r}")
+
+
+async def _stream_ids_probe(client: EndpointClient, cfg: RunConfig, report: EndpointReport, found: _Findings,
+                            timeout_s: float) -> None:
+    """A run that streams and stores token ids: one tiny streamed generation through the run's own client code,
+    which must bring back output ids (whatever the engine: none is trusted to send them on a stream)."""
+    settings = replace(client.settings, max_tokens=CHAT_PROBE_TOKENS, temperature=0.0, stream=True,
+                       return_token_ids=True, timeout_s=timeout_s, stall_timeout_s=timeout_s,
+                       engines={client.label: client.engine})
+    streamed = EndpointClient(client.url, client.label, settings, client._api_key)
+    try:
+        completion = await streamed.chat(PROBE_MESSAGES, seed=None)
+    except (EndpointDown, Retryable) as exc:
+        report.down_reason = report.down_reason or f"a tiny streamed chat generation failed ({exc.message})"
+        return
+    except RequestError as exc:
+        found.other.append(f"a tiny streamed chat generation was refused ({exc.message})")
+        return
+    finally:
+        await streamed.close()
+    if not completion.output_token_ids and "ids" not in found.evidence:
+        engine = report.engine.describe() if report.engine else "unidentified"
+        found.add("ids", f"a tiny streamed generation (the run streams) came back without them (the server is "
+                         f"{engine}): set `stream: false` if it returns them unstreamed, or `return_token_ids: "
+                         "false` to run without exact token ids")
 
 
 def wants_output_ids(cfg: RunConfig) -> bool:

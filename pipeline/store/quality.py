@@ -4,6 +4,8 @@
 Flags, always in this order:
     truncated           finish_reason == "length"
     truncated_thinking  ... and the output ended inside the thinking: empty content, non-empty reasoning
+    context_capped      ... with fewer completion tokens than the request's max_tokens: the context ran out
+                        first (vLLM cuts max_tokens to what the context leaves, without an error)
     empty               content and reasoning both blank
     leaked_think        a `<think>` or `</think>` marker inside content or reasoning_content
                         (the server's reasoning parser did not split the output)
@@ -20,10 +22,11 @@ from __future__ import annotations
 
 TRUNCATED = "truncated"
 TRUNCATED_THINKING = "truncated_thinking"
+CONTEXT_CAPPED = "context_capped"
 EMPTY = "empty"
 LEAKED_THINK = "leaked_think"
 REPETITION = "repetition"
-QUALITY_FLAGS = (TRUNCATED, TRUNCATED_THINKING, EMPTY, LEAKED_THINK, REPETITION)
+QUALITY_FLAGS = (TRUNCATED, TRUNCATED_THINKING, CONTEXT_CAPPED, EMPTY, LEAKED_THINK, REPETITION)
 
 THINK_MARKERS = ("<think>", "</think>")
 TAIL_MAX_PERIOD_WORDS = 64
@@ -76,13 +79,17 @@ def is_repetitive(text: str | None) -> bool:
     return has_tail_loop(words) or has_line_loop(text)
 
 
-def quality_flags(content: str, reasoning_content: str | None, finish_reason: str) -> list[str]:
+def quality_flags(content: str, reasoning_content: str | None, finish_reason: str,
+                  completion_tokens: int | None = None, max_tokens: int | None = None) -> list[str]:
+    """`completion_tokens` and `max_tokens` (the request's): a length finish short of max_tokens is capped."""
     flags: list[str] = []
     content = content or ""
     if finish_reason == "length":
         flags.append(TRUNCATED)
         if _blank(content) and not _blank(reasoning_content):
             flags.append(TRUNCATED_THINKING)
+        if completion_tokens is not None and max_tokens is not None and 0 < completion_tokens < max_tokens:
+            flags.append(CONTEXT_CAPPED)
     if _blank(content) and _blank(reasoning_content):
         flags.append(EMPTY)
     if any(marker in text for text in (content, reasoning_content or "") for marker in THINK_MARKERS):

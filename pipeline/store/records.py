@@ -27,6 +27,7 @@ class RecordBuilder:
         self.messages = prompts.column("messages").combine_chunks()
         self.fingerprint = fingerprint or cfg.fingerprint()
         self.temperature, self.mode = cfg.sampling.temperature, cfg.mode
+        self.max_tokens = cfg.sampling.max_tokens
         self.affinity_chars = cfg.prefix_affinity_chars
 
     def messages_of(self, i: int) -> list[dict[str, str]]:
@@ -48,7 +49,8 @@ class RecordBuilder:
                 "turn_index": k if self.mode == "all_turns" else sum(m["role"] == "assistant" for m in messages),
                 "n_turns": len(outcome.completions), "reference": self.references[i] if self.mode != "all_turns" else None,
                 "content": c.content, "reasoning_content": c.reasoning_content, "finish_reason": c.finish_reason,
-                "flags": quality_flags(c.content, c.reasoning_content, c.finish_reason),
+                "flags": quality_flags(c.content, c.reasoning_content, c.finish_reason, c.completion_tokens,
+                                       self.max_tokens),
                 "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
                 "cached_tokens": c.cached_tokens, "reasoning_tokens": c.reasoning_tokens,
                 "endpoint": outcome.endpoint, "model": c.model, "weight_version": c.weight_version,

@@ -28,7 +28,8 @@ from ..core.config import Endpoint, load_config
 from ..core.errors import RegenError
 from ..dispatch.dispatcher import client_settings
 from ..endpoints.client import EndpointClient, _error_message, classify
-from ..endpoints.engines import vllm as vllm_engine
+from ..endpoints.engines import SGLangAdapter, vllm as vllm_engine
+from ..endpoints.identity import identify
 from ..hidden.capture import prompt_ids
 
 PROMPTS = [
@@ -124,7 +125,8 @@ async def read_counters(client: EndpointClient) -> dict[str, float]:
 
 async def bench_endpoint(client: EndpointClient, n_prompts: int, concurrency: int) -> EndpointBench:
     result = EndpointBench(client.label)
-    native = (await client.get_json("/get_model_info"))[0] == 200  # SGLang: /generate with meta_info
+    # the engine first: its request fields (vLLM's request_id, not SGLang's rid) and where its ids are
+    native = isinstance(await identify(client), SGLangAdapter)  # SGLang: /generate with meta_info
     before, bench_started = await read_counters(client), time.monotonic()
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_gauges(client, result.gauges, stop))

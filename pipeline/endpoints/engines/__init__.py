@@ -45,15 +45,17 @@ def identity_path(models_body: Any) -> str | None:
 
 
 def engine_for(models_body: Any, server_info: dict[str, Any] | None, identity: Any = None) -> OpenAIAdapter:
-    """SGLang when its server_info answers (or /v1/models says `owned_by: sglang`), vLLM for `owned_by: vllm`,
-    llama.cpp for `owned_by: llamacpp` (`identity`: the body of identity_path); else the neutral adapter."""
+    """vLLM for `owned_by: vllm` (its version from /version: a vLLM with VLLM_SERVER_DEV_MODE=1 answers
+    /server_info too, with {vllm_config, vllm_env, system_env}), llama.cpp for `owned_by: llamacpp` (`identity`:
+    the body of identity_path), SGLang when /server_info answers with SGLang's own keys (or /v1/models says
+    `owned_by: sglang`); else the neutral adapter."""
     found = owners(models_body)
-    if isinstance(server_info, dict):
-        return SGLangAdapter.from_server_info(server_info)
-    if "sglang" in found:
-        return SGLangAdapter()
     if "vllm" in found:
         return VLLMAdapter.from_version(identity)
     if "llamacpp" in found:
         return LlamaCppAdapter.from_props(identity)
+    if SGLangAdapter.is_server_info(server_info):
+        return SGLangAdapter.from_server_info(server_info)
+    if "sglang" in found:
+        return SGLangAdapter()
     return OpenAIAdapter()

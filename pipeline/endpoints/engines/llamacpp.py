@@ -14,11 +14,22 @@ ERRORS = ErrorTexts(context_overflow=("exceeds the available context size",))  #
 class LlamaCppAdapter(OpenAIAdapter):
     engine: str = "llamacpp"
 
+    reported_build: str | None = None  # /props build_info when it names no build (then `version` is None)
+
     @classmethod
     def from_props(cls, props: Any) -> "LlamaCppAdapter":
-        """/props `build_info` ("b6670-..."), when the server answers it."""
+        """/props `build_info` ("b6670-..."), when the server answers it. A build of number 0 ("b0-unknown": a
+        llama.cpp built outside its git tree, as xllamacpp's embedded one) names no version."""
         build = props.get("build_info") if isinstance(props, dict) else None
+        if build and str(build).startswith("b0-"):
+            return cls(version=None, reported_build=str(build))
         return cls(version=str(build) if build else None)
+
+    def version_warning(self) -> str | None:
+        if self.version is None:
+            said = f"/props build_info {self.reported_build!r}" if self.reported_build else "no /props build_info"
+            return f"the llama.cpp server names no build ({said}): records say engine_version null"
+        return None
 
     @property
     def error_texts(self) -> ErrorTexts:

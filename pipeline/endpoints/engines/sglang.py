@@ -27,6 +27,7 @@ RESPONSE_TOKEN_IDS_FROM = (0, 5, 18)  # renamed from token_ids
 HIDDEN_MODE_FROM = (0, 5, 17)  # --return-hidden-states-mode {last,full}
 STREAM_IDS_FROM = (0, 5, 23)  # return_input_ids_in_sglext / return_output_ids_in_sglext
 AUX_WITHOUT_DRAFT_FROM = (0, 5, 23)  # --enable-return-aux-hidden-states, aux_hidden_state_capture
+SERVER_INFO_KEYS = frozenset({"model_path", "tp_size"})  # ServerArgs fields every version's /server_info has
 
 # Its 400 texts, read out of each checked version's wheel by tests/test_sglang_conformance.py: a renamed message
 # fails there.
@@ -66,6 +67,12 @@ def version_tuple(version: str | None) -> tuple[int, ...] | None:
 @dataclass(frozen=True)
 class SGLangAdapter(OpenAIAdapter):
     engine: str = "sglang"
+
+    @staticmethod
+    def is_server_info(info: Any) -> bool:
+        """SGLang's /server_info: its ServerArgs (model_path, tp_size, ...) and its version, unlike vLLM's dev-mode
+        /server_info ({vllm_config, vllm_env, system_env})."""
+        return isinstance(info, dict) and SERVER_INFO_KEYS <= info.keys()
 
     @classmethod
     def from_server_info(cls, info: dict[str, Any]) -> "SGLangAdapter":
