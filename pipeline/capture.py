@@ -25,7 +25,7 @@ from .core.errors import ConfigError, DriftError
 from .export.formats import turn_id
 from .hidden.layout import capture_fingerprint
 from .hidden.parts import remove_garbage_hidden_parts
-from .hidden.routes import layout_for
+from .hidden.routes import identity_for, layout_for
 from .run import EXIT_INTERRUPTED, StopFlag, setup_logging
 from .store import schema
 from .store.capture_ledger import CaptureDir, capture_run_dir, is_truncated, record_token_ids
@@ -56,19 +56,27 @@ def open_capture(run: RunDir, cfg: CaptureConfig) -> tuple[CaptureDir, dict[str,
     for tmp in cap.cleanup_temp():
         log.info("removed uncommitted temporary file %s", tmp.name)
     layout = layout_for(cfg)
-    fingerprint = capture_fingerprint(cfg.route, layout)
+    identity = identity_for(cfg)
+    compute_dtype = cfg.torch_dtype if cfg.route == "transformers" else None  # route vllm: the server's dtype
+    fingerprint = capture_fingerprint(cfg.route, layout, identity, compute_dtype)
     manifest = {"fingerprint": fingerprint, "route": cfg.route, "layout": layout.as_dict(),
+                "model_identity": identity, "compute_dtype": compute_dtype,
                 "run_fingerprint": run.read_manifest().get("fingerprint")}
     if cap.exists():
         before = cap.read_manifest()
         if before.get("fingerprint") != fingerprint:
-            diff = [f"{key}: {before.get(key)!r} -> {manifest[key]!r}" for key in ("route", "fingerprint")
+            diff = [f"{key}: {before.get(key)!r} -> {manifest[key]!r}" for key in ("route", "compute_dtype")
                     if before.get(key) != manifest[key]]
             old, new = before.get("layout", {}), manifest["layout"]
             diff += [f"layout.{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in
-                     ("model", "aux_layer_ids", "dtype") if old.get(key) != new.get(key)]
-            raise DriftError(str(cap.path), diff + ["a capture keeps its route, model, layers and dtype: "
-                                                    "capture into another run copy, or delete RUN/capture"])
+                     ("model", "num_layers", "hidden_size", "aux_layer_ids", "dtype") if old.get(key) != new.get(key)]
+            old, new = before.get("model_identity", {}), identity
+            diff += [f"model_identity.{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in
+                     sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+            raise DriftError(str(cap.path), diff + [
+                f"fingerprint: {before.get('fingerprint')} -> {fingerprint}",
+                "a capture keeps its route, model (config and weight files), layers and dtypes: capture into "
+                "another run copy, or delete RUN/capture"])
         return cap, before
     cap.write_manifest({**manifest, "created_at": now_utc().isoformat(timespec="seconds")})
     return cap, cap.read_manifest()
@@ -188,7 +196,8 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
                 stop.install()  # again: ray.init replaced the SIGTERM handler
                 batches = [pending.prompts[i:i + cfg.prompts_per_call]
                            for i in range(0, len(pending.prompts), cfg.prompts_per_call)]
-                pool = CapturePool(cfg, cap.path.uri, fingerprint, on_rows, on_tick, stop)
+                pool = CapturePool(cfg, cap.path.uri, fingerprint, on_rows, on_tick, stop,
+                                   expected=cap_manifest)
                 pool.run(batches)
                 session["failed_prompts"] += len(pool.failed_prompts)
                 committer.flush()

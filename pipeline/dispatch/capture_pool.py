@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import ray
 
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, DriftError
 from .capture_worker import CaptureWorker, Sample
 
 log = logging.getLogger("regen")
@@ -25,8 +25,9 @@ MAX_ACTOR_LOSSES = 5  # in a row without an answer: the route cannot start (mode
 
 class CapturePool:
     def __init__(self, cfg, capture_uri: str, fingerprint: str, on_rows: Callable[[Rows], None],
-                 on_tick: Callable[[], None], should_stop: Callable[[], bool]):
+                 on_tick: Callable[[], None], should_stop: Callable[[], bool], expected: dict | None = None):
         self.cfg, self.capture_uri, self.fingerprint = cfg, capture_uri, fingerprint
+        self.expected = expected  # capture.json: each actor checks its route's layout and model against it
         self.on_rows, self.on_tick, self.should_stop = on_rows, on_tick, should_stop
         self.remote = ray.remote(CaptureWorker)
         self.generation = 0
@@ -40,7 +41,7 @@ class CapturePool:
         tag = f"cap{os.getpid()}s{slot}g{self.generation}"
         return self.remote.options(num_cpus=self.cfg.actor_num_cpus, num_gpus=self.cfg.actor_num_gpus,
                                    max_restarts=0, max_concurrency=1).remote(
-            self.cfg, self.capture_uri, tag, self.fingerprint, self.session)
+            self.cfg, self.capture_uri, tag, self.fingerprint, self.session, self.expected)
 
     def run(self, batches: list[list[list[Sample]]]) -> None:
         queue = deque(batches)
@@ -71,7 +72,7 @@ class CapturePool:
                         self.actor_restarts += 1
                         idle.append(slot)
                     except ray.exceptions.RayTaskError as exc:
-                        if isinstance(exc.cause, (ImportError, MemoryError, ConfigError)):
+                        if isinstance(exc.cause, (ImportError, MemoryError, ConfigError, DriftError)):
                             raise exc.cause from None  # the route cannot work at all: stop the capture
                         ids = [samples[0].prompt_id for samples in batch]
                         log.error("capture of prompts %s failed: %s", ", ".join(ids[:5]), exc.cause)

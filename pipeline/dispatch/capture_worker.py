@@ -10,8 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
+from ..core.errors import DriftError
 from ..hidden.kernel import f32_to_bf16
+from ..hidden.layout import layout_shape
 from ..hidden.parts import HiddenPartWriter
 from ..hidden.routes import build_route
 from ..hidden.vllm_route import RequestOwner
@@ -30,8 +33,10 @@ class Sample:
 
 
 class CaptureWorker:
-    def __init__(self, cfg, capture_dir: str, tag: str, fingerprint: str, session: str = "s"):
+    def __init__(self, cfg, capture_dir: str, tag: str, fingerprint: str, session: str = "s",
+                 expected: dict | None = None):
         self.cfg, self.capture_dir, self.tag, self.fingerprint = cfg, capture_dir, tag, fingerprint
+        self.expected = expected  # capture.json as the driver read it
         self.owner = RequestOwner(hashlib.sha1(capture_dir.encode()).hexdigest()[:12], session)
         self.route = None
         self.counter = itertools.count(1)
@@ -39,7 +44,20 @@ class CaptureWorker:
     def ready(self) -> bool:
         if self.route is None:
             self.route = build_route(self.cfg, self.owner)
+            self._check_route()
         return True
+
+    def _check_route(self) -> None:
+        """The model this actor loaded is the one capture.json names: a folder replaced after the driver checked
+        it (other width or layers, other weights) must not add its states to this capture."""
+        if self.expected is None:
+            return
+        got = {**layout_shape(self.route.layout.as_dict()), "model_identity": self.route.model_identity}
+        want = {**layout_shape(self.expected["layout"]), "model_identity": self.expected.get("model_identity")}
+        diff = [f"{key}: {want[key]!r} (capture.json) -> {got[key]!r} (this actor's model)"
+                for key in got if orjson.dumps(got[key]) != orjson.dumps(want[key])]
+        if diff:
+            raise DriftError(self.capture_dir, diff + ["the model folder changed under a running capture"])
 
     def capture(self, prompts: list[list[Sample]]) -> list[list[dict[str, Any]]]:
         """For each prompt (all its samples), its ledger rows; the hidden part is committed first."""

@@ -29,6 +29,7 @@ import orjson
 
 from ..core.errors import ConfigError
 from ..hidden.layout import AUX, FINAL_POST_NORM, LAST_PRE_NORM, CaptureLayout
+from ..hidden.parse import StoredLayoutMismatch
 from ..hidden.parts import BF16, iter_hidden
 from ..store.capture_ledger import capture_run_dir
 from ..store.rundir import RunDir, atomic_write
@@ -57,8 +58,13 @@ def loss_mask(n_tokens: int, n_prompt: int, truncated: bool) -> np.ndarray:
     return mask
 
 
-def _states(sample, layout: CaptureLayout) -> np.ndarray:
+def _states(sample, layout: CaptureLayout, sample_id: str) -> np.ndarray:
     """The stored matrix as [T, K, H] bf16 bit patterns (uint16)."""
+    if sample.width != layout.width or sample.n_rows != len(sample.token_ids):
+        raise StoredLayoutMismatch(
+            f"capture sample {sample_id}: stored as [{sample.n_rows}, {sample.width}] for {len(sample.token_ids)} "
+            f"tokens, but capture.json's layout is [T, {layout.width}] ({len(layout.states)} states x "
+            f"{layout.hidden_size}): this capture mixes models; delete RUN/capture and capture again")
     bits = np.ascontiguousarray(sample.hidden).view(np.uint16)
     return bits.reshape(sample.n_rows, len(layout.states), layout.hidden_size)
 
@@ -144,7 +150,7 @@ def export_hidden(run_dir: str | Path | Location | RunDir, fmt: str, out_dir: st
         entry = ledger[(sample.prompt_id, sample.turn_index)]
         truncated = entry["finish_reason"] == "length"
         mask = loss_mask(len(sample.token_ids), sample.n_prompt, truncated)
-        states = _states(sample, layout)
+        states = _states(sample, layout, entry["sample_id"])
         if fmt == "specforge-offline":
             path = _specforge_write(torch, states, sample, mask, len(index), out, layout)
             idx = len(index)

@@ -67,6 +67,10 @@ class HiddenStateMismatch(TerminalForPrompt, HiddenStateError):
     """The hidden states of one answer are malformed or do not line up with the token counts."""
 
 
+class StoredLayoutMismatch(HiddenStateError):
+    """A stored sample does not have capture.json's layout (a capture that mixed two models): names the sample."""
+
+
 class InsufficientStorage(StorageError):
     """The estimated hidden-state bytes do not fit in the free space (unless forced)."""
 
@@ -301,6 +305,6 @@ from .parts import (
 )
 
 __all__ = ["GenerateResult", "HiddenPartWriter", "HiddenPrefixShortfall", "HiddenSample", "HiddenStateError",
-           "HiddenStateMismatch", "HiddenWidthMismatch", "InsufficientStorage", "align", "check_free_space",
+           "HiddenStateMismatch", "HiddenWidthMismatch", "InsufficientStorage", "StoredLayoutMismatch", "align", "check_free_space",
            "estimate_bytes", "garbage_hidden_parts", "hidden_parts", "iter_hidden", "parse_generate_response",
            "referenced_hidden_parts"]
