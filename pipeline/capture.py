@@ -150,6 +150,7 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
     width = int(cap_manifest["layout"]["hidden_size"]) * len(cap_manifest["layout"]["states"])
     done = cap.committed_ids()
     refused: set[tuple[str, int]] = set()
+    failed: set[str] = set()  # prompts the route could not capture, alone, in this session
     committer = Committer(cap, done, cfg.flush_records, cfg.flush_interval_s, schema.CAPTURE, lock=lock)
     session = {"samples": 0, "tokens": 0, "route_s": 0.0, "started": time.monotonic(), "failed_prompts": 0}
 
@@ -182,9 +183,12 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
 
     stop.graceful = True
     state = "complete"
+    pool = None
     try:
         while True:
-            pending = pending_samples(run, committer.done | committer.buffered, refused, Sample)
+            # the lock before the listing: a listing made after seeing generation's lock released holds its last commit
+            generation_live = cfg.follow and RunLock(run).is_held()
+            pending = pending_samples(run, committer.done | committer.buffered | failed, refused, Sample)
             if pending.no_token_ids:
                 log.warning("%d records refused: no token ids (a server that gives none, e.g. llama.cpp, cannot "
                             "be captured; regenerate with an engine that returns them)", pending.no_token_ids)
@@ -192,29 +196,31 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
                 check_space(cap, pending, width, opts.force)
                 log.info("capturing %d prompts (%d tokens) on %d actor(s)", len(pending.prompts), pending.tokens,
                          cfg.actors)
-                init_ray(cfg.ray.address)
-                stop.install()  # again: ray.init replaced the SIGTERM handler
+                if pool is None:
+                    init_ray(cfg.ray.address)
+                    stop.install()  # again: ray.init replaced the SIGTERM handler
+                    pool = CapturePool(cfg, cap.path.uri, fingerprint, on_rows, on_tick, stop, expected=cap_manifest)
                 batches = [pending.prompts[i:i + cfg.prompts_per_call]
                            for i in range(0, len(pending.prompts), cfg.prompts_per_call)]
-                pool = CapturePool(cfg, cap.path.uri, fingerprint, on_rows, on_tick, stop,
-                                   expected=cap_manifest)
-                pool.run(batches)
-                session["failed_prompts"] += len(pool.failed_prompts)
+                failed.update(pool.run(batches))  # tried again by the next session, not by this one's next pass
+                session["failed_prompts"] = len(failed)
                 committer.flush()
             if stop():
                 state = "interrupted"
                 break
-            if not cfg.follow or not RunLock(run).is_held():
-                if cfg.follow and pending.prompts:
-                    continue  # generation ended while this pass ran: one more pass over its last parts
-                break
-            time.sleep(cfg.poll_interval_s)
+            if not generation_live:
+                break  # one pass, or generation had released its lock before this listing: nothing more will come
+            if not pending.prompts:
+                time.sleep(cfg.poll_interval_s)
     except BaseException:
         try:
             committer.flush()
         finally:
             write_status("interrupted")
         raise
+    finally:
+        if pool is not None:
+            pool.close()
     committer.flush()
     write_status(state)
     summary = {"captured_prompts": len(committer.done), "new_samples": session["samples"],

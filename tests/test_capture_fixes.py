@@ -120,3 +120,115 @@ def test_exporting_a_capture_that_mixes_widths_names_the_sample(tmp_path, tok):
     for fmt in ("specforge-offline", "speculators-hidden"):
         with pytest.raises(StoredLayoutMismatch, match="sample p1#turn0"):
             export_hidden(run, fmt, tmp_path / fmt)
+
+
+# --- D2 / D4: follow beside a live generation --------------------------------------------------------------------
+def hold_generation_lock(run, script: str):
+    """A live generation in another process: holds RUN's lock while `script` runs (`run`, `recs`, `add_part`)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from pipeline.store.rundir import RunDir, RunLock
+        from pipeline.store.capture_ledger import capture_run_dir
+        from tests.smollm2_run import add_part, smollm2_records
+        from transformers import AutoTokenizer
+        from tests.smollm2_hf import smollm2_hf_dir
+        recs = smollm2_records(AutoTokenizer.from_pretrained(smollm2_hf_dir()))
+        run = RunDir({str(run.path)!r})
+        cap = capture_run_dir(run)
+        with RunLock(run):
+            print("locked", flush=True)
+    """) + textwrap.indent(textwrap.dedent(script), "    ")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_follow_captures_the_last_commit_made_while_it_was_between_listing_and_the_lock_check(
+        tmp_path, ray_cluster, tok):
+    """The race forced: the pass that finds nothing new lets generation commit its last part and release its lock
+    before the capture looks at the lock (a wrapper around the real pending_samples)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    model = tiny_llama(tmp_path / "model")
+    run = make_smollm2_run(tmp_path / "run", [smollm2_records(tok)[:1]])
+    go, done = tmp_path / "go", tmp_path / "done"
+    holder = hold_generation_lock(run, f"""
+        while not Path({str(go)!r}).exists(): time.sleep(0.05)
+        add_part(run, recs[1:])  # generation's last commit, then its lock is released
+    """)
+    config = config_file(tmp_path, model, follow=True, poll_interval_s=0.2)
+    child = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        import pipeline.capture as pc
+        real, calls = pc.pending_samples, [0]
+        def wrapped(*a, **k):
+            out = real(*a, **k)
+            calls[0] += 1
+            if calls[0] == 2 and not out.prompts:
+                Path({str(go)!r}).touch()
+                while Path({str(go)!r}).exists() and not Path({str(done)!r}).exists(): time.sleep(0.05)
+            return out
+        pc.pending_samples = wrapped
+        sys.argv = ["regen", "capture", {str(run.path)!r}, "--config", {str(config)!r}]
+        from pipeline.cli import main; sys.exit(main())
+    """)
+    import threading
+
+    threading.Thread(target=lambda: (holder.wait(), done.touch()), daemon=True).start()
+    try:
+        proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    finally:
+        holder.kill()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "capture complete" in proc.stderr
+    assert sorted(capture_run_dir(run).committed_ids()) == ["p0", "p1", "p2", "p3"]
+
+
+def test_follow_keeps_one_actor_across_passes(tmp_path, ray_cluster, tok):
+    from pipeline.hidden.parts import HIDDEN_PART_RE
+    from tests.helpers import run_regen
+
+    model = tiny_llama(tmp_path / "model")
+    run = make_smollm2_run(tmp_path / "run", [smollm2_records(tok)[:1]])
+    holder = hold_generation_lock(run, """
+        for k in (1, 2, 3):  # a commit each time the capture has caught up
+            while not (cap.exists() and len(cap.committed_ids()) >= k): time.sleep(0.1)
+            add_part(run, recs[k:k + 1])
+        while len(cap.committed_ids()) < 4: time.sleep(0.1)
+    """)
+    try:
+        proc = run_regen("capture", str(run.path), "--config",
+                         str(config_file(tmp_path, model, follow=True, poll_interval_s=0.2)))
+    finally:
+        holder.kill()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parts = [HIDDEN_PART_RE.match(p.name) for p in hidden_parts(capture_run_dir(run))]
+    assert len(parts) == 4 and len({m.group(1) for m in parts}) == 1
+    # one actor (its model loaded once) wrote the four passes' parts: its part counter ran on, 1 to 4
+    assert sorted(int(m.group(4)) for m in parts) == [1, 2, 3, 4]
+
+
+# --- D3: one bad record fails alone, named ----------------------------------------------------------------------
+def test_a_record_the_route_cannot_take_fails_alone_and_is_named(tmp_path, ray_cluster, tok):
+    from tests.helpers import run_regen
+
+    model = tiny_llama(tmp_path / "model")
+    records = smollm2_records(tok)
+    records[2]["output_token_ids"] = records[2]["output_token_ids"][:-1] + [60000]  # past the 49152-token vocab
+    run = make_smollm2_run(tmp_path / "run", [records])
+    proc = run_regen("capture", str(run.path), "--config", str(config_file(tmp_path, model, prompts_per_call=4)))
+    assert proc.returncode == 1
+    assert sorted(capture_run_dir(run).committed_ids()) == ["p0", "p1", "p3"]  # its batch's good prompts captured
+    failed = [line for line in proc.stderr.splitlines() if "capture of prompt" in line]
+    assert len(failed) == 1 and "prompt p2" in failed[0] and "token id 60000" in failed[0], proc.stderr[-3000:]
+    assert '"failed_prompts":1' in proc.stderr

@@ -67,6 +67,11 @@ class HiddenStateMismatch(TerminalForPrompt, HiddenStateError):
     """The hidden states of one answer are malformed or do not line up with the token counts."""
 
 
+class CaptureSampleError(TerminalForPrompt, HiddenStateError):
+    """The capture route cannot take one sample (an id past the model's vocabulary, a sequence past its context):
+    names the prompt and sample; only that prompt fails."""
+
+
 class StoredLayoutMismatch(HiddenStateError):
     """A stored sample does not have capture.json's layout (a capture that mixed two models): names the sample."""
 
@@ -305,6 +310,6 @@ from .parts import (
 )
 
 __all__ = ["GenerateResult", "HiddenPartWriter", "HiddenPrefixShortfall", "HiddenSample", "HiddenStateError",
-           "HiddenStateMismatch", "HiddenWidthMismatch", "InsufficientStorage", "StoredLayoutMismatch", "align", "check_free_space",
+           "HiddenStateMismatch", "CaptureSampleError", "HiddenWidthMismatch", "InsufficientStorage", "StoredLayoutMismatch", "align", "check_free_space",
            "estimate_bytes", "garbage_hidden_parts", "hidden_parts", "iter_hidden", "parse_generate_response",
            "referenced_hidden_parts"]

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..core.errors import ConfigError
 from .layout import AUX, FINAL_POST_NORM, LAST_PRE_NORM, CaptureLayout
+from .parse import CaptureSampleError
 
 
 class CaptureRoute(Protocol):
@@ -56,6 +57,7 @@ class TransformersRoute:
         self.device = "cuda" if torch.cuda.is_available() and os.environ.get("REGEN_CAPTURE_CPU") != "1" else "cpu"
         self.model = AutoModelForCausalLM.from_pretrained(opts.model, dtype=getattr(torch, opts.torch_dtype))
         self.model.to(self.device).eval()
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.decoder_layers = self.model.get_decoder().layers
         if len(self.decoder_layers) != self.layout.num_layers:
             raise ConfigError(f"{opts.model}: {len(self.decoder_layers)} decoder layers, config says "
@@ -63,6 +65,10 @@ class TransformersRoute:
 
     def capture(self, token_ids: list[int]) -> np.ndarray:
         torch = self.torch
+        bad = next(((k, t) for k, t in enumerate(token_ids) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise CaptureSampleError(f"token id {bad[1]} at position {bad[0]} is outside the model's vocabulary "
+                                     f"(0..{self.vocab_size - 1})")
         seen: dict[str, object] = {}
 
         def keep(_module, _inputs, output):
