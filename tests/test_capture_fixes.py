@@ -232,3 +232,33 @@ def test_a_record_the_route_cannot_take_fails_alone_and_is_named(tmp_path, ray_c
     failed = [line for line in proc.stderr.splitlines() if "capture of prompt" in line]
     assert len(failed) == 1 and "prompt p2" in failed[0] and "token id 60000" in failed[0], proc.stderr[-3000:]
     assert '"failed_prompts":1' in proc.stderr
+
+
+# --- D5: the hidden-state exports apply the token exports' filters ----------------------------------------------
+def captured_tiny_run(tmp_path, tok, records=None):
+    records = records or smollm2_records(tok)
+    run = make_smollm2_run(tmp_path / "run", [records])
+    cfg = load_capture_config(config_file(tmp_path, tiny_llama(tmp_path / "model")))
+    new_capture(run, cfg)
+    capture_in_process(run, cfg, records)
+    return run
+
+
+@pytest.mark.parametrize("flags", [[], ["--drop-truncated"], ["--drop-flagged"], ["--source", "other"]])
+def test_hidden_and_token_exports_hold_the_same_samples_under_each_filter(tmp_path, tok, flags):
+    from pipeline.cli import main
+
+    records = smollm2_records(tok)
+    records[3]["source"] = "other"
+    run = captured_tiny_run(tmp_path, tok, records)
+    assert main(["export", str(run.path), "--format", "specforge-tokens", "--out", str(tmp_path / "t.jsonl"),
+                 *flags]) == 0
+    token_ids = sorted(orjson.loads(line)["id"] for line in (tmp_path / "t.jsonl").read_text().splitlines())
+    assert main(["export", str(run.path), "--format", "specforge-offline", "--out", str(tmp_path / "sf"), *flags]) == 0
+    files = orjson.loads((tmp_path / "sf" / "manifest.json").read_bytes())["files"]
+    assert sorted(f["sample_id"] for f in files) == token_ids
+    assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == len(token_ids)
+    kept = {(): records, ("--drop-truncated",): [r for r in records if r["finish_reason"] != "length"],
+            ("--drop-flagged",): [r for r in records if not r["flags"]],
+            ("--source", "other"): [r for r in records if r["source"] == "other"]}[tuple(flags)]
+    assert token_ids == sorted(f"{r['prompt_id']}#turn0" for r in kept) and 0 < len(kept) <= 4

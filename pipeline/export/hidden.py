@@ -34,6 +34,7 @@ from ..hidden.parts import BF16, iter_hidden
 from ..store.capture_ledger import capture_run_dir
 from ..store.rundir import RunDir, atomic_write
 from ..store.storage import Location
+from .jsonl import Filters
 
 FORMATS = ("specforge-offline", "speculators-hidden")
 GROUP = 2000
@@ -123,9 +124,24 @@ def _save_rows(out: Path, rows: dict[str, list]) -> None:
     Dataset.from_dict(rows).with_format("torch").save_to_disk(str(out))
 
 
+def _dropped_by(run: RunDir, filters: Filters | None) -> dict[tuple[str, int], str]:
+    """(prompt_id, turn_index) of the run's records the token exports' filters drop, with the reason."""
+    if filters is None or filters == Filters():
+        return {}
+    out: dict[tuple[str, int], str] = {}
+    for part in RunDir.parts(run.data):
+        for rec in part.read_parquet(columns=["prompt_id", "turn_index", "source", "finish_reason",
+                                              "flags"]).to_pylist():
+            reason = filters.reason_to_drop(rec)
+            if reason:
+                out[(rec["prompt_id"], int(rec["turn_index"] or 0))] = reason
+    return out
+
+
 def export_hidden(run_dir: str | Path | Location | RunDir, fmt: str, out_dir: str | Path,
-                  speculators_data: str | Path | None = None) -> dict[str, Any]:
-    """Write every captured sample in `fmt`; returns the summary (also in manifest.json)."""
+                  speculators_data: str | Path | None = None, filters: Filters | None = None) -> dict[str, Any]:
+    """Write every captured sample in `fmt` that `filters` keeps (the same record filter as the token exports, so
+    both hold the same samples); returns the summary (also in manifest.json)."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown hidden-state export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
@@ -146,8 +162,14 @@ def export_hidden(run_dir: str | Path | Location | RunDir, fmt: str, out_dir: st
     prepared = _prepared_order(out) if speculators_data else None
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     index, tokens, unmatched = [], 0, []
+    drop = _dropped_by(run, filters)
+    dropped: dict[str, int] = {}
     for sample in iter_hidden(cap):
         entry = ledger[(sample.prompt_id, sample.turn_index)]
+        reason = drop.get((sample.prompt_id, sample.turn_index))
+        if reason:
+            dropped[reason] = dropped.get(reason, 0) + 1
+            continue
         truncated = entry["finish_reason"] == "length"
         mask = loss_mask(len(sample.token_ids), sample.n_prompt, truncated)
         states = _states(sample, layout, entry["sample_id"])
@@ -185,6 +207,7 @@ def export_hidden(run_dir: str | Path | Location | RunDir, fmt: str, out_dir: st
                    else [s for s in layout.states if s.kind in (AUX, LAST_PRE_NORM)])
     summary = {
         "format": fmt, "run": str(run.path), "samples": len(index), "tokens": tokens,
+        "filters": (filters or Filters()).as_dict(), "dropped": dropped,
         "capture_fingerprint": cap_manifest.get("fingerprint"), "route": cap_manifest.get("route"),
         "layout": layout.as_dict(),
         "exported_states": [{"kind": s.kind, "layer": s.layer, "norm": s.norm} for s in states_used],
