@@ -262,3 +262,66 @@ def test_hidden_and_token_exports_hold_the_same_samples_under_each_filter(tmp_pa
             ("--drop-flagged",): [r for r in records if not r["flags"]],
             ("--source", "other"): [r for r in records if r["source"] == "other"]}[tuple(flags)]
     assert token_ids == sorted(f"{r['prompt_id']}#turn0" for r in kept) and 0 < len(kept) <= 4
+
+
+# --- D6: folder exports are replaced whole ----------------------------------------------------------------------
+def test_an_export_into_an_earlier_exports_folder_leaves_none_of_its_files(tmp_path, tok):
+    from pipeline.cli import main
+    from tests.trainlib import run_checks
+
+    records = smollm2_records(tok)
+    records[3]["source"] = "other"
+    run = captured_tiny_run(tmp_path, tok, records)
+    out = tmp_path / "sf"
+    assert main(["export", str(run.path), "--format", "specforge-offline", "--out", str(out)]) == 0
+    assert main(["export", str(run.path), "--format", "specforge-offline", "--out", str(out), "--source", "other"]) == 0
+    assert [p.name for p in out.rglob("*.ckpt")] == ["data_0.ckpt"]
+    got = run_checks({"check": "specforge_offline", "path": str(out), "save": str(tmp_path / "sf.pt")})
+    assert got["n"] == 1  # SpecForge's own glob finds only this export's sample
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".regen")] == []
+
+
+def test_an_export_refuses_a_folder_it_did_not_write(tmp_path, tok):
+    from pipeline.cli import main
+
+    run = captured_tiny_run(tmp_path, tok)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert main(["export", str(run.path), "--format", "speculators-hidden", "--out", str(out)]) != 0
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_a_killed_export_leaves_no_file_a_loader_would_take(tmp_path, tok):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    run = captured_tiny_run(tmp_path, tok)
+    out = tmp_path / "sf"
+    child = f"""
+import os, signal, sys
+real, n = os.replace, [0]
+def replace(a, b):
+    if str(b).endswith(".ckpt"):
+        n[0] += 1
+        if n[0] == 3: os.kill(os.getpid(), signal.SIGKILL)  # data_2 written, not yet renamed
+    return real(a, b)
+os.replace = replace
+from pipeline.cli import main
+sys.exit(main(["export", {str(run.path)!r}, "--format", "specforge-offline", "--out", {str(out)!r}]))
+"""
+    killed = subprocess.run([sys.executable, "-c", child], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert killed.returncode == -signal.SIGKILL
+    assert not out.exists() or not list(out.rglob("*.ckpt"))  # nothing under the target a glob could load
+    import re
+
+    partial = [p for p in tmp_path.rglob("*.ckpt") if not re.fullmatch(r"data_\d+\.ckpt", p.name)]
+    assert partial == [], "a killed writer's temporary file matches *.ckpt"
+    from pipeline.cli import main
+
+    assert main(["export", str(run.path), "--format", "specforge-offline", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.rglob("*")) == sorted(
+        ["manifest.json", "rows_0-2000", "data_0.ckpt", "data_1.ckpt", "data_2.ckpt", "data_3.ckpt"])
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".regen")] == []

@@ -381,7 +381,7 @@ def run_export(args: argparse.Namespace) -> int:
             print(f"regen: {note}", file=sys.stderr)
         for reason, count in sorted(result.get("dropped", {}).items()):
             print(f"regen: dropped ({reason}): {count}", file=sys.stderr)
-        print(f"regen: {args.format}: {result.get('samples', result.get('written', '?'))} samples in {args.out} "
+        print(f"regen: {args.format}: {result['samples']} samples in {result['out']} "
               f"(manifest.json says which layers and which norm convention)", file=sys.stderr)
         return 0
     summary = export_run(args.run_dir, args.format, local_out(args.out), drop_truncated=args.drop_truncated,

@@ -52,8 +52,9 @@ class TransformersRoute:
         config = AutoConfig.from_pretrained(opts.model)
         self.model_identity = model_identity(opts.model, config)
         text = getattr(config, "text_config", None) or config
+        aux = list(opts.aux_layer_ids) if opts.aux_layer_ids else None
         self.layout = CaptureLayout.build(normalised_model(opts.model), int(text.num_hidden_layers),
-                                          int(text.hidden_size), list(opts.aux_layer_ids) if opts.aux_layer_ids else None)
+                                          int(text.hidden_size), aux)
         self.device = "cuda" if torch.cuda.is_available() and os.environ.get("REGEN_CAPTURE_CPU") != "1" else "cpu"
         self.model = AutoModelForCausalLM.from_pretrained(opts.model, dtype=getattr(torch, opts.torch_dtype))
         self.model.to(self.device).eval()
