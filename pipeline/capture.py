@@ -34,6 +34,10 @@ from .store.rundir import Committer, RunDir, RunLock, now_utc
 log = logging.getLogger("regen")
 
 
+CAPTURE_ADVICE = ("Free space on that disk, copy the run to a disk with room and capture there, or capture a "
+                  "subset (a run copy with fewer parts)")
+
+
 @dataclass
 class CaptureOptions:
     run_dir: str
@@ -57,6 +61,7 @@ def open_capture(run: RunDir, cfg: CaptureConfig) -> tuple[CaptureDir, dict[str,
         log.info("removed uncommitted temporary file %s", tmp.name)
     layout = layout_for(cfg)
     identity = identity_for(cfg)
+    warn_if_other_model(cfg, run.read_manifest())
     compute_dtype = cfg.torch_dtype if cfg.route == "transformers" else None  # route vllm: the server's dtype
     fingerprint = capture_fingerprint(cfg.route, layout, identity, compute_dtype)
     manifest = {"fingerprint": fingerprint, "route": cfg.route, "layout": layout.as_dict(),
@@ -82,9 +87,25 @@ def open_capture(run: RunDir, cfg: CaptureConfig) -> tuple[CaptureDir, dict[str,
     return cap, cap.read_manifest()
 
 
+def _model_name(model: str | None) -> str:
+    return (model or "").rstrip("/").rsplit("/", 1)[-1].lower()
+
+
+def warn_if_other_model(cfg: CaptureConfig, run_manifest: dict[str, Any]) -> None:
+    """run.json's generation.model is a served name, not an identity, so a differing name is a warning: the states
+    are the capture model's, and a draft trained on them is a draft for that model."""
+    generated_by = (run_manifest.get("generation") or {}).get("model")
+    names = {_model_name(cfg.model)} | ({_model_name(cfg.vllm.model)} if cfg.vllm and cfg.vllm.model else set())
+    if generated_by and _model_name(generated_by) not in names:
+        log.warning("the capture model %s is not, by name, the model that generated this run's records (run.json "
+                    "generation.model: %s); the states and the draft trained on them are %s's", cfg.model,
+                    generated_by, cfg.model)
+
+
 def pending_samples(run: RunDir, done: set[str], refused: set[tuple[str, int]], sample_factory) -> Pending:
     """The committed records' samples whose prompt is not captured yet, grouped by prompt. A record without
-    token ids is refused (added to `refused`), and so is the rest of its prompt."""
+    token ids is refused (added to `refused`), as the token exports drop it; its prompt's other turns are
+    captured (an all_turns conversation is never split across parts, so no turn of it comes later)."""
     out = Pending()
     by_prompt: dict[str, dict[int, Any]] = {}
     for part in RunDir.parts(run.data):
@@ -103,22 +124,21 @@ def pending_samples(run: RunDir, done: set[str], refused: set[tuple[str, int]], 
             by_prompt.setdefault(pid, {}).setdefault(turn, sample_factory(
                 pid, turn, turn_id(pid, turn), ids, len(rec["prompt_token_ids"]),
                 "length" if is_truncated(rec) else rec["finish_reason"]))
-    refused_prompts = {pid for pid, _ in refused}
-    for pid, turns in by_prompt.items():
-        if pid not in refused_prompts:
-            out.prompts.append([turns[t] for t in sorted(turns)])
-            out.tokens += sum(len(s.token_ids) for s in turns.values())
+    for turns in by_prompt.values():
+        out.prompts.append([turns[t] for t in sorted(turns)])
+        out.tokens += sum(len(s.token_ids) for s in turns.values())
     return out
 
 
 def check_space(cap: RunDir, pending: Pending, width: int, force: bool) -> None:
-    from .hidden.parse import check_free_space, estimate_bytes
+    from .hidden.parse import check_free_space, estimate_bytes, human_bytes
 
     needed = estimate_bytes(1, pending.tokens, width)
     if not cap.path.local:
-        log.info("the capture needs about %.3f GB on %s (an object store: no capacity check)", needed / 1e9, cap.path)
+        log.info("the capture needs about %s on %s (an object store: no capacity check)", human_bytes(needed),
+                 cap.path)
         return
-    fit = check_free_space(cap.path, needed, force=force)
+    fit = check_free_space(cap.path, needed, force=force, advice=CAPTURE_ADVICE)
     log.info("%s%s", fit["message"], "" if fit["fits"] else ": forced")
 
 
@@ -231,5 +251,5 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
     if session["failed_prompts"]:
         return 1
     if refused and not committer.done:
-        raise ConfigError(f"{run.path}: none of its {len(refused)} prompts has token ids; nothing to capture")
+        raise ConfigError(f"{run.path}: none of its {len(refused)} records has token ids; nothing to capture")
     return 0

@@ -325,3 +325,90 @@ sys.exit(main(["export", {str(run.path)!r}, "--format", "specforge-offline", "--
     assert sorted(p.name for p in out.rglob("*")) == sorted(
         ["manifest.json", "rows_0-2000", "data_0.ckpt", "data_1.ckpt", "data_2.ckpt", "data_3.ckpt"])
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".regen")] == []
+
+
+# --- D7: counts, names and messages -------------------------------------------------------------------------------
+def all_turns_records(tok, pid, turns, no_ids_turn=None):
+    from pipeline.store.quality import quality_flags
+
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    rows, messages = [], []
+    for k, (user, reply) in enumerate(turns):
+        messages = messages + [{"role": "user", "content": user}]
+        prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        output = tok.encode(reply, add_special_tokens=False) + [end]
+        ids = k != no_ids_turn
+        rows.append({"prompt_id": pid, "turn_index": k, "n_turns": len(turns), "source": "test", "messages": messages,
+                     "content": reply, "reasoning_content": None, "finish_reason": "stop",
+                     "flags": quality_flags(reply, None, "stop"), "prompt_tokens": len(prompt),
+                     "completion_tokens": len(output), "endpoint": "e0", "model": "SmolLM2-135M-Instruct",
+                     "config_fingerprint": "fp-smollm2", "prompt_token_ids": prompt if ids else None,
+                     "output_token_ids": output if ids else None})
+        messages = messages + [{"role": "assistant", "content": reply}]
+    return rows
+
+
+def test_all_turns_a_turn_without_ids_is_refused_alone_and_the_capture_completes(tmp_path, ray_cluster, tok):
+    from pipeline.cli import main
+    from pipeline.store.capture_ledger import capture_counts
+    from tests.helpers import run_regen
+
+    records = (all_turns_records(tok, "a", [("Hi there.", "Hello!"), ("Name a colour.", "Blue.")])
+               + all_turns_records(tok, "b", [("One?", "Two."), ("Three?", "Four.")], no_ids_turn=1))
+    run = make_smollm2_run(tmp_path / "run", [records], mode="all_turns")
+    proc = run_regen("capture", str(run.path), "--config", str(config_file(tmp_path, tiny_llama(tmp_path / "m"))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cap = capture_run_dir(run)
+    captured = sorted(cap.read_table(cap.data).column("sample_id").to_pylist())
+    assert main(["export", str(run.path), "--format", "specforge-tokens", "--out", str(tmp_path / "t.jsonl")]) == 0
+    exported = sorted(orjson.loads(line)["id"] for line in (tmp_path / "t.jsonl").read_text().splitlines())
+    assert captured == exported == ["a#turn0", "a#turn1", "b#turn0"]
+    counts = capture_counts(run)
+    assert (counts["state"], counts["captured"], counts["capturable"], counts["refused_no_token_ids"]) == \
+        ("complete", 3, 3, 1)
+
+
+def test_a_capture_model_named_otherwise_than_the_runs_is_warned_about(tmp_path, tok, caplog):
+    run = make_smollm2_run(tmp_path / "run", [smollm2_records(tok)[:1]])  # generation.model SmolLM2-135M-Instruct
+    with caplog.at_level("WARNING", logger="regen"):
+        new_capture(run, load_capture_config(config_file(tmp_path, tiny_llama(tmp_path / "tiny8"))))
+    assert any("tiny8" in r.message and "SmolLM2-135M-Instruct" in r.message for r in caplog.records)
+    caplog.clear()
+    same = tiny_llama(tmp_path / "SmolLM2-135M-Instruct")
+    run2 = make_smollm2_run(tmp_path / "run2", [smollm2_records(tok)[:1]])
+    with caplog.at_level("WARNING", logger="regen"):
+        new_capture(run2, load_capture_config(config_file(tmp_path, f"{same}/")))
+    assert not [r for r in caplog.records if "generated this run" in r.message]
+
+
+def test_the_capture_space_check_gives_capture_advice_in_human_units(tmp_path, tok):
+    from pipeline.capture import Pending, check_space
+    from pipeline.hidden.parse import InsufficientStorage
+
+    run = make_smollm2_run(tmp_path / "run", [smollm2_records(tok)[:1]])
+    cap, _ = new_capture(run, load_capture_config(config_file(tmp_path, tiny_llama(tmp_path / "model"))))
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(InsufficientStorage) as err:
+        check_space(cap, Pending(tokens=free // 300 + 1), 5 * 64, force=False)  # 644 bytes a token
+    message = str(err.value)
+    assert "output_dir" not in message and "max tokens" not in message and "capture" in message
+    assert "--force" in message and " 0.00 " not in message
+
+
+def test_speculators_data_summary_names_the_folder_it_wrote(tmp_path, tok, capsys):
+    from datasets import Dataset
+
+    from pipeline.cli import main
+
+    records = smollm2_records(tok)
+    run = captured_tiny_run(tmp_path, tok, records)
+    prepared = tmp_path / "prepared"  # the rows `speculators prepare-data` saves, in another order
+    Dataset.from_dict({"input_ids": [r["prompt_token_ids"] + r["output_token_ids"] for r in records[::-1]]}) \
+        .save_to_disk(str(prepared))
+    assert main(["export", str(run.path), "--format", "speculators-hidden", "--out", str(tmp_path / "unused"),
+                 "--speculators-data", str(prepared)]) == 0
+    summary = [line for line in capsys.readouterr().err.splitlines() if "samples in" in line]
+    assert summary == [f"regen: speculators-hidden: 4 samples in {prepared / 'hidden_states'} "
+                       "(manifest.json says which layers and which norm convention)"]
+    assert sorted(p.name for p in (prepared / "hidden_states").glob("hs_*")) == [f"hs_{i}.safetensors" for i in range(4)]
+    assert not (tmp_path / "unused").exists()
