@@ -286,12 +286,14 @@ def _existing(path: Path) -> Path:
 
 
 def human_bytes(n: float) -> str:
-    """Decimal units, 3 significant digits: 612 kB, 7.74 TB (a small need is never "0.00 TB")."""
+    """Decimal units, about 3 significant digits: 612 kB, 7.74 TB (a small need is never "0.00 TB")."""
+    unit = "B"
     for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
         if abs(n) < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+            break
         n /= 1000
-    return f"{n:.3g} PB"  # pragma: no cover - the loop returns
+    digits = 0 if unit == "B" or abs(n) >= 100 else (1 if abs(n) >= 10 else 2)
+    return f"{n:.{digits}f} {unit}"
 
 
 GENERATION_ADVICE = "Free space, point output_dir elsewhere, lower the prompt count or max tokens"
