@@ -25,13 +25,17 @@ from .core.errors import ConfigError, DriftError
 from .export.formats import turn_id
 from .hidden.layout import capture_fingerprint
 from .hidden.parts import remove_garbage_hidden_parts
-from .hidden.routes import layout_for
+from .hidden.routes import identity_for, layout_for
 from .run import EXIT_INTERRUPTED, StopFlag, setup_logging
 from .store import schema
 from .store.capture_ledger import CaptureDir, capture_run_dir, is_truncated, record_token_ids
 from .store.rundir import Committer, RunDir, RunLock, now_utc
 
 log = logging.getLogger("regen")
+
+
+CAPTURE_ADVICE = ("Free space on that disk, copy the run to a disk with room and capture there, or capture a "
+                  "subset (a run copy with fewer parts)")
 
 
 @dataclass
@@ -56,27 +60,52 @@ def open_capture(run: RunDir, cfg: CaptureConfig) -> tuple[CaptureDir, dict[str,
     for tmp in cap.cleanup_temp():
         log.info("removed uncommitted temporary file %s", tmp.name)
     layout = layout_for(cfg)
-    fingerprint = capture_fingerprint(cfg.route, layout)
+    identity = identity_for(cfg)
+    warn_if_other_model(cfg, run.read_manifest())
+    compute_dtype = cfg.torch_dtype if cfg.route == "transformers" else None  # route vllm: the server's dtype
+    fingerprint = capture_fingerprint(cfg.route, layout, identity, compute_dtype)
     manifest = {"fingerprint": fingerprint, "route": cfg.route, "layout": layout.as_dict(),
+                "model_identity": identity, "compute_dtype": compute_dtype,
                 "run_fingerprint": run.read_manifest().get("fingerprint")}
     if cap.exists():
         before = cap.read_manifest()
         if before.get("fingerprint") != fingerprint:
-            diff = [f"{key}: {before.get(key)!r} -> {manifest[key]!r}" for key in ("route", "fingerprint")
+            diff = [f"{key}: {before.get(key)!r} -> {manifest[key]!r}" for key in ("route", "compute_dtype")
                     if before.get(key) != manifest[key]]
             old, new = before.get("layout", {}), manifest["layout"]
             diff += [f"layout.{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in
-                     ("model", "aux_layer_ids", "dtype") if old.get(key) != new.get(key)]
-            raise DriftError(str(cap.path), diff + ["a capture keeps its route, model, layers and dtype: "
-                                                    "capture into another run copy, or delete RUN/capture"])
+                     ("model", "num_layers", "hidden_size", "aux_layer_ids", "dtype") if old.get(key) != new.get(key)]
+            old, new = before.get("model_identity", {}), identity
+            diff += [f"model_identity.{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in
+                     sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+            raise DriftError(str(cap.path), diff + [
+                f"fingerprint: {before.get('fingerprint')} -> {fingerprint}",
+                "a capture keeps its route, model (config and weight files), layers and dtypes: capture into "
+                "another run copy, or delete RUN/capture"])
         return cap, before
     cap.write_manifest({**manifest, "created_at": now_utc().isoformat(timespec="seconds")})
     return cap, cap.read_manifest()
 
 
+def _model_name(model: str | None) -> str:
+    return (model or "").rstrip("/").rsplit("/", 1)[-1].lower()
+
+
+def warn_if_other_model(cfg: CaptureConfig, run_manifest: dict[str, Any]) -> None:
+    """run.json's generation.model is a served name, not an identity, so a differing name is a warning: the states
+    are the capture model's, and a draft trained on them is a draft for that model."""
+    generated_by = (run_manifest.get("generation") or {}).get("model")
+    names = {_model_name(cfg.model)} | ({_model_name(cfg.vllm.model)} if cfg.vllm and cfg.vllm.model else set())
+    if generated_by and _model_name(generated_by) not in names:
+        log.warning("the capture model %s is not, by name, the model that generated this run's records (run.json "
+                    "generation.model: %s); the states and the draft trained on them are %s's", cfg.model,
+                    generated_by, cfg.model)
+
+
 def pending_samples(run: RunDir, done: set[str], refused: set[tuple[str, int]], sample_factory) -> Pending:
     """The committed records' samples whose prompt is not captured yet, grouped by prompt. A record without
-    token ids is refused (added to `refused`), and so is the rest of its prompt."""
+    token ids is refused (added to `refused`), as the token exports drop it; its prompt's other turns are
+    captured (an all_turns conversation is never split across parts, so no turn of it comes later)."""
     out = Pending()
     by_prompt: dict[str, dict[int, Any]] = {}
     for part in RunDir.parts(run.data):
@@ -95,22 +124,21 @@ def pending_samples(run: RunDir, done: set[str], refused: set[tuple[str, int]], 
             by_prompt.setdefault(pid, {}).setdefault(turn, sample_factory(
                 pid, turn, turn_id(pid, turn), ids, len(rec["prompt_token_ids"]),
                 "length" if is_truncated(rec) else rec["finish_reason"]))
-    refused_prompts = {pid for pid, _ in refused}
-    for pid, turns in by_prompt.items():
-        if pid not in refused_prompts:
-            out.prompts.append([turns[t] for t in sorted(turns)])
-            out.tokens += sum(len(s.token_ids) for s in turns.values())
+    for turns in by_prompt.values():
+        out.prompts.append([turns[t] for t in sorted(turns)])
+        out.tokens += sum(len(s.token_ids) for s in turns.values())
     return out
 
 
 def check_space(cap: RunDir, pending: Pending, width: int, force: bool) -> None:
-    from .hidden.parse import check_free_space, estimate_bytes
+    from .hidden.parse import check_free_space, estimate_bytes, human_bytes
 
     needed = estimate_bytes(1, pending.tokens, width)
     if not cap.path.local:
-        log.info("the capture needs about %.3f GB on %s (an object store: no capacity check)", needed / 1e9, cap.path)
+        log.info("the capture needs about %s on %s (an object store: no capacity check)", human_bytes(needed),
+                 cap.path)
         return
-    fit = check_free_space(cap.path, needed, force=force)
+    fit = check_free_space(cap.path, needed, force=force, advice=CAPTURE_ADVICE)
     log.info("%s%s", fit["message"], "" if fit["fits"] else ": forced")
 
 
@@ -142,6 +170,7 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
     width = int(cap_manifest["layout"]["hidden_size"]) * len(cap_manifest["layout"]["states"])
     done = cap.committed_ids()
     refused: set[tuple[str, int]] = set()
+    failed: set[str] = set()  # prompts the route could not capture, alone, in this session
     committer = Committer(cap, done, cfg.flush_records, cfg.flush_interval_s, schema.CAPTURE, lock=lock)
     session = {"samples": 0, "tokens": 0, "route_s": 0.0, "started": time.monotonic(), "failed_prompts": 0}
 
@@ -174,9 +203,12 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
 
     stop.graceful = True
     state = "complete"
+    pool = None
     try:
         while True:
-            pending = pending_samples(run, committer.done | committer.buffered, refused, Sample)
+            # the lock before the listing: a listing made after seeing generation's lock released holds its last commit
+            generation_live = cfg.follow and RunLock(run).is_held()
+            pending = pending_samples(run, committer.done | committer.buffered | failed, refused, Sample)
             if pending.no_token_ids:
                 log.warning("%d records refused: no token ids (a server that gives none, e.g. llama.cpp, cannot "
                             "be captured; regenerate with an engine that returns them)", pending.no_token_ids)
@@ -184,28 +216,31 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
                 check_space(cap, pending, width, opts.force)
                 log.info("capturing %d prompts (%d tokens) on %d actor(s)", len(pending.prompts), pending.tokens,
                          cfg.actors)
-                init_ray(cfg.ray.address)
-                stop.install()  # again: ray.init replaced the SIGTERM handler
+                if pool is None:
+                    init_ray(cfg.ray.address)
+                    stop.install()  # again: ray.init replaced the SIGTERM handler
+                    pool = CapturePool(cfg, cap.path.uri, fingerprint, on_rows, on_tick, stop, expected=cap_manifest)
                 batches = [pending.prompts[i:i + cfg.prompts_per_call]
                            for i in range(0, len(pending.prompts), cfg.prompts_per_call)]
-                pool = CapturePool(cfg, cap.path.uri, fingerprint, on_rows, on_tick, stop)
-                pool.run(batches)
-                session["failed_prompts"] += len(pool.failed_prompts)
+                failed.update(pool.run(batches))  # tried again by the next session, not by this one's next pass
+                session["failed_prompts"] = len(failed)
                 committer.flush()
             if stop():
                 state = "interrupted"
                 break
-            if not cfg.follow or not RunLock(run).is_held():
-                if cfg.follow and pending.prompts:
-                    continue  # generation ended while this pass ran: one more pass over its last parts
-                break
-            time.sleep(cfg.poll_interval_s)
+            if not generation_live:
+                break  # one pass, or generation had released its lock before this listing: nothing more will come
+            if not pending.prompts:
+                time.sleep(cfg.poll_interval_s)
     except BaseException:
         try:
             committer.flush()
         finally:
             write_status("interrupted")
         raise
+    finally:
+        if pool is not None:
+            pool.close()
     committer.flush()
     write_status(state)
     summary = {"captured_prompts": len(committer.done), "new_samples": session["samples"],
@@ -216,5 +251,5 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
     if session["failed_prompts"]:
         return 1
     if refused and not committer.done:
-        raise ConfigError(f"{run.path}: none of its {len(refused)} prompts has token ids; nothing to capture")
+        raise ConfigError(f"{run.path}: none of its {len(refused)} records has token ids; nothing to capture")
     return 0

@@ -262,12 +262,13 @@ def test_disk_bytes_near_ideal(tmp_path):
 def test_estimate_and_free_space(tmp_path):
     need = H.estimate_bytes(88_000, 2048, 21504)
     assert need == 88_000 * 2048 * (2 * 21504 + 4) and 7.7e12 < need < 7.8e12
-    with pytest.raises(H.InsufficientStorage, match=r"need about [0-9.]+ TB \([0-9,]+ bytes\); [0-9.]+ TB free at") as e:
+    with pytest.raises(H.InsufficientStorage, match=r"need about [0-9.]+ [kMGTP]?B \([0-9,]+ bytes\); [0-9.]+ [kMGTP]?B free at") as e:
         H.check_free_space(tmp_path / "not" / "yet", need * 10**6, force=False)
     assert isinstance(e.value, StorageError)
     forced = H.check_free_space(tmp_path, need * 10**6, force=True)
-    assert forced["fits"] is False and "TB free" in forced["message"]
+    assert forced["fits"] is False and "B free at" in forced["message"]
     assert H.check_free_space(tmp_path, 1024, force=False)["fits"] is True
+    assert "need about 612 kB (612,000 bytes)" in H.check_free_space(tmp_path, 612_000, force=False)["message"]
 
 
 # --- exports ------------------------------------------------------------------------------------------

@@ -226,7 +226,7 @@ class RunConfig(_Strict):
             "sampling": self.sampling.model_dump(include={"temperature", "top_p", "max_tokens"}),
             "explicit_sampling": self.sampling.explicit(),  # the values sent in place of generation_config's
             "chat_template_kwargs": self.template_kwargs(),
-            # layers_note is informational (recorded for the exports, never compared)
+            # layers_note is informational (a note for people, never compared; no code reads it)
             # aux_layer_ids only when set: runs from before it existed keep their identity
             "hidden_states": self.hidden_states.model_dump(
                 exclude={"max_in_memory"} | ({"aux_layer_ids"} if self.hidden_states.aux_layer_ids is None else set()))

@@ -5,8 +5,8 @@ run.json holds two identity documents, built by `RunConfig.generation_identity()
 config's:
 - a key the stored document lacks is not compared: older code did not record it. The resume then records the
   config's value, and compares it from then on (`identity_upgrades` in run.json says when and what);
-- a key in INFORMATIONAL is recorded for readers (the hidden-state exports read `layers_note`) but never
-  compared and not fingerprinted;
+- a key in INFORMATIONAL is recorded for people (`layers_note`, a free-text note: no code reads it; the
+  hidden-state exports take their layers from RUN/capture/capture.json) but never compared and not fingerprinted;
 - a SECTION is compared key by key; any other value (a list, a user's dict such as chat_template_kwargs) whole.
 
 Adding a key to the identity is one line in `generation_identity()` or `prompt_identity()` (a new field of

@@ -10,8 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
+from ..core.errors import ConfigError, DriftError
 from ..hidden.kernel import f32_to_bf16
+from ..hidden.layout import layout_shape
+from ..hidden.parse import CaptureSampleError
 from ..hidden.parts import HiddenPartWriter
 from ..hidden.routes import build_route
 from ..hidden.vllm_route import RequestOwner
@@ -30,8 +34,10 @@ class Sample:
 
 
 class CaptureWorker:
-    def __init__(self, cfg, capture_dir: str, tag: str, fingerprint: str, session: str = "s"):
+    def __init__(self, cfg, capture_dir: str, tag: str, fingerprint: str, session: str = "s",
+                 expected: dict | None = None):
         self.cfg, self.capture_dir, self.tag, self.fingerprint = cfg, capture_dir, tag, fingerprint
+        self.expected = expected  # capture.json as the driver read it
         self.owner = RequestOwner(hashlib.sha1(capture_dir.encode()).hexdigest()[:12], session)
         self.route = None
         self.counter = itertools.count(1)
@@ -39,7 +45,21 @@ class CaptureWorker:
     def ready(self) -> bool:
         if self.route is None:
             self.route = build_route(self.cfg, self.owner)
+            self._check_route()
         return True
+
+    def _check_route(self) -> None:
+        """The model this actor loaded is the one capture.json names: a folder replaced after the driver checked
+        it (other width or layers, other weights) must not add its states to this capture."""
+        if self.expected is None:
+            return
+        got = {**layout_shape(self.route.layout.as_dict()), "model_identity": self.route.model_identity}
+        want = {**layout_shape(self.expected["layout"]), "model_identity": self.expected.get("model_identity")}
+        diff = [f"{key}: {want[key]!r} (capture.json) -> {got[key]!r} (this actor's model)"
+                for key in got if orjson.dumps(got[key], option=orjson.OPT_SORT_KEYS)
+                != orjson.dumps(want[key], option=orjson.OPT_SORT_KEYS)]
+        if diff:
+            raise DriftError(self.capture_dir, diff + ["the model folder changed under a running capture"])
 
     def capture(self, prompts: list[list[Sample]]) -> list[list[dict[str, Any]]]:
         """For each prompt (all its samples), its ledger rows; the hidden part is committed first."""
@@ -49,11 +69,18 @@ class CaptureWorker:
         for samples in prompts:
             for s in samples:
                 started = time.perf_counter()
-                states = self.route.capture(s.token_ids)
+                try:
+                    states = self.route.capture(s.token_ids)
+                except (ConfigError, DriftError, ImportError, MemoryError):
+                    raise  # the route cannot work at all
+                except Exception as exc:  # this sample's failure: named, so the pool can fail it alone
+                    raise CaptureSampleError(f"prompt {s.prompt_id} (sample {s.sample_id}): "
+                                             f"{type(exc).__name__}: {exc}") from exc
                 timings[s.sample_id] = time.perf_counter() - started
                 if states.shape[:2] != (len(s.token_ids), len(self.route.layout.states)):
-                    raise ValueError(f"{s.sample_id}: the route returned {states.shape} for {len(s.token_ids)} "
-                                     f"tokens and {len(self.route.layout.states)} states")
+                    raise CaptureSampleError(f"prompt {s.prompt_id} (sample {s.sample_id}): the route returned "
+                                             f"{states.shape} for {len(s.token_ids)} tokens and "
+                                             f"{len(self.route.layout.states)} states")
                 bits, _ = f32_to_bf16(np.ascontiguousarray(states, dtype=np.float32).reshape(len(s.token_ids), -1))
                 writer.add(s.prompt_id, s.turn_index, s.token_ids, s.n_prompt, bits)
         part, rows = writer.commit()

@@ -16,11 +16,13 @@
   (prepare-data shuffles), matched by token ids.
 Loss mask: 0 on the prompt, 1 on the completion (each library's own preprocessing gives the same mask), except a
 record cut at max_tokens: its last position is 0, where a renderer would close the turn with an end-of-turn token
-the model never generated. Both write `manifest.json` (layers, norm convention, files) last, atomically.
+the model never generated. Both write `manifest.json` (layers, norm convention, files) last, and the whole folder
+is staged beside the target and renamed into place (export/folders.py).
 """
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +31,13 @@ import orjson
 
 from ..core.errors import ConfigError
 from ..hidden.layout import AUX, FINAL_POST_NORM, LAST_PRE_NORM, CaptureLayout
+from ..hidden.parse import StoredLayoutMismatch
 from ..hidden.parts import BF16, iter_hidden
 from ..store.capture_ledger import capture_run_dir
 from ..store.rundir import RunDir, atomic_write
 from ..store.storage import Location
+from . import folders
+from .jsonl import Filters
 
 FORMATS = ("specforge-offline", "speculators-hidden")
 GROUP = 2000
@@ -57,8 +62,13 @@ def loss_mask(n_tokens: int, n_prompt: int, truncated: bool) -> np.ndarray:
     return mask
 
 
-def _states(sample, layout: CaptureLayout) -> np.ndarray:
+def _states(sample, layout: CaptureLayout, sample_id: str) -> np.ndarray:
     """The stored matrix as [T, K, H] bf16 bit patterns (uint16)."""
+    if sample.width != layout.width or sample.n_rows != len(sample.token_ids):
+        raise StoredLayoutMismatch(
+            f"capture sample {sample_id}: stored as [{sample.n_rows}, {sample.width}] for {len(sample.token_ids)} "
+            f"tokens, but capture.json's layout is [T, {layout.width}] ({len(layout.states)} states x "
+            f"{layout.hidden_size}): this capture mixes models; delete RUN/capture and capture again")
     bits = np.ascontiguousarray(sample.hidden).view(np.uint16)
     return bits.reshape(sample.n_rows, len(layout.states), layout.hidden_size)
 
@@ -78,7 +88,7 @@ def _specforge_write(torch, states, sample, mask, idx: int, out: Path, layout: C
            "aux_hidden_state": _bf16_torch(torch, aux).unsqueeze(0),
            "hidden_state": _bf16_torch(torch, final).unsqueeze(0)}
     path = folder / f"data_{idx}.ckpt"
-    tmp = path.with_name(f".tmp-{path.name}")
+    tmp = folders.partial(path)
     torch.save(obj, tmp)
     os.replace(tmp, path)
     return path
@@ -91,7 +101,7 @@ def _speculators_write(states, sample, idx: int, folder: Path, layout: CaptureLa
     tensors = {"hidden_states": np.ascontiguousarray(picked).view(BF16) if BF16 != np.uint16 else picked,
                "token_ids": sample.token_ids.astype(np.int64)}
     path = folder / f"hs_{idx}.safetensors"
-    tmp = path.with_name(f".tmp-{path.name}")
+    tmp = folders.partial(path)
     save_file(tensors, str(tmp), metadata={"prompt_id": sample.prompt_id, "turn_index": str(sample.turn_index)})
     os.replace(tmp, path)
     return path
@@ -117,9 +127,24 @@ def _save_rows(out: Path, rows: dict[str, list]) -> None:
     Dataset.from_dict(rows).with_format("torch").save_to_disk(str(out))
 
 
+def _dropped_by(run: RunDir, filters: Filters | None) -> dict[tuple[str, int], str]:
+    """(prompt_id, turn_index) of the run's records the token exports' filters drop, with the reason."""
+    if filters is None or filters == Filters():
+        return {}
+    out: dict[tuple[str, int], str] = {}
+    for part in RunDir.parts(run.data):
+        for rec in part.read_parquet(columns=["prompt_id", "turn_index", "source", "finish_reason",
+                                              "flags"]).to_pylist():
+            reason = filters.reason_to_drop(rec)
+            if reason:
+                out[(rec["prompt_id"], int(rec["turn_index"] or 0))] = reason
+    return out
+
+
 def export_hidden(run_dir: str | Path | Location | RunDir, fmt: str, out_dir: str | Path,
-                  speculators_data: str | Path | None = None) -> dict[str, Any]:
-    """Write every captured sample in `fmt`; returns the summary (also in manifest.json)."""
+                  speculators_data: str | Path | None = None, filters: Filters | None = None) -> dict[str, Any]:
+    """Write every captured sample in `fmt` that `filters` keeps (the same record filter as the token exports, so
+    both hold the same samples); returns the summary (also in manifest.json)."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown hidden-state export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
@@ -131,22 +156,46 @@ def export_hidden(run_dir: str | Path | Location | RunDir, fmt: str, out_dir: st
     ledger = {(r["prompt_id"], r["turn_index"]): r for r in
               (cap.read_table(cap.data, ["prompt_id", "turn_index", "sample_id", "finish_reason"]) or
                _empty()).to_pylist()}
-    out = Path(speculators_data) if speculators_data else Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    # `target`: the folder this export replaces whole (--out, or the prepared folder's hidden_states/)
+    target = Path(speculators_data) / "hidden_states" if speculators_data else Path(out_dir)
+    out = Path(speculators_data) if speculators_data else target
+    prepared = _prepared_order(out) if speculators_data else None
     torch = _torch() if fmt == "specforge-offline" else None
-    hs_folder = out / "hidden_states"
+    stage = folders.start(target, FORMATS)
+    try:
+        summary, index = _write(fmt, cap, layout, ledger, _dropped_by(run, filters), stage, prepared, torch,
+                                speculators_data is not None)
+        summary = {**summary, "run": str(run.path), "filters": (filters or Filters()).as_dict(),
+                   "capture_fingerprint": cap_manifest.get("fingerprint"), "route": cap_manifest.get("route"),
+                   "out": str(target)}
+        atomic_write(stage / "manifest.json", orjson.dumps({**summary, "files": index}, option=orjson.OPT_INDENT_2))
+        folders.finish(stage, target)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return summary
+
+
+def _write(fmt, cap, layout, ledger, drop, stage: Path, prepared, torch, into_prepared: bool):
+    """Every kept sample's file under `stage` (which becomes the target), and the summary without run facts."""
+    hs_folder = stage if into_prepared else stage / "hidden_states"
+    prefix = "hidden_states/" if into_prepared else ""
     if fmt == "speculators-hidden":
         hs_folder.mkdir(exist_ok=True)
-    prepared = _prepared_order(out) if speculators_data else None
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     index, tokens, unmatched = [], 0, []
+    dropped: dict[str, int] = {}
     for sample in iter_hidden(cap):
         entry = ledger[(sample.prompt_id, sample.turn_index)]
+        reason = drop.get((sample.prompt_id, sample.turn_index))
+        if reason:
+            dropped[reason] = dropped.get(reason, 0) + 1
+            continue
         truncated = entry["finish_reason"] == "length"
         mask = loss_mask(len(sample.token_ids), sample.n_prompt, truncated)
-        states = _states(sample, layout)
+        states = _states(sample, layout, entry["sample_id"])
         if fmt == "specforge-offline":
-            path = _specforge_write(torch, states, sample, mask, len(index), out, layout)
+            path = _specforge_write(torch, states, sample, mask, len(index), stage, layout)
             idx = len(index)
         else:
             if prepared is not None:
@@ -161,35 +210,32 @@ def export_hidden(run_dir: str | Path | Location | RunDir, fmt: str, out_dir: st
                 rows["loss_mask"].append(mask.tolist())
                 rows["seq_len"].append(len(sample.token_ids))
             path = _speculators_write(states, sample, idx, hs_folder, layout)
-        index.append({"idx": idx, "file": str(path.relative_to(out)), "sample_id": entry["sample_id"],
+        index.append({"idx": idx, "file": prefix + str(path.relative_to(stage)), "sample_id": entry["sample_id"],
                       "prompt_id": sample.prompt_id, "turn_index": sample.turn_index,
                       "tokens": len(sample.token_ids), "n_prompt": sample.n_prompt, "truncated": truncated})
         tokens += len(sample.token_ids)
     if fmt == "speculators-hidden" and prepared is None:
-        _save_rows(out, rows)
+        _save_rows(stage, rows)
     notes = [TRUNCATED_NOTE]
     if unmatched:
-        notes.append(f"{len(unmatched)} captured samples have no row in {out} (filtered by prepare-data, or "
-                     f"another export): {', '.join(unmatched[:5])}")
+        notes.append(f"{len(unmatched)} captured samples have no row in the prepared data (filtered by "
+                     f"prepare-data, or another export): {', '.join(unmatched[:5])}")
     if prepared is not None:
         missing = sum(len(v) for v in prepared.values())
         if missing:
-            notes.append(f"{missing} rows of {out} have no captured sample: speculators will generate or skip them")
+            notes.append(f"{missing} rows of the prepared data have no captured sample: speculators will "
+                         "generate or skip them")
     states_used = ([s for s in layout.states if s.kind in (AUX, FINAL_POST_NORM)] if fmt == "specforge-offline"
                    else [s for s in layout.states if s.kind in (AUX, LAST_PRE_NORM)])
     summary = {
-        "format": fmt, "run": str(run.path), "samples": len(index), "tokens": tokens,
-        "capture_fingerprint": cap_manifest.get("fingerprint"), "route": cap_manifest.get("route"),
+        "format": fmt, "samples": len(index), "tokens": tokens, "dropped": dropped,
         "layout": layout.as_dict(),
         "exported_states": [{"kind": s.kind, "layer": s.layer, "norm": s.norm} for s in states_used],
         "specforge_aux_hidden_state_layer_ids": [i - 1 for i in layout.aux_layer_ids],
         "speculators_eagle_aux_hidden_state_layer_ids": list(layout.aux_layer_ids),
         "dtype": "bf16", "notes": notes,
     }
-    atomic_write(out / "manifest.json" if fmt == "specforge-offline" or not speculators_data
-                 else out / "hidden_states" / "manifest.json",
-                 orjson.dumps({**summary, "files": index}, option=orjson.OPT_INDENT_2))
-    return summary
+    return summary, index
 
 
 def _empty():

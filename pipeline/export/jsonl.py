@@ -372,10 +372,16 @@ def run_export(args: argparse.Namespace) -> int:
     if args.format in HIDDEN_FORMATS:
         from .hidden import export_hidden
 
-        result = export_hidden(args.run_dir, args.format, local_out(args.out), args.speculators_data)
+        if args.keep_truncated or args.per_turn:
+            raise ConfigError(f"--format {args.format}: --keep-truncated and --per-turn are for the JSONL formats "
+                              "(a hidden-state export keeps truncated samples with their last position masked)")
+        filters = Filters(args.drop_truncated, args.drop_flagged, frozenset(args.sources) if args.sources else None)
+        result = export_hidden(args.run_dir, args.format, local_out(args.out), args.speculators_data, filters)
         for note in result.get("notes", []):
             print(f"regen: {note}", file=sys.stderr)
-        print(f"regen: {args.format}: {result.get('samples', result.get('written', '?'))} samples in {args.out} "
+        for reason, count in sorted(result.get("dropped", {}).items()):
+            print(f"regen: dropped ({reason}): {count}", file=sys.stderr)
+        print(f"regen: {args.format}: {result['samples']} samples in {result['out']} "
               f"(manifest.json says which layers and which norm convention)", file=sys.stderr)
         return 0
     summary = export_run(args.run_dir, args.format, local_out(args.out), drop_truncated=args.drop_truncated,

@@ -94,8 +94,17 @@ class CaptureLayout:
                    d.get("dtype", "bf16"), states)
 
 
-def capture_fingerprint(route: str, layout: CaptureLayout) -> str:
-    """The capture's identity: route, model, layers and dtype (a resume with another is drift)."""
+def capture_fingerprint(route: str, layout: CaptureLayout, model_identity: dict[str, Any] | None = None,
+                        compute_dtype: str | None = None) -> str:
+    """The capture's identity: route, model (its path and what its config and weight files say it is), layers,
+    stored and compute dtype (a resume with another is drift)."""
     ident = {"route": route, "model": layout.model, "aux_layer_ids": list(layout.aux_layer_ids),
-             "states": [[s.kind, s.layer] for s in layout.states], "dtype": layout.dtype}
+             "states": [[s.kind, s.layer] for s in layout.states], "dtype": layout.dtype,
+             "num_layers": layout.num_layers, "hidden_size": layout.hidden_size,
+             "model_identity": model_identity or {}, "compute_dtype": compute_dtype}
     return hashlib.sha256(orjson.dumps(ident, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+def layout_shape(layout: dict[str, Any]) -> dict[str, Any]:
+    """What an actor's route must agree on with capture.json before it stores a state."""
+    return {key: layout.get(key) for key in ("num_layers", "hidden_size", "aux_layer_ids", "states")}

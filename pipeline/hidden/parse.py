@@ -67,6 +67,15 @@ class HiddenStateMismatch(TerminalForPrompt, HiddenStateError):
     """The hidden states of one answer are malformed or do not line up with the token counts."""
 
 
+class CaptureSampleError(TerminalForPrompt, HiddenStateError):
+    """The capture route cannot take one sample (an id past the model's vocabulary, a sequence past its context):
+    names the prompt and sample; only that prompt fails."""
+
+
+class StoredLayoutMismatch(HiddenStateError):
+    """A stored sample does not have capture.json's layout (a capture that mixed two models): names the sample."""
+
+
 class InsufficientStorage(StorageError):
     """The estimated hidden-state bytes do not fit in the free space (unless forced)."""
 
@@ -276,17 +285,32 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def check_free_space(path: str | Path, needed_bytes: int, force: bool) -> dict[str, Any]:
+def human_bytes(n: float) -> str:
+    """Decimal units, about 3 significant digits: 612 kB, 7.74 TB (a small need is never "0.00 TB")."""
+    unit = "B"
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            break
+        n /= 1000
+    digits = 0 if unit == "B" or abs(n) >= 100 else (1 if abs(n) >= 10 else 2)
+    return f"{n:.{digits}f} {unit}"
+
+
+GENERATION_ADVICE = "Free space, point output_dir elsewhere, lower the prompt count or max tokens"
+
+
+def check_free_space(path: str | Path, needed_bytes: int, force: bool,
+                     advice: str = GENERATION_ADVICE) -> dict[str, Any]:
     """Refuse (InsufficientStorage) when `needed_bytes` exceed the free space of the filesystem holding
-    `path` (or its nearest existing parent), unless `force`. Returns {needed_bytes, free_bytes, fits, message}."""
+    `path` (or its nearest existing parent), unless `force`. `advice`: what the caller's user can change.
+    Returns {needed_bytes, free_bytes, fits, message}."""
     where = _existing(Path(path))
     free = shutil.disk_usage(where).free
     fits = needed_bytes <= free
-    message = (f"hidden states need about {needed_bytes / TB:.2f} TB ({needed_bytes:,} bytes); "
-               f"{free / TB:.2f} TB free at {where}")
+    message = (f"hidden states need about {human_bytes(needed_bytes)} ({needed_bytes:,} bytes); "
+               f"{human_bytes(free)} free at {where}")
     if not fits and not force:
-        raise InsufficientStorage(f"{message}. Free space, point output_dir elsewhere, lower the prompt count "
-                                  "or max tokens, or pass --force to start anyway.")
+        raise InsufficientStorage(f"{message}. {advice}, or pass --force to start anyway.")
     return {"needed_bytes": int(needed_bytes), "free_bytes": int(free), "fits": fits, "message": message}
 
 
@@ -301,6 +325,7 @@ from .parts import (
 )
 
 __all__ = ["GenerateResult", "HiddenPartWriter", "HiddenPrefixShortfall", "HiddenSample", "HiddenStateError",
-           "HiddenStateMismatch", "HiddenWidthMismatch", "InsufficientStorage", "align", "check_free_space",
+           "HiddenStateMismatch", "CaptureSampleError", "HiddenWidthMismatch", "InsufficientStorage", "StoredLayoutMismatch",
+           "align", "check_free_space", "human_bytes",
            "estimate_bytes", "garbage_hidden_parts", "hidden_parts", "iter_hidden", "parse_generate_response",
            "referenced_hidden_parts"]

@@ -9,14 +9,17 @@ stores it (hidden/parts.py). Routes:
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..core.errors import ConfigError
 from .layout import AUX, FINAL_POST_NORM, LAST_PRE_NORM, CaptureLayout
+from .parse import CaptureSampleError
 
 
 class CaptureRoute(Protocol):
@@ -47,12 +50,15 @@ class TransformersRoute:
         if opts.threads:
             torch.set_num_threads(opts.threads)
         config = AutoConfig.from_pretrained(opts.model)
+        self.model_identity = model_identity(opts.model, config)
         text = getattr(config, "text_config", None) or config
-        self.layout = CaptureLayout.build(opts.model, int(text.num_hidden_layers), int(text.hidden_size),
-                                          list(opts.aux_layer_ids) if opts.aux_layer_ids else None)
+        aux = list(opts.aux_layer_ids) if opts.aux_layer_ids else None
+        self.layout = CaptureLayout.build(normalised_model(opts.model), int(text.num_hidden_layers),
+                                          int(text.hidden_size), aux)
         self.device = "cuda" if torch.cuda.is_available() and os.environ.get("REGEN_CAPTURE_CPU") != "1" else "cpu"
         self.model = AutoModelForCausalLM.from_pretrained(opts.model, dtype=getattr(torch, opts.torch_dtype))
         self.model.to(self.device).eval()
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.decoder_layers = self.model.get_decoder().layers
         if len(self.decoder_layers) != self.layout.num_layers:
             raise ConfigError(f"{opts.model}: {len(self.decoder_layers)} decoder layers, config says "
@@ -60,6 +66,10 @@ class TransformersRoute:
 
     def capture(self, token_ids: list[int]) -> np.ndarray:
         torch = self.torch
+        bad = next(((k, t) for k, t in enumerate(token_ids) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise CaptureSampleError(f"token id {bad[1]} at position {bad[0]} is outside the model's vocabulary "
+                                     f"(0..{self.vocab_size - 1})")
         seen: dict[str, object] = {}
 
         def keep(_module, _inputs, output):
@@ -95,19 +105,55 @@ def build_route(cfg, owner=None) -> CaptureRoute:
     return VllmRoute(cfg, owner)
 
 
-def layout_for(cfg) -> CaptureLayout:
-    """The layout a capture config gives, from the model's config alone (the driver loads no weights)."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json", ".bin.index.json")
+
+
+def normalised_model(model: str) -> str:
+    """A local model folder as its absolute path (a trailing slash or `./` is the same folder); a hub id as is."""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.is_dir() else model
+
+
+def model_identity(model: str, config) -> dict[str, Any]:
+    """What the model is, beyond its name: the config's shape and the weight files' names, sizes and mtimes
+    (replaced weights at the same path are another model; stat only, no read), or the hub revision."""
+    text = getattr(config, "text_config", None) or config
+    ident: dict[str, Any] = {"architectures": list(getattr(config, "architectures", None) or []),
+                             "model_type": getattr(config, "model_type", None),
+                             "num_hidden_layers": int(text.num_hidden_layers), "hidden_size": int(text.hidden_size),
+                             "vocab_size": getattr(text, "vocab_size", None)}
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        files = sorted(f for f in folder.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
+        listing = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        ident["weights"] = hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
+    else:
+        ident["revision"] = getattr(config, "_commit_hash", None)
+    return ident
+
+
+def _model_config(model: str):
     try:
         from transformers import AutoConfig
     except ImportError:
         raise ConfigError("regen capture needs transformers to read the model's config (pip install transformers)") \
             from None
     try:
-        config = AutoConfig.from_pretrained(cfg.model)
+        return AutoConfig.from_pretrained(model)
     except OSError as exc:
-        raise ConfigError(f"capture model {cfg.model!r}: cannot read its config.json ({exc})") from None
-    text = getattr(config, "text_config", None) or config
+        raise ConfigError(f"capture model {model!r}: cannot read its config.json ({exc})") from None
+
+
+def layout_for(cfg) -> CaptureLayout:
+    """The layout a capture config gives, from the model's config alone (the driver loads no weights)."""
+    text = getattr(config := _model_config(cfg.model), "text_config", None) or config
     try:
-        return CaptureLayout.build(cfg.model, int(text.num_hidden_layers), int(text.hidden_size), cfg.aux_layer_ids)
+        return CaptureLayout.build(normalised_model(cfg.model), int(text.num_hidden_layers), int(text.hidden_size),
+                                   cfg.aux_layer_ids)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def identity_for(cfg) -> dict[str, Any]:
+    """The model identity a capture config names (config.json and weight files' stat, no weights loaded)."""
+    return model_identity(cfg.model, _model_config(cfg.model))

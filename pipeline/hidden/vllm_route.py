@@ -51,12 +51,13 @@ class RequestOwner:
 
 class VllmRoute:
     def __init__(self, cfg, owner: RequestOwner | None = None):
-        from .routes import layout_for
+        from .routes import identity_for, layout_for
 
         self.cfg, self.opts = cfg, cfg.vllm
         self.owner = owner or RequestOwner(uuid.uuid4().hex[:12], uuid.uuid4().hex[:12])
         self.requests = itertools.count()
         self.layout: CaptureLayout = layout_for(cfg)
+        self.model_identity = identity_for(cfg)
         self.url = self.opts.url.rstrip("/")
         self.key = os.environ.get(self.opts.api_key_env) if self.opts.api_key_env else None
         self.model = self.opts.model or self._get("/v1/models")["data"][0]["id"]
