@@ -4,11 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from .config import RayOptions, _describe, _Strict
-from .errors import ConfigError
+from .config import RayOptions, _Strict, load_yaml_model
 
 
 class VllmCapture(_Strict):
@@ -53,16 +51,4 @@ class CaptureConfig(_Strict):
 
 
 def load_capture_config(path: str | Path) -> CaptureConfig:
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"capture config file not found: {path}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the capture config must be a mapping of keys")
-    try:
-        return CaptureConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc, path)) from None
+    return load_yaml_model(path, CaptureConfig, "capture config")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -319,17 +319,25 @@ def _describe(error: ValidationError, path: Path) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | Path) -> RunConfig:
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def load_yaml_model(path: str | Path, model: type[_M], what: str = "config") -> _M:
+    """A YAML file validated into `model`; every problem is a ConfigError naming the file (and the key)."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
+        raise ConfigError(f"{what} file not found: {path}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the config must be a mapping of keys")
+        raise ConfigError(f"{path}: the {what} must be a mapping of keys")
     try:
-        return RunConfig.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, path)) from None
+
+
+def load_config(path: str | Path) -> RunConfig:
+    return load_yaml_model(path, RunConfig)
