@@ -149,3 +149,29 @@ def test_a_server_crash_charges_only_the_prompt_that_caused_it(monkeypatch):
     kinds = result.kinds()
     assert kinds == {"poison": ["terminal"], **{f"p{i}": [DONE] for i in range(24)}}, kinds
     assert result.finished["poison"][0][0].message.startswith("the server dropped the connection on this prompt 3")
+
+
+def test_suspects_run_alone_on_a_half_open_endpoint_after_a_crash(monkeypatch):
+    """A crash drops the connections and the circuit opens; the probe leaves the endpoint half-open (probing), and
+    only a request that succeeds makes it healthy again. Before the fix suspects ran alone only on a healthy
+    endpoint: with just suspects left nothing was ever sent, and probing is not down, so the run hung forever."""
+    from pipeline.core.errors import ConnectionDropped
+    from pipeline.endpoints.client import EndpointClient
+
+    real_chat = EndpointClient.chat
+
+    async def chat(self, messages, seed):
+        if "[crash-server]" in messages[-1]["content"]:
+            raise ConnectionDropped("connection failed: server disconnected", endpoint=self.label)
+        return await real_chat(self, messages, seed)
+
+    monkeypatch.setattr(EndpointClient, "chat", chat)
+    with emulators(1, preset="kimi") as (server,):
+        cfg = make_cfg([{"url": server.url, "name": "only", "concurrency": 4}], hedge_tail=False,
+                       circuit_failures=1, max_connection_drops=2, dead_fleet_deadline_s=60)
+        items = [work_item("poison", "[crash-server] Name a fact.", cfg), work_item("p0", "Name a fact.", cfg)]
+        result = run_local(cfg, items, time_limit_s=20)
+    assert result.seconds < 15, f"the run hung with only a suspect left ({result.seconds:.0f}s)"
+    assert result.kinds() == {"poison": ["terminal"], "p0": [DONE]}
+    assert result.finished["poison"][0][0].message.startswith("the server dropped the connection on this prompt 2")
+

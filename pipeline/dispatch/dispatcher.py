@@ -190,8 +190,8 @@ class Dispatcher:
         chosen = self.slots.get(iso.endpoint) if iso.endpoint else None
         if chosen is None or not self._can_isolate(chosen):
             usable = [s for s in self.slots.values() if self._can_isolate(s)]
-            # an endpoint whose actor has been dying is the last choice: it would charge the innocent
-            chosen = min(usable, key=lambda s: (s.losses > 0, len(s.assigned)), default=None)
+            # a healthy endpoint first; one whose actor has been dying is the last choice: it would charge the innocent
+            chosen = min(usable, key=lambda s: (s.losses > 0, s.state != "healthy", len(s.assigned)), default=None)
             iso.endpoint = chosen.label if chosen else None
         if chosen is not slot:
             return None
@@ -206,7 +206,9 @@ class Dispatcher:
 
     @staticmethod
     def _can_isolate(slot: Slot) -> bool:
-        return slot.state == "healthy" and not slot.draining and slot.handle is not None
+        # A half-open endpoint may too: the suspect is its one probing request. Only a request that succeeds
+        # closes the circuit, so with only suspects left a run that waited for a healthy endpoint would hang.
+        return slot.state in ("healthy", "probing") and not slot.draining and slot.handle is not None
 
     # --- outcomes -----------------------------------------------------------------------------------
     def _absorb(self, slot: Slot, exchange: Exchange) -> None:
