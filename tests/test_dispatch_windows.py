@@ -175,3 +175,28 @@ def test_suspects_run_alone_on_a_half_open_endpoint_after_a_crash(monkeypatch):
     assert result.kinds() == {"poison": ["terminal"], "p0": [DONE]}
     assert result.finished["poison"][0][0].message.startswith("the server dropped the connection on this prompt 2")
 
+
+def test_an_endpoint_that_left_for_a_contract_error_stays_out_while_its_entry_is_unchanged(monkeypatch):
+    """Every request to the only endpoint is refused with a ContractError (a field the readmission preflight does not
+    send), and an endpoints file still lists it. Before the fix the watch re-added it on its next read though the
+    file had not changed: it left and rejoined forever, each rejoin reset the dead-fleet clock, and the run never
+    ended. It stays out until its entry changes: with none left the run ends with the clear error."""
+    import pytest
+
+    from pipeline.core.config import Endpoint
+    from pipeline.core.errors import ContractError, RunFatal
+    from pipeline.endpoints.client import EndpointClient
+
+    async def chat(self, messages, seed):
+        raise ContractError("unknown field `sampling_seed`", endpoint=self.label)
+
+    monkeypatch.setattr(EndpointClient, "chat", chat)
+    with emulators(1, preset="kimi") as (server,):
+        entries = [{"url": server.url, "name": "only", "concurrency": 4}]
+        cfg = make_cfg(entries, hedge_tail=False, dead_fleet_deadline_s=60)
+        listed = [Endpoint.model_validate(e) for e in entries]
+        items = [work_item(f"p{i}", f"Question {i}", cfg) for i in range(4)]
+        started = time.monotonic()
+        with pytest.raises(RunFatal, match="every endpoint left the fleet"):
+            run_local(cfg, items, time_limit_s=10, fleet_watch=lambda: listed)
+    assert time.monotonic() - started < 8, "the endpoint left and rejoined until the time limit"

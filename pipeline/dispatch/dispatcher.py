@@ -93,6 +93,8 @@ class Dispatcher:
         self.requeued = 0
         self.fleet_changes: list[str] = []
         self.fleet_read: dict[str, Endpoint] = {e.label: e for e in fleet}  # the endpoints file's last read
+        # Endpoints that left for an endpoint-fatal error, with their entry then: they stay out until it changes.
+        self.left_fatal: dict[str, Endpoint] = {}
         self.hedged: set[str] = set()  # prompts re-run on an idle endpoint at the tail of the run
         self.mean_latency: float | None = None  # moving average of a prompt's latency
 
@@ -246,7 +248,11 @@ class Dispatcher:
         if fatal is not None:
             raise RunFatal(f"endpoint {fatal.endpoint} cannot write the run's output: {fatal.message}")
         if exchange.state == "fatal":
-            self._drop(slot, str(exchange.stats.get("last_error", "endpoint-fatal error")))
+            why = str(exchange.stats.get("last_error", "endpoint-fatal error"))
+            if self.fleet_watch is not None:
+                self.left_fatal[slot.label] = slot.endpoint
+                why += "; it stays out until its entry in the endpoints file changes"
+            self._drop(slot, why)
 
     def _held_elsewhere(self, prompt_id: str, slot: Slot) -> bool:
         return any(prompt_id in other.assigned for other in self.slots.values() if other is not slot)
@@ -341,8 +347,12 @@ class Dispatcher:
             self.fleet_read = wanted
             log.info("endpoints file changed (%d endpoints); applied once the next read agrees", len(wanted))
             return
+        for label in [label for label, entry in self.left_fatal.items() if wanted.get(label) != entry]:
+            del self.left_fatal[label]  # its entry changed, or it was removed: a new or re-added entry may join
         for label, endpoint in wanted.items():
             slot = self.slots.get(label)
+            if slot is None and label in self.left_fatal:
+                continue
             if slot is None:
                 log.info("endpoint %s joins the fleet; it gets work once it passes the preflight", label)
                 self.fleet_changes.append(f"+{label}")
