@@ -206,11 +206,13 @@ class Dispatcher:
                 return [item]
         return []
 
-    @staticmethod
-    def _can_isolate(slot: Slot) -> bool:
-        # A half-open endpoint may too: the suspect is its one probing request. Only a request that succeeds
-        # closes the circuit, so with only suspects left a run that waited for a healthy endpoint would hang.
-        return slot.state in ("healthy", "probing") and not slot.draining and slot.handle is not None
+    def _can_isolate(self, slot: Slot) -> bool:
+        if slot.draining or slot.handle is None:
+            return False
+        # Half-open, once the router has no prompt to probe with: the suspect is then its one request. Only a
+        # request that succeeds closes a circuit, so with only suspects left, waiting for a healthy endpoint
+        # would hang the run; while other work is queued, a suspect that crashes it would only starve that work.
+        return slot.state == "healthy" or (slot.state == "probing" and not len(self.router))
 
     # --- outcomes -----------------------------------------------------------------------------------
     def _absorb(self, slot: Slot, exchange: Exchange) -> None:
