@@ -200,3 +200,38 @@ def test_an_endpoint_that_left_for_a_contract_error_stays_out_while_its_entry_is
         with pytest.raises(RunFatal, match="every endpoint left the fleet"):
             run_local(cfg, items, time_limit_s=10, fleet_watch=lambda: listed)
     assert time.monotonic() - started < 8, "the endpoint left and rejoined until the time limit"
+
+
+def test_an_endpoint_that_left_for_a_contract_error_rejoins_once_its_entry_changes(monkeypatch):
+    """The operator fixes the server that was refused and edits its line in the endpoints file: it joins again
+    (once, after its preflight) and takes work, while the other endpoint keeps running."""
+    from pipeline.core.config import Endpoint
+    from pipeline.core.errors import ContractError
+    from pipeline.endpoints.client import EndpointClient
+
+    real_chat = EndpointClient.chat
+    refused: list[float] = []
+
+    async def chat(self, messages, seed):
+        if self.label == "fixed" and len(listed) == 1:
+            refused.append(time.monotonic())
+            raise ContractError("unknown field `sampling_seed`", endpoint=self.label)
+        return await real_chat(self, messages, seed)
+
+    monkeypatch.setattr(EndpointClient, "chat", chat)
+    with emulators(1, preset="kimi", tok_per_s=8) as (slow,), emulators(1, preset="kimi") as (fixed,):
+        entries = [{"url": slow.url, "name": "slow", "concurrency": 1},
+                   {"url": fixed.url, "name": "fixed", "concurrency": 4}]
+        cfg = make_cfg(entries, hedge_tail=False)
+        listed = [[Endpoint.model_validate(e) for e in entries]]
+
+        def watch():
+            if refused and time.monotonic() - refused[0] > 1.0 and len(listed) == 1:
+                listed.append([listed[0][0], Endpoint.model_validate({**entries[1], "concurrency": 2})])
+            return listed[-1]
+
+        items = [work_item(f"p{i}", f"Question {i}", cfg) for i in range(12)]
+        result = run_local(cfg, items, time_limit_s=60, fleet_watch=watch)
+    assert result.kinds() == {item.prompt_id: [DONE] for item in items}
+    assert result.dispatcher.fleet_changes == ["-fixed", "+fixed"]
+    assert any(outcome.endpoint == "fixed" for [(outcome, _)] in result.finished.values())
