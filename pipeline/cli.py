@@ -54,6 +54,9 @@ def _validate(args: argparse.Namespace) -> int:
         if probe.read == 0:  # as `regen generate` refuses it (NoValidPrompts)
             unreadable += 1
             print("  no records: regen generate refuses a source without a valid prompt")
+        elif probe.no_valid is not None:
+            unreadable += 1
+            print(f"  {probe.no_valid}")
     for endpoint in cfg.all_endpoints():
         secret = ""
         if endpoint.api_key_env:
@@ -62,7 +65,7 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"endpoint {endpoint.label}: {endpoint.url}, concurrency {endpoint.concurrency}{secret}")
     if unreadable:
         print(f"regen: error: {args.config}: {unreadable} of {len(cfg.sources)} sources cannot be read or hold no "
-              "records",
+              "valid prompt",
               file=sys.stderr)
         return 2
     print(f"{args.config} is valid: model {cfg.model}, fingerprint {cfg.fingerprint()}")

@@ -264,7 +264,9 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
         return report_complete(run_dir, progress())
     check_hidden_space(cfg, opts, run_dir, prompts, pending)
     with local_fleet(cfg.local_fleet, run_dir.local_logs()):
-        fleet = fleet_preflight(cfg, run_dir, longest_prompt(prompts) if cfg.hidden_states.enabled else None)
+        longest = longest_prompt(prompts, load_length_check(cfg.max_prompt_tokens, cfg.tokenizer or cfg.model)) \
+            if cfg.hidden_states.enabled else None
+        fleet = fleet_preflight(cfg, run_dir, longest)
         if not pending:
             return report_complete(run_dir, progress())
         log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed),

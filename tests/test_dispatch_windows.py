@@ -149,3 +149,89 @@ def test_a_server_crash_charges_only_the_prompt_that_caused_it(monkeypatch):
     kinds = result.kinds()
     assert kinds == {"poison": ["terminal"], **{f"p{i}": [DONE] for i in range(24)}}, kinds
     assert result.finished["poison"][0][0].message.startswith("the server dropped the connection on this prompt 3")
+
+
+def test_suspects_run_alone_on_a_half_open_endpoint_after_a_crash(monkeypatch):
+    """A crash drops the connections and the circuit opens; the probe leaves the endpoint half-open (probing), and
+    only a request that succeeds makes it healthy again. Before the fix suspects ran alone only on a healthy
+    endpoint: with just suspects left nothing was ever sent, and probing is not down, so the run hung forever."""
+    from pipeline.core.errors import ConnectionDropped
+    from pipeline.endpoints.client import EndpointClient
+
+    real_chat = EndpointClient.chat
+
+    async def chat(self, messages, seed):
+        if "[crash-server]" in messages[-1]["content"]:
+            raise ConnectionDropped("connection failed: server disconnected", endpoint=self.label)
+        return await real_chat(self, messages, seed)
+
+    monkeypatch.setattr(EndpointClient, "chat", chat)
+    with emulators(1, preset="kimi") as (server,):
+        cfg = make_cfg([{"url": server.url, "name": "only", "concurrency": 4}], hedge_tail=False,
+                       circuit_failures=1, max_connection_drops=2, dead_fleet_deadline_s=60)
+        items = [work_item("poison", "[crash-server] Name a fact.", cfg), work_item("p0", "Name a fact.", cfg)]
+        result = run_local(cfg, items, time_limit_s=20)
+    assert result.seconds < 15, f"the run hung with only a suspect left ({result.seconds:.0f}s)"
+    assert result.kinds() == {"poison": ["terminal"], "p0": [DONE]}
+    assert result.finished["poison"][0][0].message.startswith("the server dropped the connection on this prompt 2")
+
+
+def test_an_endpoint_that_left_for_a_contract_error_stays_out_while_its_entry_is_unchanged(monkeypatch):
+    """Every request to the only endpoint is refused with a ContractError (a field the readmission preflight does not
+    send), and an endpoints file still lists it. Before the fix the watch re-added it on its next read though the
+    file had not changed: it left and rejoined forever, each rejoin reset the dead-fleet clock, and the run never
+    ended. It stays out until its entry changes: with none left the run ends with the clear error."""
+    import pytest
+
+    from pipeline.core.config import Endpoint
+    from pipeline.core.errors import ContractError, RunFatal
+    from pipeline.endpoints.client import EndpointClient
+
+    async def chat(self, messages, seed):
+        raise ContractError("unknown field `sampling_seed`", endpoint=self.label)
+
+    monkeypatch.setattr(EndpointClient, "chat", chat)
+    with emulators(1, preset="kimi") as (server,):
+        entries = [{"url": server.url, "name": "only", "concurrency": 4}]
+        cfg = make_cfg(entries, hedge_tail=False, dead_fleet_deadline_s=60)
+        listed = [Endpoint.model_validate(e) for e in entries]
+        items = [work_item(f"p{i}", f"Question {i}", cfg) for i in range(4)]
+        started = time.monotonic()
+        with pytest.raises(RunFatal, match="every endpoint left the fleet"):
+            run_local(cfg, items, time_limit_s=10, fleet_watch=lambda: listed)
+    assert time.monotonic() - started < 8, "the endpoint left and rejoined until the time limit"
+
+
+def test_an_endpoint_that_left_for_a_contract_error_rejoins_once_its_entry_changes(monkeypatch):
+    """The operator fixes the server that was refused and edits its line in the endpoints file: it joins again
+    (once, after its preflight) and takes work, while the other endpoint keeps running."""
+    from pipeline.core.config import Endpoint
+    from pipeline.core.errors import ContractError
+    from pipeline.endpoints.client import EndpointClient
+
+    real_chat = EndpointClient.chat
+    refused: list[float] = []
+
+    async def chat(self, messages, seed):
+        if self.label == "fixed" and len(listed) == 1:
+            refused.append(time.monotonic())
+            raise ContractError("unknown field `sampling_seed`", endpoint=self.label)
+        return await real_chat(self, messages, seed)
+
+    monkeypatch.setattr(EndpointClient, "chat", chat)
+    with emulators(1, preset="kimi", tok_per_s=8) as (slow,), emulators(1, preset="kimi") as (fixed,):
+        entries = [{"url": slow.url, "name": "slow", "concurrency": 1},
+                   {"url": fixed.url, "name": "fixed", "concurrency": 4}]
+        cfg = make_cfg(entries, hedge_tail=False)
+        listed = [[Endpoint.model_validate(e) for e in entries]]
+
+        def watch():
+            if refused and time.monotonic() - refused[0] > 1.0 and len(listed) == 1:
+                listed.append([listed[0][0], Endpoint.model_validate({**entries[1], "concurrency": 2})])
+            return listed[-1]
+
+        items = [work_item(f"p{i}", f"Question {i}", cfg) for i in range(12)]
+        result = run_local(cfg, items, time_limit_s=60, fleet_watch=watch)
+    assert result.kinds() == {item.prompt_id: [DONE] for item in items}
+    assert result.dispatcher.fleet_changes == ["-fixed", "+fixed"]
+    assert any(outcome.endpoint == "fixed" for [(outcome, _)] in result.finished.values())

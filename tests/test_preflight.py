@@ -4,6 +4,7 @@ with one endpoint down, a dead fleet, a hung endpoint, re-admission of a restart
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -407,3 +408,35 @@ def test_refuses_an_aux_capture_that_is_not_eagle3s_layers():
     finally:
         for server in started.values():
             server.stop()
+
+
+def test_the_longest_prompt_is_counted_in_bytes_without_a_tokenizer(caplog):
+    """Chunks are tokens. Before the fix the prompt with the most characters was checked: an English one, while a
+    CJK prompt with fewer characters has several times its tokens. UTF-8 bytes bound tokens from above."""
+    import pyarrow as pa
+
+    from pipeline.store.promptset import longest_prompt
+
+    english, cjk = "The quick brown fox jumps over the lazy dog. " * 60, "敏捷的棕色狐狸跳过了懒狗。" * 150
+    assert len(english) > len(cjk)
+    table = pa.table({"messages": [[{"role": "user", "content": english}], [{"role": "user", "content": cjk}]]})
+    with caplog.at_level(logging.INFO, logger="regen"):
+        assert longest_prompt(table) == [{"role": "user", "content": cjk}]
+    assert any("the prompt with the most UTF-8 bytes (5850) is counted" in r.getMessage() for r in caplog.records)
+
+
+def test_the_longest_prompt_is_counted_in_tokens_with_the_max_prompt_tokens_tokenizer(tmp_path, caplog):
+    """With a tokenizer (max_prompt_tokens) the prompt with the most tokens is checked, not the most bytes."""
+    import pyarrow as pa
+
+    from pipeline.prompts.tokens import load_length_check
+    from pipeline.store.promptset import longest_prompt
+    from tests.test_sharegpt_wild import tiny_tokenizer
+
+    pytest.importorskip("transformers")
+    words, one_word = "a " * 1000, "abcdefghij" * 300  # 1000 tokens in 2000 bytes; 1 token in 3000
+    table = pa.table({"messages": [[{"role": "user", "content": one_word}], [{"role": "user", "content": words}]]})
+    length = load_length_check(10, str(tiny_tokenizer(tmp_path / "tok")))
+    with caplog.at_level(logging.INFO, logger="regen"):
+        assert longest_prompt(table, length) == [{"role": "user", "content": words}]
+    assert any("the longest prompt is 1000 tokens" in r.getMessage() for r in caplog.records)

@@ -282,8 +282,25 @@ def test_validate_refuses_a_source_without_records_like_generate(tmp_path, text)
     out = run_regen("validate", str(config))
     assert out.returncode == 2, out.stdout
     assert "  no records: regen generate refuses a source without a valid prompt" in out.stdout
-    assert "1 of 1 sources cannot be read or hold no records" in out.stderr and "is valid" not in out.stdout
+    assert "1 of 1 sources cannot be read or hold no valid prompt" in out.stderr and "is valid" not in out.stdout
     assert run_regen("generate", "--config", str(config)).returncode == 2
+
+
+def test_validate_refuses_a_source_whose_records_are_all_rejected_like_generate(tmp_path):
+    # Regression: every record rejected, `regen validate` said "is valid" (exit 0); generate stops with exit 2.
+    # Past the first 20 records it reads on until one is valid: a valid 26th record makes the source valid.
+    invalid = [{"id": f"x{i}", "conversations": []} for i in range(25)]
+    config, _, data = setup_run(tmp_path, jsonl(invalid))
+    out, generate = run_regen("validate", str(config)), run_regen("generate", "--config", str(config))
+    assert (out.returncode, generate.returncode) == (2, 2), out.stdout
+    refusal = generate.stderr.strip().splitlines()[-1].removeprefix("regen: error: ")
+    assert refusal.startswith("source 'sharegpt' has no valid prompt: all 25 records were rejected; the most common "
+                              "reasons: empty_conversation 25")
+    assert f"  {refusal}" in out.stdout
+    assert "1 of 1 sources cannot be read or hold no valid prompt" in out.stderr and "is valid" not in out.stdout
+    data.write_bytes(jsonl(invalid + rows(1)))
+    out = run_regen("validate", str(config))
+    assert out.returncode == 0 and "is valid" in out.stdout, out.stdout + out.stderr
 
 
 def test_validate_reports_what_it_sees_in_each_source(tmp_path):

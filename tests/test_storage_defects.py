@@ -151,3 +151,29 @@ def test_a_lease_lost_while_salvaging_keeps_the_error_that_stopped_the_run(objec
         assert run.parts(run.data) == [] and not (run.path / "status.json").exists()
     finally:
         lock.release()
+
+
+def test_a_failed_read_of_the_lease_at_commit_time_is_retried_within_its_slack(object_store):
+    """Before the fix one failed GET of lock.json (a burst of 5xx longer than the SDK's retries) in check() ended
+    the run, where renewal tolerates the same failure for the lease's slack. Two failed reads: the part commits.
+    Reads that keep failing stop it before the lease runs out, resumable (StorageError), nothing committed."""
+    run = RunDir(Location.at(object_store("lease-read")) / "run")
+    lock = RunLock(run, on_lost=lambda: None, lease_s=4, renew_s=3600, settle_s=0).acquire()  # no renewal runs
+    try:
+        committer = buffered_committer(run, lock)
+        storage.arm(Faults(1, "EIO", ops=frozenset({"read"}), where="lock.json", also_at=frozenset({2})))
+        committer.flush()
+        storage.arm(None)
+        assert sorted(run.committed_ids()) == NEW, "committed after the failed reads"
+        for pid in ("m0", "m1"):
+            committer.add_records([record(pid)])
+        storage.arm(Faults(1, "EIO", persistent=True, ops=frozenset({"read"}), where="lock.json"))
+        started = time.monotonic()
+        with pytest.raises(StorageError) as err:
+            committer.flush()
+        storage.arm(None)
+        assert not isinstance(err.value, LeaseLost)
+        assert time.monotonic() - started < 4, "given up before the lease runs out"
+        assert sorted(run.committed_ids()) == NEW and committer.buffered == {"m0", "m1"}, "nothing more committed"
+    finally:
+        lock.release()

@@ -93,6 +93,8 @@ class Dispatcher:
         self.requeued = 0
         self.fleet_changes: list[str] = []
         self.fleet_read: dict[str, Endpoint] = {e.label: e for e in fleet}  # the endpoints file's last read
+        # Endpoints that left for an endpoint-fatal error, with their entry then: they stay out until it changes.
+        self.left_fatal: dict[str, Endpoint] = {}
         self.hedged: set[str] = set()  # prompts re-run on an idle endpoint at the tail of the run
         self.mean_latency: float | None = None  # moving average of a prompt's latency
 
@@ -190,8 +192,8 @@ class Dispatcher:
         chosen = self.slots.get(iso.endpoint) if iso.endpoint else None
         if chosen is None or not self._can_isolate(chosen):
             usable = [s for s in self.slots.values() if self._can_isolate(s)]
-            # an endpoint whose actor has been dying is the last choice: it would charge the innocent
-            chosen = min(usable, key=lambda s: (s.losses > 0, len(s.assigned)), default=None)
+            # a healthy endpoint first; one whose actor has been dying is the last choice: it would charge the innocent
+            chosen = min(usable, key=lambda s: (s.losses > 0, s.state != "healthy", len(s.assigned)), default=None)
             iso.endpoint = chosen.label if chosen else None
         if chosen is not slot:
             return None
@@ -204,9 +206,13 @@ class Dispatcher:
                 return [item]
         return []
 
-    @staticmethod
-    def _can_isolate(slot: Slot) -> bool:
-        return slot.state == "healthy" and not slot.draining and slot.handle is not None
+    def _can_isolate(self, slot: Slot) -> bool:
+        if slot.draining or slot.handle is None:
+            return False
+        # Half-open, once the router has no prompt to probe with: the suspect is then its one request. Only a
+        # request that succeeds closes a circuit, so with only suspects left, waiting for a healthy endpoint
+        # would hang the run; while other work is queued, a suspect that crashes it would only starve that work.
+        return slot.state == "healthy" or (slot.state == "probing" and not len(self.router))
 
     # --- outcomes -----------------------------------------------------------------------------------
     def _absorb(self, slot: Slot, exchange: Exchange) -> None:
@@ -244,7 +250,11 @@ class Dispatcher:
         if fatal is not None:
             raise RunFatal(f"endpoint {fatal.endpoint} cannot write the run's output: {fatal.message}")
         if exchange.state == "fatal":
-            self._drop(slot, str(exchange.stats.get("last_error", "endpoint-fatal error")))
+            why = str(exchange.stats.get("last_error", "endpoint-fatal error"))
+            if self.fleet_watch is not None:
+                self.left_fatal[slot.label] = slot.endpoint
+                why += "; it stays out until its entry in the endpoints file changes"
+            self._drop(slot, why)
 
     def _held_elsewhere(self, prompt_id: str, slot: Slot) -> bool:
         return any(prompt_id in other.assigned for other in self.slots.values() if other is not slot)
@@ -339,8 +349,12 @@ class Dispatcher:
             self.fleet_read = wanted
             log.info("endpoints file changed (%d endpoints); applied once the next read agrees", len(wanted))
             return
+        for label in [label for label, entry in self.left_fatal.items() if wanted.get(label) != entry]:
+            del self.left_fatal[label]  # its entry changed, or it was removed: a new or re-added entry may join
         for label, endpoint in wanted.items():
             slot = self.slots.get(label)
+            if slot is None and label in self.left_fatal:
+                continue
             if slot is None:
                 log.info("endpoint %s joins the fleet; it gets work once it passes the preflight", label)
                 self.fleet_changes.append(f"+{label}")

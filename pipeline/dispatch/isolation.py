@@ -3,9 +3,9 @@
 A server that crashes drops every request in flight on it, and an actor that dies loses all the work it held:
 the prompt that caused it cannot be told from the ones beside it. So such a crash charges nobody. A prompt hit
 by ISOLATE_AFTER crashes (a poison prompt is in every crash it causes; one server killed at random rarely hits a
-prompt twice) becomes a suspect and runs again alone: on one endpoint chosen for it, with nothing else in flight
-there (the endpoint takes no new work until it has drained). A crash during a solo run is the prompt's own and
-is charged; after `max_connection_drops` charged crashes the prompt is a failure row. An innocent prompt
+prompt twice) becomes a suspect and runs again alone: on one endpoint chosen for it, healthy, or half-open when
+no other work is queued (the suspect is then its probe), with nothing else in flight there (the endpoint takes no
+new work until it has drained). A crash during a solo run is the prompt's own and is charged; after `max_connection_drops` charged crashes the prompt is a failure row. An innocent prompt
 completes on its solo run; a poison prompt is terminal after at most max_connection_drops + ISOLATE_AFTER
 crashes. Suspects stay suspects until they finish, and are never hedged (a copy elsewhere would not run alone).
 """

@@ -10,7 +10,9 @@ from typing import Any
 
 from .adapters import to_messages
 from .prompt_set import normalise
-from .records import InvalidRecord, Reject
+from .errors import NoValidPrompts, SourceError
+from .records import InvalidRecord, RawRecord, Reject
+from .report import SourceReport
 from .sources import BOM, ReadStats, SourceSpec, read_records, resolve_files
 
 PROBE_RECORDS = 20
@@ -26,6 +28,8 @@ class Probe:
     containers: dict[str, str] = field(default_factory=dict)
     looks_like: tuple[str, str] | None = None  # (format, conversation field) the records seem to be
     warnings: list[str] = field(default_factory=list)
+    # the first records all rejected: the rest was read, and none is valid (as `regen generate` refuses it)
+    no_valid: NoValidPrompts | None = None
 
     def lines(self) -> list[str]:
         seen = "; ".join(f"{name}: {what}" for name, what in self.containers.items()) or "nothing"
@@ -46,26 +50,44 @@ def probe_source(spec: SourceSpec, records: int = PROBE_RECORDS) -> Probe:
     """Raises SourceError when the source cannot be read at all."""
     probe = Probe(spec)
     stats = ReadStats()
+    report = SourceReport(spec.name)  # every record read, for a source with no valid one
     reader = read_records(spec, stats, stream_hub=True)
     try:
         for rec in itertools.islice(reader, records):
             probe.read += 1
-            if isinstance(rec, Reject):
-                probe.rejected[rec.code] += 1
-                continue
-            if isinstance(rec.data, dict):
-                probe.keys.update(rec.data.keys())
-                probe.looks_like = probe.looks_like or guess_format(rec.data)
+            probe.valid += _valid(spec, rec, report, probe)
+        if probe.read and not probe.valid:  # would the whole source give no prompt? Read on until one is valid
             try:
-                normalise(to_messages(spec, rec.data))
-                probe.valid += 1
-            except InvalidRecord as exc:
-                probe.rejected[exc.code.value] += 1
+                found = any(_valid(spec, rec, report) for rec in reader)
+            except SourceError:  # further on it cannot be read: the probe's lines and warnings say enough
+                found = True
+            if not found:
+                probe.no_valid = NoValidPrompts(spec.name, report.read, report.top_reasons())
     finally:
         reader.close()
     probe.containers = dict(stats.containers)
     _check(probe)
     return probe
+
+
+def _valid(spec: SourceSpec, rec: Reject | RawRecord, report: SourceReport, probe: Probe | None = None) -> bool:
+    """Is the record a prompt? Its reject is counted in `report` (and in the probe of the first records)."""
+    report.read += 1
+    if isinstance(rec, Reject):
+        code, reason = rec.code, rec.reason
+    else:
+        if probe is not None and isinstance(rec.data, dict):
+            probe.keys.update(rec.data.keys())
+            probe.looks_like = probe.looks_like or guess_format(rec.data)
+        try:
+            normalise(to_messages(spec, rec.data))
+            return True
+        except InvalidRecord as exc:
+            code, reason = exc.code.value, exc.reason
+    report.reject(code, reason)
+    if probe is not None:
+        probe.rejected[code] += 1
+    return False
 
 
 def guess_format(data: dict[str, Any]) -> tuple[str, str] | None:
