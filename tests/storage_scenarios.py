@@ -323,7 +323,9 @@ class Lock(Scenario):
     def prepare(self, run: RunDir) -> None:
         run.path.mkdir()
         self.lost = threading.Event()
-        self.lock = RunLock(run, on_lost=self.lost.set, renew_s=3600, settle_s=0)
+        # check_budget_s 0: a failed read of lock.json is not retried, so each injected fault ends its point at
+        # once (the retry has its own test in test_storage_defects.py)
+        self.lock = RunLock(run, on_lost=self.lost.set, renew_s=3600, settle_s=0, check_budget_s=0)
         self.lock._me["pid"] = dead_pid()  # so that a resume in this process may take a lease left behind
 
     def operate(self, run: RunDir) -> None:

@@ -35,7 +35,8 @@ log = logging.getLogger("regen")
 LEASE_S = 60.0
 RENEW_S = 15.0
 SETTLE_S = 1.0
-CHECK_RETRY_S, CHECK_RETRY_MAX_S = 0.2, 5.0  # check()'s retries of a failed read of lock.json, doubling
+CHECK_RETRY_S, CHECK_RETRY_MAX_S = 0.2, 5.0  # check()'s retries of a failed read of lock.json, doubling,
+CHECK_BUDGET_S = RENEW_S  # for at most this long (and never past the lease's slack)
 
 
 def _stop_like_sigterm() -> None:
@@ -54,11 +55,13 @@ def _pid_alive(pid: int) -> bool:
 
 class RunLock:
     def __init__(self, run_dir, on_lost: Callable[[], None] = _stop_like_sigterm,
-                 lease_s: float = LEASE_S, renew_s: float = RENEW_S, settle_s: float = SETTLE_S):
+                 lease_s: float = LEASE_S, renew_s: float = RENEW_S, settle_s: float = SETTLE_S,
+                 check_budget_s: float = CHECK_BUDGET_S):
         self.folder: Location = run_dir.path
         self.holder_path = self.folder / "lock.json"
         self.previous_holder: dict[str, Any] | None = None
         self.on_lost, self.lease_s, self.renew_s, self.settle_s = on_lost, lease_s, renew_s, settle_s
+        self.check_budget_s = check_budget_s
         self._os_lock: int | None = None  # the descriptor holding the OS lock (POSIX)
         self._me = {"pid": os.getpid(), "host": socket.gethostname(), "owner": uuid.uuid4().hex}
         self._leased = False  # object store: this driver wrote its lease and has not released it
@@ -175,19 +178,21 @@ class RunLock:
         """Raise LeaseLost unless this driver still holds the run (the Committer asks before each part). On an
         object store lock.json is read again: a driver that raced this one past SETTLE_S, or took over between
         renewals, holds the run from the moment its lease is written (one small GET per part). A read that fails
-        is retried within the lease's slack, as renewal is; once that runs out nothing is committed either."""
+        is retried for up to `check_budget_s`, within the lease's slack; then nothing is committed either."""
         if self.folder.local:
             if self._os_lock is None:
                 raise LeaseLost(f"{self.folder}: this driver does not hold the run lock")
             return
-        delay, unread = CHECK_RETRY_S, None
+        delay, unread, give_up = CHECK_RETRY_S, None, time.monotonic() + self.check_budget_s
         while self._leased and not self._lost.is_set() and not self._expiring():
             try:
                 holder = self.holder()
             except StorageError as exc:
                 if unread is None:
-                    log.warning("could not read the lease %s (%s); retrying until it runs out", self.holder_path, exc)
+                    log.warning("could not read the lease %s (%s); retrying", self.holder_path, exc)
                 unread = exc
+                if time.monotonic() >= give_up:
+                    raise  # the store, not another driver: the run stops resumable
                 time.sleep(max(0.0, min(delay, self._expires - self._expiry_margin() - time.time())))
                 delay = min(2 * delay, CHECK_RETRY_MAX_S)
                 continue
