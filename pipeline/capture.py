@@ -131,7 +131,7 @@ def pending_samples(run: RunDir, done: set[str], refused: set[tuple[str, int]], 
 
 
 def check_space(cap: RunDir, pending: Pending, width: int, force: bool) -> None:
-    from .hidden.parse import check_free_space, estimate_bytes, human_bytes
+    from .hidden.space import check_free_space, estimate_bytes, human_bytes
 
     needed = estimate_bytes(1, pending.tokens, width)
     if not cap.path.local:

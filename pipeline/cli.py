@@ -18,7 +18,7 @@ def _interrupt(_signum: int, _frame: object) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from .run import GenerateOptions, generate
 
-    return generate(GenerateOptions(args.config, args.new_run, args.refresh_prompts, args.retry_failures, args.force))
+    return generate(GenerateOptions(args.config, args.new_run, args.refresh_prompts, args.retry_failures))
 
 
 def _capture(args: argparse.Namespace) -> int:
@@ -111,8 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--refresh-prompts", action="store_true",
                      help="re-read the sources: new prompts are added, done ones never sent again")
     gen.add_argument("--retry-failures", action="store_true", help="send terminal failures again")
-    gen.add_argument("--force", action="store_true",
-                     help="start even if the hidden states' estimated size exceeds the free disk space")
     gen.set_defaults(func=_generate)
 
     cap = sub.add_parser("capture", help="capture the hidden states of a run's committed records", description=(

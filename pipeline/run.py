@@ -21,8 +21,7 @@ from .core.identity import IDENTITY_VERSION, StoredRecords, check_identity, resu
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
 from .prompts.tokens import load_length_check
-from .store.promptset import (StagedPromptSet, check_source_files, longest_prompt, report_document, source_specs,
-                              stage_prompt_set)
+from .store.promptset import StagedPromptSet, check_source_files, report_document, source_specs, stage_prompt_set
 from .store.rundir import Committer, RunDir, RunLock, now_utc, resolve_run_dir, successor_run_dir
 from .dispatch.cluster import EndpointsFileWatch, init_ray
 from .dispatch.fleet import FleetDrift, FleetFacts, check_fleet_first, fleet_preflight
@@ -40,7 +39,6 @@ class GenerateOptions:
     new_run: bool = False
     refresh_prompts: bool = False
     retry_failures: bool = False
-    force: bool = False  # start even if the hidden states' estimated size exceeds the free space
 
 
 # --- the prompt set ------------------------------------------------------------------------------
@@ -224,10 +222,6 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: St
         if lock.previous_holder:
             log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
         log.info("run directory %s", run_dir.path)
-        if cfg.hidden_states.enabled:
-            log.warning("hidden_states.enabled: the generating-request route is retired (it gives EAGLE-3's aux "
-                        "layers or the last layer, never both, T - 1 rows, and needs --disable-radix-cache); its parts "
-                        "are not exported. Capture after generation instead: regen capture RUN --config capture.yaml")
         try:
             prompts = materialise(cfg, run_dir, opts.refresh_prompts, staged)
             return dispatch_pending(cfg, opts, run_dir, manifest, prompts, stop, lock)
@@ -241,7 +235,6 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: St
 def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any],
                      prompts: pa.Table, stop: StopFlag, lock: RunLock | None = None) -> int:
     from .endpoints.localfleet import local_fleet
-    from .hidden.parts import remove_garbage_hidden_parts
     from .store.progress import Progress
 
     all_ids = prompts.column("prompt_id").to_pylist()
@@ -250,9 +243,6 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     done = committed | (set() if opts.retry_failures else failed)
     pending = [pid for pid in all_ids if pid not in done]
     rejects = run_dir.rejects_table()
-    removed = remove_garbage_hidden_parts(run_dir)  # at every start, also when nothing is pending
-    if removed:
-        log.info("removed %d unreferenced hidden-state parts", removed)
 
     def progress() -> Progress:
         return Progress(run_dir, total=len(all_ids), already_done=len(committed & set(all_ids)),
@@ -262,11 +252,8 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     # --new-run also looks at the weights a complete run is pinned to: other weights make a successor
     if not pending and not (opts.new_run and manifest.get("weight_version") is not None):
         return report_complete(run_dir, progress())
-    check_hidden_space(cfg, opts, run_dir, prompts, pending)
     with local_fleet(cfg.local_fleet, run_dir.local_logs()):
-        longest = longest_prompt(prompts, load_length_check(cfg.max_prompt_tokens, cfg.tokenizer or cfg.model)) \
-            if cfg.hidden_states.enabled else None
-        fleet = fleet_preflight(cfg, run_dir, longest)
+        fleet = fleet_preflight(cfg, run_dir)
         if not pending:
             return report_complete(run_dir, progress())
         log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed),
@@ -300,25 +287,6 @@ def report_complete(run_dir: RunDir, progress) -> int:
     print(f"run {run_dir.path} is complete: {progress.already_done} records, "
           f"{progress.failed_before} failures, nothing pending", file=sys.stderr)
     return 0
-
-
-def check_hidden_space(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts: pa.Table,
-                       pending: list[str]) -> None:
-    """Check that the pending work's hidden states fit on the disk (refused unless --force)."""
-    from .hidden.parse import check_free_space, estimate_bytes
-
-    if not cfg.hidden_states.enabled or not pending:
-        return
-    chars = sum(len(m["content"]) for conv in prompts.column("messages").slice(0, 2000).to_pylist() for m in conv)
-    mean_prompt_tokens = chars / max(1, min(2000, prompts.num_rows)) / 4  # ~4 characters a token
-    tokens = int(mean_prompt_tokens + cfg.sampling.max_tokens)
-    needed = estimate_bytes(len(pending), tokens, cfg.hidden_states.expected_width)
-    if not run_dir.path.local:
-        log.info("hidden states need about %.2f TB on %s (an object store: no capacity check)", needed / 1e12,
-                 run_dir.path)
-        return
-    fit = check_free_space(run_dir.path, needed, force=opts.force)
-    log.info("%s (about %d tokens a sample)%s", fit["message"], tokens, "" if fit["fits"] else ": forced")
 
 
 def salvage(committer: Committer, progress, state: str) -> None:
@@ -368,7 +336,7 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
 
     dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
                             make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines, fleet.run_engines),
-                                               cfg.api_key, run_dir.path.uri, fleet.longest_prompt),
+                                               cfg.api_key),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
                             unreachable=fleet.unreachable)
     try:

@@ -19,7 +19,7 @@ from tests.helpers import free_port, require_installed
 
 REPO = Path(__file__).resolve().parent.parent
 # Test credentials for the local S3 server (moto), set before the Ray head starts so that its workers (the
-# endpoint actors that write hidden-state parts) inherit them, as they would a node's real credentials.
+# capture actors that write hidden-state parts) inherit them, as they would a node's real credentials.
 for _key, _value in {"AWS_ACCESS_KEY_ID": "regen-test", "AWS_SECRET_ACCESS_KEY": "regen-test",
                      "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
     os.environ.setdefault(_key, _value)

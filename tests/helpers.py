@@ -121,25 +121,6 @@ def temp_files(run: Path) -> list[Path]:
     return [p for p in run.rglob(".tmp-*")]
 
 
-def assert_emulated_hidden_states(rows: list[dict], samples: list, width: int) -> None:
-    """Every stored sample is the emulator's deterministic hidden states of its data row's prompt + completion:
-    row i belongs to token i, the last token has none, and the loss mask covers the completion."""
-    import numpy as np
-
-    from pipeline.emulator.hidden import hidden_rows
-
-    by_key = {(r["prompt_id"], r["turn_index"]): r for r in rows}
-    assert len(samples) == len(rows)
-    for sample in samples:
-        row = by_key[(sample.prompt_id, sample.turn_index)]
-        tokens = row["prompt_token_ids"] + row["output_token_ids"]
-        assert list(sample.token_ids) == tokens and sample.n_prompt == row["prompt_tokens"]
-        assert sample.hidden.shape == (len(tokens) - 1, width), "row i belongs to token i; the last has none"
-        f32 = hidden_rows(tokens[:-1], range(len(tokens) - 1), width).astype(np.float32)
-        assert np.array_equal(sample.hidden.view(np.uint16), (f32.view(np.uint32) >> 16).astype(np.uint16))
-        assert list(sample.loss_mask) == [0] * row["prompt_tokens"] + [1] * row["completion_tokens"]
-
-
 @contextlib.contextmanager
 def emulators(n: int, **options: Any):
     """n SGLang emulators for one test, stopped afterwards."""

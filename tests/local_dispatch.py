@@ -43,7 +43,7 @@ class LocalRun:
         return {pid: [o.kind for o, _ in outs] for pid, outs in self.finished.items()}
 
 
-def run_local(cfg: RunConfig, items: list[WorkItem], run_dir: str = "", time_limit_s: float = 60.0,
+def run_local(cfg: RunConfig, items: list[WorkItem], time_limit_s: float = 60.0,
               fleet_watch: Callable | None = None, unreachable: set[str] = frozenset(),
               factory: Callable | None = None, transport: LocalTransport | None = None,
               finished: dict | None = None, **worker_options: Any) -> LocalRun:
@@ -51,7 +51,7 @@ def run_local(cfg: RunConfig, items: list[WorkItem], run_dir: str = "", time_lim
     Raises what the dispatcher raises (RunFatal): `finished`, if given, still holds what was finished before.
     `LocalRun.seconds` is the wall time."""
     worker_options = {"backoff_initial_s": 0.05, "backoff_max_s": 0.5, **worker_options}
-    factory = factory or local_worker_factory(cfg, client_settings(cfg), cfg.api_key, run_dir, **worker_options)
+    factory = factory or local_worker_factory(cfg, client_settings(cfg), cfg.api_key, **worker_options)
     transport = transport or LocalTransport()
     started = time.monotonic()
     result: LocalRun | None = None

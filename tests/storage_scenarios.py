@@ -30,13 +30,17 @@ PRIOR = ["p0", "p1"]  # committed before the operation
 NEW = ["n0", "n1", "n2"]  # buffered when it runs
 
 
-def record(pid: str, hidden: tuple[str, int] | None = None) -> dict:
-    row = {"prompt_id": pid, "turn_index": 0, "n_turns": 1, "source": "s",
-           "messages": [{"role": "user", "content": f"question {pid}"}], "content": f"answer {pid}",
-           "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 2, "created_at": CREATED}
-    if hidden:
-        row["hidden_part"], row["hidden_row"] = hidden
-    return row
+def record(pid: str) -> dict:
+    return {"prompt_id": pid, "turn_index": 0, "n_turns": 1, "source": "s",
+            "messages": [{"role": "user", "content": f"question {pid}"}], "content": f"answer {pid}",
+            "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 2, "created_at": CREATED}
+
+
+def ledger_row(pid: str, part: str, row: int, n_tokens: int) -> dict:
+    """A capture ledger row (schema.CAPTURE) naming its sample's hidden part."""
+    return {"prompt_id": pid, "turn_index": 0, "sample_id": f"{pid}#turn0", "n_tokens": n_tokens, "n_prompt": 4,
+            "finish_reason": "stop", "hidden_part": part, "hidden_row": row, "actor": "e0", "capture_s": 0.0,
+            "capture_fingerprint": "fp", "created_at": CREATED}
 
 
 def failure(pid: str) -> dict:
@@ -152,12 +156,13 @@ class FailureCommit(DataCommit):
 
 def hidden_samples() -> dict[str, tuple[list[int], int, np.ndarray]]:
     rng = np.random.default_rng(13)
-    return {pid: (list(range(10 + i)), 4, rng.integers(0, 2**16, size=(9 + i, 24), dtype=np.uint16))
+    return {pid: (list(range(10 + i)), 4, rng.integers(0, 2**16, size=(10 + i, 24), dtype=np.uint16))
             for i, pid in enumerate(NEW[:2])}
 
 
 class HiddenPart(Scenario):
-    """HiddenPartWriter.commit, then the data rows that reference the part (the commit point)."""
+    """A capture actor's HiddenPartWriter.commit, then the ledger rows that reference the part (the commit point).
+    The run here is the capture's own run directory (RUN/capture: data/ its ledger, hidden/ its parts)."""
 
     name = "hidden part"
 
@@ -166,7 +171,7 @@ class HiddenPart(Scenario):
         self.counter = iter(range(1, 10**6))  # the actor's part counter
         self.writer = self.new_writer(run, self.counter)
         self.committed: tuple[str, dict] | None = None
-        self.committer = Committer(run, set(), 100, 3600)
+        self.committer = Committer(run, set(), 100, 3600, schema.CAPTURE)
 
     @staticmethod
     def new_writer(run: RunDir, counter) -> HiddenPartWriter:
@@ -177,8 +182,9 @@ class HiddenPart(Scenario):
 
     def add_rows(self) -> None:
         part, rows = self.committed
+        samples = hidden_samples()
         for (pid, _turn), row in rows.items():
-            self.committer.add_records([record(pid, (part, row))])
+            self.committer.add_records([ledger_row(pid, part, row, len(samples[pid][0]))])
 
     def operate(self, run: RunDir) -> None:
         self.committed = self.writer.commit()
@@ -194,10 +200,10 @@ class HiddenPart(Scenario):
     def resume(self, run: RunDir) -> None:
         run = RunDir(run.path)
         run.cleanup_temp()
-        for part in garbage_hidden_parts(run):  # what run.py does before any writer starts
+        for part in garbage_hidden_parts(run):  # what capture.py does before any writer starts
             part.unlink()
         if not run.committed_ids():  # a restarted actor (its counter back at 1) does the samples again
-            self.committer = Committer(run, set(), 100, 3600)
+            self.committer = Committer(run, set(), 100, 3600, schema.CAPTURE)
             self.committed = self.new_writer(run, iter(range(1, 10**6))).commit()
             self.add_rows()
             self.committer.flush()

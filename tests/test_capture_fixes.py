@@ -107,7 +107,7 @@ def test_an_actor_refuses_a_model_replaced_after_the_driver_checked_it(tmp_path,
 
 def test_exporting_a_capture_that_mixes_widths_names_the_sample(tmp_path, tok):
     from pipeline.export.hidden import export_hidden
-    from pipeline.hidden.parse import StoredLayoutMismatch
+    from pipeline.hidden.errors import StoredLayoutMismatch
 
     model = tiny_llama(tmp_path / "model")
     records = smollm2_records(tok)
@@ -383,7 +383,7 @@ def test_a_capture_model_named_otherwise_than_the_runs_is_warned_about(tmp_path,
 
 def test_the_capture_space_check_gives_capture_advice_in_human_units(tmp_path, tok):
     from pipeline.capture import Pending, check_space
-    from pipeline.hidden.parse import InsufficientStorage
+    from pipeline.hidden.errors import InsufficientStorage
 
     run = make_smollm2_run(tmp_path / "run", [smollm2_records(tok)[:1]])
     cap, _ = new_capture(run, load_capture_config(config_file(tmp_path, tiny_llama(tmp_path / "model"))))

@@ -87,7 +87,6 @@ def test_missing_api_key_variable_is_a_clear_error(tmp_path, monkeypatch):
     (400, "request (3031 tokens) exceeds the available context size (512 tokens), try increasing it",
      TerminalForPrompt),
     (400, "Duplicate request ID detected", Retryable),
-    (400, "The server is not configured to return hidden states.", EndpointFatal),
     (400, "messages: field required", TerminalForPrompt),
     (400, "The model `x` does not exist. The served model name is `moonshotai/Kimi-K2.5`.", EndpointFatal),
     (404, "The model `x` does not exist.", EndpointFatal),

@@ -58,15 +58,15 @@ def test_a_readmitted_endpoint_on_another_engine_stays_out(sglang):
     cfg = make_cfg([sglang.url])
     endpoint = cfg.all_endpoints()[0]
     same = local_worker_factory(cfg, client_settings(cfg, run_engines=[{"engine": "sglang", "version": "0.5.23"}]),
-                                lambda e: None, "unused")
+                                lambda e: None)
     assert asyncio.run(_readmit(same(endpoint, True)))[0], "the run's own engine is readmitted"
     other = local_worker_factory(cfg, client_settings(cfg, run_engines=[{"engine": "llamacpp", "version": "b6670"}]),
-                                 lambda e: None, "unused")
+                                 lambda e: None)
     admitted, why, state = asyncio.run(_readmit(other(endpoint, True)))
     assert not admitted and state == "fatal"
     assert "it now runs sglang 0.5.23, not the run's engine (llamacpp b6670)" in why
     newer = local_worker_factory(cfg, client_settings(cfg, run_engines=[{"engine": "sglang", "version": "0.5.18"}]),
-                                 lambda e: None, "unused")
+                                 lambda e: None)
     admitted, why, state = asyncio.run(_readmit(newer(endpoint, True)))
     assert not admitted and "a version the run's preflight did not admit (sglang 0.5.18)" in why
     assert state == "open", "another version is refused this time only: the breaker probes it again"

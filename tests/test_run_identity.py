@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from pipeline.core.config import load_config
+from pipeline.core.errors import ConfigError
 from pipeline.emulator import start_emulator
-from pipeline.hidden.parts import hidden_parts, iter_hidden
 from tests.helpers import committed_ids, data_parts, free_port, regen_cmd, wait_for, write_config, write_prompts, write_source
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,24 +54,6 @@ def sample_config(tmp_path: Path, n: int = 6, **overrides) -> Path:
 
 
 # --- the fingerprint (issue 13, defect 11) ----------------------------------------------------------------
-def test_editing_the_layers_note_keeps_the_fingerprint_and_the_run_resumes(tmp_path):
-    hidden = {"enabled": True, "expected_width": 96, "layers_note": "aux layers [2, 16, 29]"}
-    config = sample_config(tmp_path, hidden_states=hidden, **dead_fleet())
-    fingerprint = load_config(config).fingerprint()
-    assert regen("generate", "--config", str(config)).returncode == STOPPED_AT_PREFLIGHT
-    run = tmp_path / "out" / "t"
-    before = manifest(run)
-
-    edited = sample_config(tmp_path, hidden_states={**hidden, "layers_note": "a comment, reworded"}, **dead_fleet())
-    assert load_config(edited).fingerprint() == fingerprint
-    resumed = regen("generate", "--config", str(edited))
-    assert resumed.returncode == STOPPED_AT_PREFLIGHT, resumed.stderr
-    assert "no endpoint is reachable" in resumed.stderr and "started with another config" not in resumed.stderr
-    after = manifest(run)
-    assert after["fingerprint"] == before["fingerprint"]
-    assert after["generation"]["hidden_states"]["layers_note"] == "a comment, reworded", "the exports read the note"
-
-
 @pytest.mark.parametrize("key, changed", [("return_token_ids", False), ("stream", True)])
 def test_token_ids_and_streaming_are_part_of_the_identity(tmp_path, key, changed):
     config = sample_config(tmp_path, **dead_fleet())
@@ -266,25 +248,64 @@ def test_a_successor_is_numbered_past_the_highest_even_after_one_was_deleted(tmp
     assert manifest(out / "t-r4")["generation"]["sampling"]["temperature"] == 0.3
 
 
-# --- hidden parts (defect 10) ---------------------------------------------------------------------------
-def test_unreferenced_hidden_parts_are_removed_when_nothing_is_pending(tmp_path, ray_cluster):
-    server = start_emulator(preset="kimi-eagle3", hidden_width=32)
-    try:
-        config = sample_config(tmp_path, 6, endpoints=[{"url": server.url, "concurrency": 2, "name": "emu"}],
-                               thinking=True, sampling={"temperature": 0.0, "max_tokens": 12},
-                               hidden_states={"enabled": True, "expected_width": 96})
-        assert regen("generate", "--config", str(config)).returncode == 0
-    finally:
-        server.stop()
+# --- the retired generating-request hidden states ---------------------------------------------------------
+# What regen wrote into run.json's generation identity for a run with hidden_states.enabled (before its retirement).
+OLD_HIDDEN_IDENTITY = {"enabled": True, "expected_width": 21504, "dtype": "bf16",
+                       "layers_note": "EAGLE-3 auxiliary layers [2, L//2, L-3] as SGLang captures them"}
+
+
+@pytest.mark.parametrize("section, named", [
+    ({"enabled": True}, "hidden_states.enabled"),
+    ({"enabled": False, "expected_width": 21504}, "hidden_states.enabled, hidden_states.expected_width"),
+    ({"expected_width": 7168}, "hidden_states.expected_width"),
+])
+def test_a_config_with_a_hidden_states_key_is_refused_naming_it_and_regen_capture(tmp_path, section, named):
+    config = sample_config(tmp_path, hidden_states=section, **dead_fleet())
+    with pytest.raises(ConfigError) as refused:
+        load_config(config)
+    message = str(refused.value)
+    assert str(config) in message and f"{named}: the generating request no longer returns hidden states" in message
+    assert "regen capture RUN --config capture.yaml" in message
+
+
+def test_regen_generate_refuses_hidden_states_enabled_before_it_writes_anything(tmp_path):
+    config = sample_config(tmp_path, hidden_states={"enabled": True, "expected_width": 21504}, **dead_fleet())
+    done = regen("generate", "--config", str(config))
+    assert done.returncode != 0 and "hidden_states.enabled" in done.stderr and "regen capture" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
+
+
+def test_hidden_states_enabled_false_is_ignored_and_changes_no_fingerprint(tmp_path):
+    """An old config's `hidden_states: {enabled: false}`: accepted, and the run it made resumes without it."""
+    old = sample_config(tmp_path, hidden_states={"enabled": False}, **dead_fleet())
+    fingerprint = load_config(old).fingerprint()
+    assert regen("generate", "--config", str(old)).returncode == STOPPED_AT_PREFLIGHT
     run = tmp_path / "out" / "t"
-    referenced = {p.name for p in hidden_parts(run)}
-    # what a retried request or a hedged copy leaves: a whole hidden part no data row points to
-    stray = run / "hidden" / "part-emu-stray-0-000001.parquet"
-    shutil.copyfile(run / "hidden" / sorted(referenced)[0], stray)
-    result = regen("generate", "--config", str(config))  # the fleet is gone: nothing pending needs it
-    assert result.returncode == 0 and "nothing pending" in result.stderr, result.stderr
-    assert {p.name for p in hidden_parts(run)} == referenced
-    assert len(list(iter_hidden(run))) == 6
+    assert manifest(run)["fingerprint"] == fingerprint and manifest(run)["generation"]["hidden_states"] is None
+    without = sample_config(tmp_path, **dead_fleet())
+    assert load_config(without).fingerprint() == fingerprint
+    resumed = regen("generate", "--config", str(without))
+    assert resumed.returncode == STOPPED_AT_PREFLIGHT and "started with another config" not in resumed.stderr, \
+        resumed.stderr
+
+
+def test_a_run_that_captured_hidden_states_while_generating_refuses_its_resume(tmp_path):
+    """Its records name hidden parts this regen does not write: the resume is refused with the reason and what to
+    do; --new-run starts a successor without them."""
+    config = sample_config(tmp_path, **dead_fleet())
+    assert regen("generate", "--config", str(config)).returncode == STOPPED_AT_PREFLIGHT
+    run = tmp_path / "out" / "t"
+    old = manifest(run)
+    old["generation"]["hidden_states"] = OLD_HIDDEN_IDENTITY
+    (run / "run.json").write_bytes(orjson.dumps(old))
+    refused = regen("generate", "--config", str(config))
+    assert refused.returncode == REFUSED, refused.stderr
+    assert "generation.hidden_states: this run captured hidden states through the generating request" in refused.stderr
+    assert "regen capture RUN --config capture.yaml" in refused.stderr and "--new-run" in refused.stderr
+    assert manifest(run) == old, "the refused run is left as it was"
+    successor = regen("generate", "--config", str(config), "--new-run")
+    assert successor.returncode == STOPPED_AT_PREFLIGHT, successor.stderr
+    assert manifest(tmp_path / "out" / "t-r2")["generation"]["hidden_states"] is None
 
 
 # --- signals before dispatch (defect 13) -------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 The authority is each version's wheel, unpacked by `make sglang-wheels` into ~/.cache/regen/sglang/<version>
 (REGEN_SGLANG_CACHE overrides); a missing one fails the tests unless REGEN_ALLOW_MISSING_WHEELS=1. Per version,
-one emulator claims that version and regen's own code (the preflight, the chat client streamed and not, the
-hidden-state route) talks to it with the emulator logging every body; then one subprocess, with that wheel first on its PYTHONPATH, checks those bodies and the emulator's
+one emulator claims that version and regen's own code (the preflight, the chat client streamed and not, and
+`regen bench-endpoints`' /generate request) talks to it with the emulator logging every body; then one subprocess, with that wheel first on its PYTHONPATH, checks those bodies and the emulator's
 answers against the version's own models (tests/conformance/sglang_checks.py). The error texts are read out of
 the wheels' sources here, so a message SGLang renames fails instead of being misclassified.
 """
@@ -22,12 +22,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.core.config import RunConfig
-from pipeline.core.errors import ContractError, EndpointFatal, Retryable, TerminalForPrompt
+from pipeline.core.errors import ContractError, Retryable, TerminalForPrompt
 from pipeline.emulator import expected_chat, make_config, start_emulator
 from pipeline.endpoints.client import ClientSettings, EndpointClient, classify
 from pipeline.endpoints.engines import SGLangAdapter
 from pipeline.endpoints.probes import check_endpoint
-from pipeline.hidden.capture import HiddenRoute, HiddenTurns
+from pipeline.tools.bench_endpoints import one_request
 from tests.conformance.sglang_source import as_pattern, render, templates_with
 from tests.helpers import prompt_source, run_regen, write_config
 
@@ -64,15 +64,14 @@ def settings(cfg: RunConfig, report, stream: bool) -> ClientSettings:
                           engines={"e": report.engine}, **cfg.sampling.explicit())
 
 
-async def drive_regen(url: str, run_dir: Path) -> dict:
+async def drive_regen(url: str) -> dict:
     """Every kind of request regen sends, through regen's own code; returns the preflight reports."""
     reports = {}
-    for name, overrides in (("ids", {}), ("stream", {"stream": True}),
-                            ("hidden", {"hidden_states": {"enabled": True}})):
+    for name, overrides in (("ids", {}), ("stream", {"stream": True})):
         cfg = run_config(url, **overrides)
         probe = EndpointClient(url, "e", settings(cfg, SimpleNamespace(engine=None), False))
         try:
-            reports[name] = await check_endpoint(probe, cfg, longest_prompt=MESSAGES)
+            reports[name] = await check_endpoint(probe, cfg)
         finally:
             await probe.close()
     cfg = run_config(url)
@@ -82,11 +81,11 @@ async def drive_regen(url: str, run_dir: Path) -> dict:
             await chat.chat(MESSAGES, seed=7)
         finally:
             await chat.close()
-    hidden = EndpointClient(url, "e", settings(cfg, reports["hidden"], False))
+    native = EndpointClient(url, "e", settings(cfg, reports["ids"], False))
     try:
-        await HiddenTurns(hidden, HiddenRoute(21504, str(run_dir), True), tag="c").turn("p", 0, MESSAGES, 7)
+        await one_request(native, 0, native=True)  # bench-endpoints: the prompt's ids, then /generate
     finally:
-        await hidden.close()
+        await native.close()
     return reports
 
 
@@ -95,10 +94,10 @@ def version(request, tmp_path_factory):
     root = wheel(request.param)
     tmp = tmp_path_factory.mktemp(f"sglang-{request.param}")
     log = tmp / "requests.jsonl"
-    server = start_emulator(sglang_version=request.param, preset="kimi-eagle3", chunked_prefill_size=8192,
-                            request_log=str(log), request_log_bodies=True)
+    server = start_emulator(sglang_version=request.param, preset="kimi-eagle3", request_log=str(log),
+                            request_log_bodies=True)
     try:
-        reports = asyncio.run(drive_regen(server.url, tmp / "run"))
+        reports = asyncio.run(drive_regen(server.url))
         out = tmp / "results.json"
         done = subprocess.run(
             [sys.executable, "-m", "tests.conformance.sglang_checks", "--root", str(root), "--bodies", str(log),
@@ -121,8 +120,8 @@ def _check(version, name: str, at_least: int) -> None:
 # --- per version: regen's bodies, the emulator's answers -------------------------------------------------------
 def test_every_request_body_is_declared_by_the_version(version):
     routes = {json.loads(line)["route"] for line in version.log.read_text().splitlines()}
-    assert {"/v1/chat/completions", "/generate"} <= routes  # chat, stream, probes, prompt ids, /generate
-    _check(version, "requests", 8)
+    assert {"/v1/chat/completions", "/generate"} <= routes  # chat, stream, probes, prompt ids, bench's /generate
+    _check(version, "requests", 7)
 
 
 def test_every_emulator_answer_parses_with_the_version_models(version):
@@ -138,7 +137,7 @@ def test_kimi_split_matches_sglang_reasoning_parser(version):
 
 
 def test_preflight_knows_the_version(version):
-    ids, stream, hidden = (version.reports[k] for k in ("ids", "stream", "hidden"))
+    ids, stream = (version.reports[k] for k in ("ids", "stream"))
     assert ids.engine.version == version.name == ids.sglang_version
     if version.name == "0.5.14":
         [problem] = ids.problems
@@ -151,7 +150,6 @@ def test_preflight_knows_the_version(version):
         assert "SGLang 0.5.14" in stream.problems[0]
     else:
         assert any("stream" in p for p in stream.problems), stream.problems
-    assert hidden.ok and hidden.hidden_width == 21504, hidden.problems  # EAGLE3 aux layers, by version
 
 
 def test_short_run_stores_the_exact_ids_or_is_refused(version, tmp_path):
@@ -189,8 +187,6 @@ ERROR_TEXTS = [  # (phrase that finds the text in the wheel, files, class, class
     ("return_prompt_token_ids is not supported with streaming", (CHAT,), ContractError, EVERY, "0.5.14"),
     ("return_token_ids is not supported with streaming", (CHAT,), ContractError, EVERY, "0.5.17"),
     ("unknown field `", (API_TYPES,), ContractError, EVERY, "0.5.23"),
-    ("not configured to return", (TM,), EndpointFatal, "", "0.5.14"),
-    ("return_hidden_states mode exceeds", (TM,), EndpointFatal, "", "0.5.17"),
     ("Duplicate request ID", (TM,), Retryable, "", "0.5.14"),
 ]
 
@@ -237,8 +233,6 @@ def test_emulator_messages_are_the_wheel_texts(version):
              "exceeds the model's maximum context length"),
             (("/v1/chat/completions", {"messages": MESSAGES * 20, "max_tokens": 1}), TM,
              "is longer than the model's context length"),
-            (("/generate", {"text": "hi", "return_hidden_states": True, "sampling_params": {"max_new_tokens": 2}}),
-             TM, "not configured to return"),
         ]
         for (path, body), file, phrase in cases:
             status, answer = post(path, body)

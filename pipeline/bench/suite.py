@@ -11,7 +11,6 @@ process id), the emulators, the regen runs.
   resume      88K-prompt run dir with 80K done: pending-set time, command start to first request
   memory      driver and actor RSS over a long run of 2K-token completions
   emulator    the emulator's own req/s under a raw aiohttp load generator
-  hidden      hidden-state ingest (JSON -> bf16 Parquet) MB/s per core, peak memory, bytes on disk
   simulator   `regen simulate`'s predicted wall time against the actual emulated run
   production  the production shape: 88K prompts, 16 endpoints x 64, checkpointing on, lost/doubled, RSS, commits
   sources     materialise a 1 GB JSON array of ShareGPT rows with limit 88,000: MB/s on one core, peak RSS
@@ -41,25 +40,6 @@ from .cases import (
 from .env import REPO
 from .scale import memory, production, resume
 from .sources import materialise_json
-
-def hidden_ingest(ctx: Ctx) -> Result:
-    """Hidden-state JSON -> bf16 Parquet per core against naive json and orjson + numpy, peak memory, disk."""
-    from . import hidden as bench_hidden
-
-    res = bench_hidden.run(repeats=1 if ctx.quick else 2, peak_tokens=1024 if ctx.quick else 4096)
-    methods, peak, disk = res["throughput"]["methods"], res["peak"], res["disk"]
-    ours, orjson_mb, naive_mb = (methods[k]["mb_per_s"] for k in ("regen", "orjson+numpy", "naive json+numpy"))
-    result = Result("hidden", notes=bench_hidden.table(res).splitlines())
-    result.rows += [
-        ("ingest MB/s per core: regen / orjson+numpy / naive", f"{ours:.0f} / {orjson_mb:.0f} / {naive_mb:.0f}",
-         ">= 200 MB/s", ours >= 200),
-        ("ingest vs orjson+numpy", f"{ours / orjson_mb:.2f}x", "", None),
-        ("bytes on disk vs ideal 2 x width x rows", f"{disk['ratio']:.4f}x", "<= 1.02x", disk["ratio"] <= 1.02),
-    ]
-    if peak:
-        result.rows.append(("peak memory beyond the body vs bf16 matrix (parse + write)",
-                            f"{peak['total_ratio']:.2f}x", "<= 3x", peak["total_ratio"] <= 3.0))
-    return result
 
 
 def simulator_accuracy(ctx: Ctx) -> Result:
@@ -92,7 +72,7 @@ def simulator_accuracy(ctx: Ctx) -> Result:
 
 
 BENCHES = {"overhead": overhead, "saturation": saturation, "stragglers": stragglers, "resume": resume,
-           "memory": memory, "emulator": emulator_capacity, "hidden": hidden_ingest,
+           "memory": memory, "emulator": emulator_capacity,
            "simulator": simulator_accuracy, "production": production, "sources": materialise_json}
 
 

@@ -101,18 +101,11 @@ class SourceRef(_Strict):
     limit: int | None = Field(None, ge=1)
 
 
-class HiddenStates(_Strict):
-    """Hidden-state capture through SGLang's /generate (return_hidden_states)."""
-
-    enabled: bool = False
-    # 21504 = 3 x 7168: Kimi-K2.5's EAGLE-3 auxiliary layers. 7168 alone means the server runs EAGLE, not EAGLE3.
-    expected_width: int = Field(21504, ge=1)
-    layers_note: str = "EAGLE-3 auxiliary layers [2, L//2, L-3] as SGLang captures them"
-    # The aux layers the server must capture (its --return-aux-hidden-state-layer-ids); None: SGLang's default
-    # EAGLE3 layers, and a server launched with other ids is refused.
-    aux_layer_ids: list[int] | None = None
-    dtype: Literal["bf16"] = "bf16"
-    max_in_memory: int = Field(2, ge=1)  # answers each actor parses or writes at once (one 4K answer ~ 176 MB)
+RETIRED_HIDDEN_STATES = (
+    "the generating request no longer returns hidden states (SGLang gives EAGLE-3's aux layers or the last layer, "
+    "never both; its JSON floats are 3-4x the bf16 bytes; it costs the generation fleet its radix cache). Capture "
+    "them after generation, from the committed records: `regen capture RUN --config capture.yaml` (README, Hidden "
+    "states). Delete the hidden_states section (`hidden_states: {enabled: false}` is accepted and ignored)")
 
 
 class RayOptions(_Strict):
@@ -149,7 +142,8 @@ class RunConfig(_Strict):
     hedge_tail: bool = True
     local_fleet: LocalFleet | None = None
     ray: RayOptions = RayOptions()
-    hidden_states: HiddenStates = HiddenStates()
+    # Retired (RETIRED_HIDDEN_STATES): only `{enabled: false}` of older configs is accepted, and ignored.
+    hidden_states: None = Field(None, exclude=True)
     # Ask the server for the exact token ids (SGLang: return_token_ids / return_prompt_token_ids).
     return_token_ids: bool = True
     min_prompt_tokens: int = Field(256, ge=1)  # preflight: context must hold max_tokens plus this much prompt
@@ -215,6 +209,15 @@ class RunConfig(_Strict):
             kwargs["thinking"] = self.thinking
         return kwargs
 
+    @field_validator("hidden_states", mode="before")
+    @classmethod
+    def _hidden_states_retired(cls, section: Any) -> None:
+        if section is None or section == {"enabled": False}:
+            return None
+        keys = ", ".join(f"hidden_states.{key}" for key in section) if isinstance(section, dict) and section \
+            else "hidden_states"
+        raise ValueError(f"{keys}: {RETIRED_HIDDEN_STATES}")
+
     # --- identity (core/identity.py: how a resume compares it, and how older run.json files are read) ---
     # Adding a key to the run identity is one line in one of these two documents; runs started before it
     # resume (the key is recorded on their next start and compared from then on).
@@ -226,11 +229,9 @@ class RunConfig(_Strict):
             "sampling": self.sampling.model_dump(include={"temperature", "top_p", "max_tokens"}),
             "explicit_sampling": self.sampling.explicit(),  # the values sent in place of generation_config's
             "chat_template_kwargs": self.template_kwargs(),
-            # layers_note is informational (a note for people, never compared; no code reads it)
-            # aux_layer_ids only when set: runs from before it existed keep their identity
-            "hidden_states": self.hidden_states.model_dump(
-                exclude={"max_in_memory"} | ({"aux_layer_ids"} if self.hidden_states.aux_layer_ids is None else set()))
-            if self.hidden_states.enabled else None,
+            # the retired generating-request capture: always off, so a config keeps the fingerprint it had
+            # (core/identity.py refuses to resume a run that had it on)
+            "hidden_states": None,
             "return_token_ids": self.return_token_ids,  # rows with and without token ids never mix in a run
             "stream": self.stream,
         }

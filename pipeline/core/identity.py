@@ -5,12 +5,11 @@ run.json holds two identity documents, built by `RunConfig.generation_identity()
 config's:
 - a key the stored document lacks is not compared: older code did not record it. The resume then records the
   config's value, and compares it from then on (`identity_upgrades` in run.json says when and what);
-- a key in INFORMATIONAL is recorded for people (`layers_note`, a free-text note: no code reads it; the
-  hidden-state exports take their layers from RUN/capture/capture.json) but never compared and not fingerprinted;
+- a key in INFORMATIONAL is recorded for people but never compared and not fingerprinted (none is, today);
 - a SECTION is compared key by key; any other value (a list, a user's dict such as chat_template_kwargs) whole.
 
 Adding a key to the identity is one line in `generation_identity()` or `prompt_identity()` (a new field of
-`Sampling` or `HiddenStates` is in it already). Runs started before it resume. Add it as a key of a section, e.g.
+`Sampling` is in it already). Runs started before it resume. Add it as a key of a section, e.g.
 `prompts.source_files: [...]` beside `prompts.sources`: a field added inside a value (each item of the `sources`
 list) changes that whole value, which is drift for every older run. Removing a key, or changing what a stored
 value means, needs IDENTITY_VERSION bumped and a step in UPGRADES that rewrites the older run.json.
@@ -33,8 +32,18 @@ import orjson
 # 1: run.json without `identity_version` (regen up to c15f75f).
 # 2: records return_token_ids and stream; hidden_states.layers_note is no longer compared.
 IDENTITY_VERSION = 2
-SECTIONS = frozenset({"generation", "generation.sampling", "generation.hidden_states", "prompts"})
-INFORMATIONAL = frozenset({"generation.hidden_states.layers_note"})
+SECTIONS = frozenset({"generation", "generation.sampling", "prompts"})
+INFORMATIONAL: frozenset[str] = frozenset()
+
+# Features a run may have been made with that this regen no longer has: a stored value other than None refuses
+# the resume with the reason (the config can only say None: core/config.py refuses the key).
+RETIRED = {
+    "generation.hidden_states": "this run captured hidden states through the generating request (SGLang /generate "
+                                "with hidden states), which regen no longer does: its records reference hidden "
+                                "parts this regen does not write, so it cannot continue as it was made. Finish it "
+                                "with the regen that made it, or start a new run with this config (--new-run); "
+                                "then capture with `regen capture RUN --config capture.yaml`",
+}
 
 
 @dataclass(frozen=True)
@@ -138,7 +147,16 @@ def check_identity(manifest: dict[str, Any], identity: dict[str, Any], *, refres
             _compare(stored[section], identity[section], section, check)
     if version == 1 and records.count:
         _refuse_unrecorded(stored, identity, check)
+    _refuse_retired(stored, check)
     return check
+
+
+def _refuse_retired(stored: dict[str, Any], check: IdentityCheck) -> None:
+    for key, why in RETIRED.items():
+        section, name = key.split(".", 1)
+        if (stored.get(section) or {}).get(name) is not None:
+            check.drift = [line for line in check.drift if not line.startswith(f"{key}:")]
+            check.drift.append(f"{key}: {why}")
 
 
 def _refuse_unrecorded(stored: dict[str, Any], identity: dict[str, Any], check: IdentityCheck) -> None:

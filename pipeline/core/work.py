@@ -29,8 +29,6 @@ class Completion:
     request_id: str
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
-    hidden_part: str | None = None  # the hidden part holding this turn's states (hidden/ of the run)
-    hidden_row: int | None = None
     weight_versions: list[str] | None = None  # the distinct versions the server's spans name (two: mixed weights)
     deterministic: bool | None = None  # the server runs --enable-deterministic-inference (None: unknown)
     engine: str | None = None  # the endpoint's engine as the preflight identified it (sglang, vllm, llamacpp)
@@ -44,10 +42,9 @@ class WorkItem:
     affinity: int = 0  # prefix-affinity key (affinity_key; dispatch/routing.py); 0: none
 
 
-# What became of one work item at one endpoint. DROPPED: the connection was lost mid-request (counted per prompt);
-# RUN_FATAL: the actor cannot write the run's output (the run stops, resumable).
+# What became of one work item at one endpoint. DROPPED: the connection was lost mid-request (counted per prompt).
 DONE, RETRY, RETURNED, TERMINAL, ENDPOINT_FATAL = "done", "retryable", "returned", "terminal", "endpoint_fatal"
-DROPPED, RUN_FATAL = "dropped", "run_fatal"
+DROPPED = "dropped"
 
 
 @dataclass

@@ -10,7 +10,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..core.config import Endpoint, RunConfig
 from ..endpoints.client import ClientSettings
-from ..hidden.capture import HiddenRoute
 from .worker import EndpointWorker
 
 ACTOR_NAMESPACE = "regen"
@@ -37,21 +36,13 @@ def client_settings(cfg: RunConfig, weight_version: str | None = None,
     )
 
 
-def hidden_route(cfg: RunConfig, run_dir: str) -> HiddenRoute | None:
-    hidden = cfg.hidden_states
-    return HiddenRoute(hidden.expected_width, run_dir, cfg.template_kwargs().get("thinking"),
-                       hidden.max_in_memory) if hidden.enabled else None
-
-
-def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None],
-                       run_dir: str, longest_prompt: list | None = None):
+def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None]):
     """Actors are spread round-robin over the cluster's live nodes (Ray's SPREAD leaves zero-CPU actors on
     one node); an endpoint may pin its actor instead through Ray resources (e.g. `{"node:10.0.0.7": 0.01}`,
     or a custom resource given to `ray start --resources`) or node labels (`ray start --labels rack=b`).
     A replacement actor goes to a node still alive."""
     remote_worker = ray.remote(EndpointWorker)
     generation = itertools.count()
-    route = hidden_route(cfg, run_dir)
 
     def factory(e: Endpoint, start_open: bool) -> ray.actor.ActorHandle:
         n = next(generation)
@@ -67,21 +58,18 @@ def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callab
             namespace=ACTOR_NAMESPACE, **placement,
         ).remote(
             e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
-            cfg.circuit_failures, readmission=cfg, start_open=start_open, hidden=route,
-            longest_prompt=longest_prompt,
+            cfg.circuit_failures, readmission=cfg, start_open=start_open,
         )
 
     return factory
 
 
 def local_worker_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None],
-                         run_dir: str, longest_prompt: list | None = None, **worker_options) -> Callable[[Endpoint, bool], EndpointWorker]:
+                         **worker_options) -> Callable[[Endpoint, bool], EndpointWorker]:
     """EndpointWorkers in this process (for LocalTransport), built with the arguments the Ray actors get."""
-    route = hidden_route(cfg, run_dir)
 
     def factory(e: Endpoint, start_open: bool) -> EndpointWorker:
         return EndpointWorker(e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
-                              cfg.circuit_failures, readmission=cfg, start_open=start_open, hidden=route,
-                              longest_prompt=longest_prompt, **worker_options)
+                              cfg.circuit_failures, readmission=cfg, start_open=start_open, **worker_options)
 
     return factory

@@ -13,9 +13,9 @@ import numpy as np
 import orjson
 
 from ..core.errors import ConfigError, DriftError
-from ..hidden.kernel import f32_to_bf16
+from ..hidden.bf16 import f32_to_bf16
 from ..hidden.layout import layout_shape
-from ..hidden.parse import CaptureSampleError
+from ..hidden.errors import CaptureSampleError
 from ..hidden.parts import HiddenPartWriter
 from ..hidden.routes import build_route
 from ..hidden.vllm_route import RequestOwner
@@ -64,7 +64,7 @@ class CaptureWorker:
     def capture(self, prompts: list[list[Sample]]) -> list[list[dict[str, Any]]]:
         """For each prompt (all its samples), its ledger rows; the hidden part is committed first."""
         self.ready()
-        writer = HiddenPartWriter(self.capture_dir, tag=self.tag, counter=self.counter, rows_per_token=True)
+        writer = HiddenPartWriter(self.capture_dir, tag=self.tag, counter=self.counter)
         timings: dict[str, float] = {}
         for samples in prompts:
             for s in samples:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Collection
 
 from ..core.config import Endpoint, RunConfig
 from ..core.errors import RunFatal
-from ..core.work import DONE, DROPPED, RETRY, RETURNED, RUN_FATAL, TERMINAL, Exchange, Outcome, WorkItem
+from ..core.work import DONE, DROPPED, RETRY, RETURNED, TERMINAL, Exchange, Outcome, WorkItem
 from .actors import ACTOR_NAMESPACE, client_settings, make_actor_factory  # noqa: F401 - the run's imports
 from .isolation import Isolation
 from .routing import Router
@@ -219,7 +219,6 @@ class Dispatcher:
         slot.state, slot.stats = exchange.state, exchange.stats
         down = exchange.state in ("open", "fatal") or slot.losses > 0
         slot.down_since = (slot.down_since or time.monotonic()) if down else None
-        fatal: Outcome | None = None
         for outcome in exchange.outcomes:
             item = slot.assigned.pop(outcome.prompt_id, None)
             slot.sent_at.pop(outcome.prompt_id, None)
@@ -227,9 +226,6 @@ class Dispatcher:
             if outcome.kind == DONE:
                 latency = sum(c.latency_s for c in outcome.completions)
                 self.mean_latency = latency if self.mean_latency is None else 0.9 * self.mean_latency + 0.1 * latency
-            if outcome.kind == RUN_FATAL:
-                fatal = fatal or outcome
-                continue
             if outcome.prompt_id not in self.unfinished:
                 continue  # a late answer for work already finished elsewhere
             attempts = self.attempts.get(outcome.prompt_id, 0) + outcome.attempts
@@ -247,8 +243,6 @@ class Dispatcher:
                 self._finish(outcome, attempts)
             elif item is not None:  # RETRY, RETURNED, DROPPED, ENDPOINT_FATAL: another endpoint will take it
                 self._requeue(item, failed_at=slot.label)
-        if fatal is not None:
-            raise RunFatal(f"endpoint {fatal.endpoint} cannot write the run's output: {fatal.message}")
         if exchange.state == "fatal":
             why = str(exchange.stats.get("last_error", "endpoint-fatal error"))
             if self.fleet_watch is not None:

@@ -36,24 +36,22 @@ class FleetFacts:
     weight_version: str | None  # the version the run is pinned to (None: not reported)
     engines: dict  # each endpoint's engine adapter, by label
     unreachable: set[str]  # endpoints that did not answer: they start with their circuit open
-    longest_prompt: list | None = None  # checked against chunked_prefill_size here and at every readmission
     run_engines: list = field(default_factory=list)  # run.json's known engines: a readmission must run one
 
 
-def fleet_preflight(cfg: RunConfig, run_dir: RunDir, longest: list | None = None) -> FleetFacts:
+def fleet_preflight(cfg: RunConfig, run_dir: RunDir) -> FleetFacts:
     """Probe the fleet before any prompt; pin the run to the weight version it reports (or check it) and
     record whether it is deterministic."""
     from ..endpoints.preflight import preflight
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
-    reports = preflight(cfg, api_keys, longest_prompt=longest)
+    reports = preflight(cfg, api_keys)
     check_engines(run_dir, reports)
     weight_version = pin_weight_version(run_dir, reports)
     record_determinism(run_dir, reports)
     engines = record_engines(run_dir, reports)
     return FleetFacts(weight_version, {r.label: r.engine for r in reports if r.engine is not None},
-                      {r.label for r in reports if not r.reachable}, longest,
-                      [e for e in engines if e.get("engine")])
+                      {r.label for r in reports if not r.reachable}, [e for e in engines if e.get("engine")])
 
 
 def check_fleet_first(cfg: RunConfig, run_dir: RunDir) -> None:

@@ -18,13 +18,12 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from ..core.config import RunConfig
 from ..core.errors import (
-    ConnectionDropped, EndpointDown, EndpointFatal, RequestError, Retryable, RunFatal, TerminalForPrompt, Unexpected,
+    ConnectionDropped, EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt, Unexpected,
 )
 from ..core.work import (
-    DONE, DROPPED, ENDPOINT_FATAL, RETRY, RETURNED, RUN_FATAL, TERMINAL, Completion, Exchange, Outcome, WorkItem,
+    DONE, DROPPED, ENDPOINT_FATAL, RETRY, RETURNED, TERMINAL, Completion, Exchange, Outcome, WorkItem,
 )
 from ..endpoints.client import ClientSettings, EndpointClient, unexpected
-from ..hidden.capture import HiddenRoute, HiddenTurns
 from ..prompts.conversation import turn_history, user_turns
 
 # Error class -> outcome kind, most specific first.
@@ -68,17 +67,13 @@ class EndpointWorker:
         backoff_max_s: float = 30.0,
         readmission: RunConfig | None = None,
         start_open: bool = False,
-        hidden: HiddenRoute | None = None,
-        longest_prompt: list | None = None,
     ):
         self.label, self.concurrency, self.mode = label, concurrency, mode
         self.client = EndpointClient(url, label, settings, api_key)
-        self.hidden = HiddenTurns(self.client, hidden, tag=label) if hidden else None
         self.attempts_per_endpoint = attempts_per_endpoint
         self.circuit_failures = circuit_failures
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self.readmission = readmission  # the run's config: a recovered endpoint passes the full preflight again
-        self.longest_prompt = longest_prompt  # ... with the chunked-prefill check of the run's longest prompt
         self.inbox: asyncio.Queue[WorkItem] = asyncio.Queue()
         self.outbox: list[Outcome] = []
         self.ready = asyncio.Event()
@@ -186,10 +181,6 @@ class EndpointWorker:
                 completions.append(completion)
         except _Failed as failure:
             return self._failed(item, failure.error, failed + failure.attempts)
-        except RunFatal as exc:  # the actor cannot write the run's output (a hidden part): the run must stop
-            self.errors[RUN_FATAL] += 1
-            self.last_error = f"{RUN_FATAL}: {type(exc).__name__}: {exc}"
-            return Outcome(item.prompt_id, RUN_FATAL, self.label, 0, message=str(exc))
         except BaseException as exc:  # e.g. a conversation this code cannot read
             if _must_propagate(exc):
                 raise
@@ -227,10 +218,8 @@ class EndpointWorker:
                        seed: int | None) -> Completion:
         """The client boundary: what comes out is a completion or an error of the taxonomy."""
         try:
-            if self.hidden:
-                return await self.hidden.turn(prompt_id, turn_index, messages, seed)
             return await self.client.chat(messages, seed)
-        except (RequestError, RunFatal):
+        except RequestError:
             raise
         except BaseException as exc:
             if _must_propagate(exc):
@@ -289,7 +278,7 @@ class EndpointWorker:
             return True
         from ..endpoints.preflight import check_endpoint, engine_refusal, fleet_problems
 
-        report = await check_endpoint(self.client, self.readmission, longest_prompt=self.longest_prompt)
+        report = await check_endpoint(self.client, self.readmission)
         expected = self.client.settings.expected_weight_version
         problems = report.problems + fleet_problems([report], self.readmission)
         if expected is not None and report.weight_version not in (None, expected):

@@ -6,15 +6,13 @@ Public API:
     main(argv) -> int                    -- `python -m pipeline.emulator`
     start_emulator(port, **options) -> EmulatorProcess   -- a subprocess for tests
     expected_chat(request_json, cfg) -> dict, expected_generate(request_json, cfg) -> dict
-    hidden_vector(token_id, position, width), hidden_rows(token_ids, positions, width)
     encode(text), render_chat(messages, thinking)
 """
 from .config import EmulatorConfig, make_config
-from .hidden import hidden_rows, hidden_vector
 from .model import EOS_ID, VOCAB_SIZE, encode, expected_chat, expected_generate, render_chat
 from .process import EmulatorProcess, start_emulator
 from .server import build_app, main
 
 __all__ = ["EmulatorConfig", "make_config", "build_app", "main", "start_emulator", "EmulatorProcess",
-           "expected_chat", "expected_generate", "hidden_vector", "hidden_rows", "encode", "render_chat",
+           "expected_chat", "expected_generate", "encode", "render_chat",
            "EOS_ID", "VOCAB_SIZE"]

@@ -2,7 +2,7 @@
 
 Every option of `python -m pipeline.emulator` is a field of `EmulatorConfig`. The run-time fault settings are the
 fields listed in `FAULT_FIELDS`; `POST /admin/faults` may change them (plus a few identity fields that model a
-misconfigured server: served model name, hidden width, context length).
+misconfigured server: served model name, context length).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ FAULT_FIELDS = (
     "fault_500", "fault_503", "fault_429", "fault_400",
     "fault_hang", "fault_reset", "fault_abort",
     "slow_stream_s", "health_ok_while_hung", "health_503",
-    "served_model_name", "hidden_width", "context_length", "fault_seed", "fault_weight_switch",
+    "served_model_name", "context_length", "fault_seed", "fault_weight_switch",
 )
 # The error/behaviour draws, in the order they are tested against one uniform draw per request.
 RATE_FIELDS = ("fault_500", "fault_503", "fault_429", "fault_400", "fault_hang", "fault_reset", "fault_abort",
@@ -29,12 +29,8 @@ RATE_FIELDS = ("fault_500", "fault_503", "fault_429", "fault_400", "fault_hang",
 PRESETS: dict[str, dict[str, Any]] = {
     # Kimi-K2.5 as launched in production: kimi_k2 reasoning and tool parsers.
     "kimi": {"reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2"},
-    # A hidden-state server for EAGLE-3 data: aux layers (3 x 7168), whole-prompt states.
-    "kimi-eagle3": {
-        "reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2",
-        "speculative_algorithm": "EAGLE3", "enable_return_aux_hidden_states": True,
-        "enable_return_hidden_states": True, "disable_radix_cache": True, "chunked_prefill_size": -1,
-    },
+    # ... with an EAGLE-3 draft (speculative decoding: accept length in meta_info and /metrics).
+    "kimi-eagle3": {"reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2", "speculative_algorithm": "EAGLE3"},
     "plain": {},
 }
 
@@ -51,23 +47,19 @@ class EmulatorConfig:
     preset: str | None = None
     # --- model shape -------------------------------------------------------------------------
     context_length: int = 262144
-    hidden_width: int = 7168
     num_layers: int = 61
     reasoning_parser: str | None = None           # "kimi_k2" splits reasoning at </think>
     tool_call_parser: str | None = None
     tp_size: int = 8
     # --- features ----------------------------------------------------------------------------
-    enable_return_hidden_states: bool = False
-    enable_return_aux_hidden_states: bool = False
-    speculative_algorithm: str | None = None      # "EAGLE3", "EAGLE", ... (0.5.23 + aux flag: the convention)
-    return_aux_hidden_state_layer_ids: str | None = None  # 0.5.23, "10,20,30"; None: the model's EAGLE3 layers
+    speculative_algorithm: str | None = None      # "EAGLE3", "EAGLE", ...
     enable_deterministic_inference: bool = False  # without it SGLang ignores seed / sampling_seed
     speculative_num_steps: int = 3
     accept_length: float = 3.2
     enable_metrics: bool = False
     enable_cache_report: bool = False
     disable_radix_cache: bool = False
-    chunked_prefill_size: int = 8192              # rows of the final prefill chunk only; <= 0: no chunking
+    chunked_prefill_size: int = 8192              # reported only
     cache_max_tokens: int = 262_144               # prefix-cache capacity (token prefixes, LRU)
     max_total_num_tokens: int = 1_048_576
     default_max_tokens: int = 512                 # natural answer budget when a chat request has no max_tokens
@@ -114,52 +106,12 @@ class EmulatorConfig:
         return behaviour(self.sglang_version)
 
     @property
-    def aux_capture(self) -> str | None:
-        """"eagle3" when the vectors are EAGLE-3's aux layers: 0.5.23 with --enable-return-aux-hidden-states
-        (no draft), older versions with an EAGLE3 speculative draft (they have no aux flag)."""
-        method = (self.speculative_algorithm or "").upper()
-        if self.behaviour.aux_without_draft:  # 0.5.23 names the convention: EAGLE3, DFLASH or DSPARK
-            capture = self.enable_return_aux_hidden_states and method in ("EAGLE3", "DFLASH", "DSPARK")
-            return method.lower() if capture else None
-        return "eagle3" if method == "EAGLE3" else None
-
-    @property
-    def aux_layer_ids(self) -> list[int] | None:
-        text = self.return_aux_hidden_state_layer_ids
-        return [int(v) for v in text.split(",")] if text else None
-
-    @property
-    def effective_hidden_width(self) -> int:
-        """Width of returned vectors: one layer per captured aux layer (EAGLE3's default: 3), else one."""
-        if not self.aux_capture:
-            return self.hidden_width
-        return self.hidden_width * (len(self.aux_layer_ids) if self.aux_layer_ids else 3)
-
-    @property
-    def hidden_states_allowed(self) -> bool:
-        """return_hidden_states=True is admitted (aux capture sets the mode to full in 0.5.23)."""
-        return self.enable_return_hidden_states or (self.behaviour.aux_without_draft and bool(self.aux_capture))
-
-    @property
     def thinking_parser(self) -> bool:
         return self.reasoning_parser in ("kimi_k2", "kimi", "deepseek-r1", "qwen3")
 
     @property
     def is_speculative(self) -> bool:
-        """A draft runs (0.5.23's aux capture resets speculative_algorithm to None: no draft)."""
-        return bool(self.speculative_algorithm) and not (self.behaviour.aux_without_draft and self.aux_capture)
-
-    def _version_args(self) -> dict[str, Any]:
-        """The hidden-state launch arguments this version has."""
-        out: dict[str, Any] = {}
-        if self.behaviour.hidden_states_mode:
-            out["return_hidden_states_mode"] = "full" if self.hidden_states_allowed and not \
-                self.enable_return_hidden_states else None
-        if self.behaviour.aux_without_draft:
-            out["enable_return_aux_hidden_states"] = self.enable_return_aux_hidden_states
-            out["aux_hidden_state_capture"] = self.aux_capture
-            out["return_aux_hidden_state_layer_ids"] = self.aux_layer_ids
-        return out
+        return bool(self.speculative_algorithm)
 
     def faults(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in FAULT_FIELDS}
@@ -188,8 +140,6 @@ class EmulatorConfig:
             "speculative_num_steps": self.speculative_num_steps if self.is_speculative else None,
             "speculative_eagle_topk": 1 if self.is_speculative else None,
             "speculative_num_draft_tokens": self.speculative_num_steps + 1 if self.is_speculative else None,
-            "enable_return_hidden_states": self.enable_return_hidden_states,
-            **self._version_args(),
             "enable_deterministic_inference": self.enable_deterministic_inference,
             "reasoning_parser": self.reasoning_parser,
             "tool_call_parser": self.tool_call_parser,
@@ -223,24 +173,18 @@ _OPTIONS: list[tuple[str, Any, str]] = [
     ("sglang_version", str, "the SGLang version to behave as (0.5.14, 0.5.17, 0.5.18, 0.5.23): field names, "
                             "flags and checks follow it"),
     ("context_length", int, "context length in tokens"),
-    ("hidden_width", int, "hidden size H of one layer (7168 for Kimi-K2.5)"),
     ("num_layers", int, "number of layers reported"),
     ("reasoning_parser", str, "reasoning parser (kimi_k2 splits at </think>)"),
     ("tool_call_parser", str, "tool-call parser name (reported only)"),
     ("tp_size", int, "tensor parallel size (reported only)"),
-    ("enable_return_hidden_states", bool, "allow return_hidden_states"),
-    ("enable_return_aux_hidden_states", bool, "0.5.23: capture EAGLE-3 aux layers (3 x width) without a draft, "
-                                              "with --speculative-algorithm EAGLE3 naming the convention"),
     ("speculative_algorithm", str, "speculative algorithm (EAGLE3, EAGLE, ...)"),
-    ("return_aux_hidden_state_layer_ids", str, "0.5.23: the aux layers captured, comma-separated (DFLASH and "
-                                               "DSPARK need them; EAGLE3 defaults to the model's three)"),
     ("enable_deterministic_inference", bool, "report --enable-deterministic-inference (seeds then reproduce)"),
     ("speculative_num_steps", int, "draft steps (spec_accept_rate = (accept_length-1)/steps)"),
     ("accept_length", float, "mean speculative accept length"),
     ("enable_metrics", bool, "serve Prometheus /metrics"),
     ("enable_cache_report", bool, "report usage.prompt_tokens_details.cached_tokens"),
-    ("disable_radix_cache", bool, "no prefix cache: every prompt token gets a prefill row"),
-    ("chunked_prefill_size", int, "prefill chunk; hidden states cover the final chunk only (<=0: off)"),
+    ("disable_radix_cache", bool, "no prefix cache (no cached_tokens)"),
+    ("chunked_prefill_size", int, "prefill chunk size (reported only)"),
     ("cache_max_tokens", int, "prefix cache capacity in token prefixes"),
     ("max_total_num_tokens", int, "KV pool size reported (token_usage denominator)"),
     ("default_max_tokens", int, "natural answer budget when max_tokens is absent"),
@@ -280,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="SGLang-faithful emulated server (deterministic answers, fault injection).",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="option bundle: kimi (kimi_k2 parsers), kimi-eagle3 (+EAGLE3 aux hidden states), plain")
+                   help="option bundle: kimi (kimi_k2 parsers), kimi-eagle3 (+ an EAGLE3 draft), plain")
     for name, typ, help_ in _OPTIONS:
         flag = "--" + name.replace("_", "-")
         if typ is bool:

@@ -121,9 +121,6 @@ def validate_chat(body: dict, return_token_ids: bool = True) -> None:
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
         raise RequestInvalid("1 validation error: rid must be a string.")
-    rhs = body.get("return_hidden_states", False)
-    if not isinstance(rhs, bool) and rhs != "last":
-        raise RequestInvalid("1 validation error: return_hidden_states must be a boolean or 'last'.")
     if body.get("stream"):
         if body.get("return_prompt_token_ids"):
             raise RequestInvalid("return_prompt_token_ids is not supported with streaming. "

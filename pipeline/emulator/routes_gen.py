@@ -10,7 +10,6 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from . import hidden as hs
 from .versions import contract_error
 from .model import THINK_START_ID, Generation, chat_generation, chat_max_tokens, generate, generate_prompt, \
     native_finish
@@ -51,8 +50,6 @@ async def _hang_forever() -> None:
 
 def _admit(st: ServerState, body: dict) -> str:
     """The checks both generation routes share; returns the request's rid."""
-    if body.get("return_hidden_states") and not st.cfg.hidden_states_allowed:
-        raise RequestInvalid(st.cfg.behaviour.no_hidden_states_message)
     rid = body.get("rid") or uuid.uuid4().hex
     if rid in st.running_rids:
         raise RequestInvalid(f"Duplicate request ID detected: {rid}")
@@ -194,8 +191,6 @@ def _finish_stats(st: ServerState, job: Job, ttft: float) -> None:
 def _chat_extras(st: ServerState, job: Job, finish_meta: bool) -> dict:
     body, gen, cfg = job.body, job.gen, st.cfg
     extra: dict[str, Any] = {}
-    if body.get("return_hidden_states"):
-        extra["hidden_states"] = hs.last_hidden_state(gen.prompt_ids, gen.output_ids, cfg.effective_hidden_width)
     ids_field = cfg.behaviour.output_ids_field
     # SGLang (0.5.17+) puts the prompt ids on the choice for either flag
     if body.get("return_prompt_token_ids") or (body.get("return_token_ids") and ids_field):
@@ -233,14 +228,9 @@ def _native_finish(gen: Generation) -> dict:
     return native_finish(gen)
 
 
-def _generate_body(st: ServerState, job: Job, e2e: float, with_hidden: bool) -> dict:
+def _generate_body(st: ServerState, job: Job, e2e: float) -> dict:
     gen, cfg = job.gen, st.cfg
     mi = meta_info(job.rid, gen, job.cached, _native_finish(gen), e2e, cfg, job.fault == "weight_switch")
-    if with_hidden and job.body.get("return_hidden_states"):
-        start = job.cached if not cfg.disable_radix_cache else 0
-        start = hs.prefill_start(gen.prompt_tokens, start, cfg.chunked_prefill_size)
-        mi["hidden_states"] = hs.full_hidden_states(gen.prompt_ids, gen.output_ids, start,
-                                                    cfg.effective_hidden_width)
     return {"text": gen.text, "output_ids": gen.output_ids, "meta_info": mi}
 
 
@@ -258,7 +248,7 @@ async def _plain(request: web.Request, st: ServerState, job: Job) -> web.StreamR
         obj = chat_body(job.rid, body_model(job.body, cfg), gen, usage, metadata, parser,
                         _chat_extras(st, job, True))
     else:
-        obj = _generate_body(st, job, time.monotonic() - job.t0, True)
+        obj = _generate_body(st, job, time.monotonic() - job.t0)
     if job.fault == "reset":
         return await _reset(request, st, job, orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY))
     _finish_stats(st, job, pre + dt)
@@ -335,14 +325,10 @@ async def _stream(request: web.Request, st: ServerState, job: Job) -> web.Stream
         await resp.write_eof()
         return resp
     if chat:
-        extra = _chat_extras(st, job, False)
-        fin_delta: dict = {}
-        if "hidden_states" in extra:
-            fin_delta["hidden_states"] = extra["hidden_states"]
         buf.append(b"data: " + orjson.dumps(
             {"id": job.rid, "object": "chat.completion.chunk", "created": created, "model": model,
              "choices": [{"index": 0, "delta": {"role": None, "content": None, "reasoning_content": None,
-                                                "tool_calls": None, **fin_delta},
+                                                "tool_calls": None},
                           "logprobs": None, "finish_reason": gen.finish, "matched_stop": gen.matched_stop}],
              "usage": None}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n")
         ext = _sglext_ids(cfg, job)
@@ -355,7 +341,7 @@ async def _stream(request: web.Request, st: ServerState, job: Job) -> web.Stream
             usage = chat_usage(gen, job.cached, cfg.enable_cache_report, parser)
             buf.append(chunk_bytes(job.rid, created, model, None, usage=usage))
     else:
-        final = _generate_body(st, job, time.monotonic() - job.t0, True)
+        final = _generate_body(st, job, time.monotonic() - job.t0)
         buf.append(b"data: " + orjson.dumps(final, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n")
     buf.append(_DONE)
     await resp.write(b"".join(buf))

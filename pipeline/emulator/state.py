@@ -195,7 +195,7 @@ class ServerState:
                 v = str(v)
             elif isinstance(cur, bool) or k in ("health_ok_while_hung", "health_503"):
                 v = bool(v)
-            elif k in ("hidden_width", "context_length", "fault_seed"):
+            elif k in ("context_length", "fault_seed"):
                 v = int(v)
             else:
                 v = float(v)

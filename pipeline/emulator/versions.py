@@ -56,17 +56,6 @@ class Behaviour:
         return self._from(0, 5, 23)
 
     @property
-    def hidden_states_mode(self) -> bool:
-        """`--return-hidden-states-mode {last,full}` exists."""
-        return self._from(0, 5, 17)
-
-    @property
-    def aux_without_draft(self) -> bool:
-        """`--enable-return-aux-hidden-states`: aux capture on the target alone; older versions capture the aux
-        layers only for an EAGLE3 speculative draft."""
-        return self._from(0, 5, 23)
-
-    @property
     def weight_version_spans(self) -> bool:
         return self._from(0, 5, 23)
 
@@ -74,15 +63,6 @@ class Behaviour:
     def generate_contract(self) -> bool:
         """/generate refuses unknown sampling_params fields with 400 {"error": "<text>"}."""
         return self._from(0, 5, 23)
-
-    @property
-    def no_hidden_states_message(self) -> str:
-        if not self.hidden_states_mode:
-            return ("The server is not configured to return the hidden states. "
-                    "Please set `--enable-return-hidden-states` to enable this feature.")
-        return ("The server is not configured to return hidden states. Please set `--return-hidden-states-mode "
-                "last`, `--return-hidden-states-mode full`, or the legacy `--enable-return-hidden-states` flag.")
-
 
 def behaviour(sglang_version: str) -> Behaviour:
     return Behaviour(version_tuple(sglang_version))

@@ -8,13 +8,12 @@ strings.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import openai
@@ -320,7 +319,7 @@ class EndpointClient:
 
     async def post_json(self, path: str, body: dict[str, Any], timeout_s: float = 60.0) -> tuple[int, Any]:
         """POST a probe (the preflight's tiny generations). Returns (status, parsed body); any failure to answer,
-        a timeout included, is EndpointDown: the probe reports the endpoint as down. Run requests use `posted`."""
+        a timeout included, is EndpointDown: the probe reports the endpoint as down."""
         session = self._session()
         try:
             async with session.post(self.url + path, data=orjson.dumps(body),
@@ -329,43 +328,6 @@ class EndpointClient:
                 return resp.status, parse_body(await resp.read())
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EndpointDown(f"{path}: {exc or type(exc).__name__}", endpoint=self.label) from None
-
-    # --- native generation (/generate, the hidden-state route) ---------------------------------------------
-    @contextlib.asynccontextmanager
-    async def posted(self, path: str, body: dict[str, Any], timeout_s: float) -> AsyncIterator[aiohttp.ClientResponse]:
-        """POST a generation and yield the response once its status is in, its body unread (read it with
-        `read_body`), so a caller can bound the answers it holds in memory apart from the requests in flight.
-        Errors are of the taxonomy: refused, EndpointDown; lost after sending, ConnectionDropped; past the
-        deadline, Retryable (no progress)."""
-        try:
-            response = await self._session().post(self.url + path, data=orjson.dumps(body),
-                                                   headers={"Content-Type": "application/json"},
-                                                   timeout=aiohttp.ClientTimeout(total=timeout_s))
-        except TimeoutError:
-            raise self._no_progress(timeout_s) from None
-        except aiohttp.ClientError as exc:
-            raise classify(None, f"{path}: {exc or type(exc).__name__}", self.label, dropped=_dropped(exc)) from None
-        try:
-            yield response
-        finally:
-            response.release()
-
-    async def read_body(self, response: aiohttp.ClientResponse, timeout_s: float) -> bytes:
-        try:
-            return await response.read()
-        except TimeoutError:
-            raise self._no_progress(timeout_s) from None
-        except aiohttp.ClientError as exc:
-            raise classify(None, f"{response.url.path}: connection lost in the body ({exc or type(exc).__name__})",
-                           self.label, dropped=True) from None
-
-    async def generate_json(self, path: str, body: dict[str, Any], timeout_s: float) -> tuple[int, Any]:
-        """`posted` for a small answer: (status, parsed body, or its text if it is not JSON)."""
-        async with self.posted(path, body, timeout_s) as response:
-            return response.status, parse_body(await self.read_body(response, timeout_s))
-
-    def _no_progress(self, timeout_s: float) -> Retryable:
-        return Retryable(f"no progress (deadline {timeout_s:.0f}s)", endpoint=self.label)
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:

@@ -67,6 +67,4 @@ def read_sglang_info(report: Any, model_info: dict | None, server_info: dict | N
     report.weight_version = report.weight_version or info.get("weight_version") or None
     if report.context is None and isinstance(info.get("context_length"), int):
         report.context = info["context_length"]
-    if "disable_radix_cache" in info:
-        report.radix_cache = not bool(info["disable_radix_cache"])
     return info

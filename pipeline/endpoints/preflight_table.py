@@ -1,16 +1,15 @@
 """The table `regen preflight` prints: one line per endpoint, then each problem and warning in words.
 
-    endpoint         status       model                 weights  context  parser   hidden  radix cache  server
-    127.0.0.1:30001  ok           moonshotai/Kimi-K2.5  default  262144   kimi_k2  21504   off          sglang 0.5.23
-    127.0.0.1:30002  REFUSED      moonshotai/Kimi-K2.5  default  262144   kimi_k2  7168    off          sglang 0.5.23
-    127.0.0.1:30003  unreachable  -                     -        -        -        -       -            -
-      127.0.0.1:30002: returns 7168-wide hidden states, expected 21504 (hidden_states.expected_width): 7168 is a
-        single layer, ... The server probably runs --speculative-algorithm EAGLE instead of EAGLE3, or lacks ...
+    endpoint         status       model                 weights  context  parser   server
+    127.0.0.1:30001  ok           moonshotai/Kimi-K2.5  default  262144   kimi_k2  sglang 0.5.23
+    127.0.0.1:30002  REFUSED      moonshotai/Kimi-K2.5  default  262144   none     sglang 0.5.23
+    127.0.0.1:30003  unreachable  -                     -        -        -        -
+      127.0.0.1:30002: thinking is requested (chat_template_kwargs thinking: true) but the server splits no
+        reasoning out: ... Launch the server with --reasoning-parser kimi_k2
       127.0.0.1:30003: unreachable (warning; it gets work once it answers): no answer (/v1/models: ...)
 
 The server column names the engine and version the preflight identified (sglang, vllm, llamacpp; `not SGLang`
-for an unidentified one), and `n/a` marks where the SGLang-only checks were skipped;
-`hidden` says `not asked` when the config does not capture hidden states.
+for an unidentified one), and `n/a` marks where the SGLang-only checks were skipped.
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ if TYPE_CHECKING:
     from ..core.config import RunConfig
     from .probes import EndpointReport
 
-HEADER = ("endpoint", "status", "model", "weights", "context", "parser", "hidden", "radix cache", "server")
+HEADER = ("endpoint", "status", "model", "weights", "context", "parser", "server")
 
 
 def _model(r: "EndpointReport", cfg: "RunConfig") -> str:
@@ -37,23 +36,14 @@ def _row(r: "EndpointReport", cfg: "RunConfig") -> tuple[str, ...]:
     if not answered:
         return (r.label, r.status) + ("-",) * (len(HEADER) - 2)
     not_sglang = r.sglang is False
-    if not_sglang:
-        parser = radix = "n/a"
-    else:
-        parser = (r.reasoning_parser or "none") if r.sglang else "?"
-        # Upper case only where it matters: a radix cache drops hidden-state rows, and is harmless otherwise.
-        radix = {True: "ON" if cfg.hidden_states.enabled else "on", False: "off", None: "?"}[r.radix_cache]
-    if not cfg.hidden_states.enabled:
-        hidden = "not asked"
-    else:
-        hidden = str(r.hidden_width) if r.hidden_width is not None else "?"
+    parser = "n/a" if not_sglang else ((r.reasoning_parser or "none") if r.sglang else "?")
     if r.engine is not None and r.engine.engine != "openai":
         server = r.engine.describe()
     else:
         server = "not SGLang" if not_sglang else ("sglang" if r.sglang else "?")
     weights = r.weight_version or ("n/a" if not_sglang else "?")
     return (r.label, r.status, _model(r, cfg), weights,
-            str(r.context) if r.context is not None else "?", parser, hidden, radix, server)
+            str(r.context) if r.context is not None else "?", parser, server)
 
 
 def render_table(reports: list["EndpointReport"], cfg: "RunConfig", fleet_problems: list[str] = ()) -> str:

@@ -5,12 +5,10 @@ circuit breaker, so that a recovered endpoint passes the full preflight before i
      `/get_model_info` and `/get_server_info`; SGLang only: a 404 on both means "not SGLang", e.g. the local
      llama.cpp fleet, and the checks that need them are skipped), and where /v1/models names vLLM or llama.cpp
      (`owned_by`), its /version or /props. The server's engine adapter (engines/) is chosen here, and the
-     version checks are its: output ids, aux capture, hidden-state flags, seeds;
+     version checks are its: output ids, seeds;
   2. one tiny chat generation with the run's chat_template_kwargs: generation works (a /health 200 can lie),
-     and when thinking is requested the reasoning is split out (a reasoning parser is running);
-  3. with hidden states: `/generate` with `return_hidden_states` on a short probe, twice. The vector width must
-     equal `hidden_states.expected_width` (7168 instead of 21504 is EAGLE instead of EAGLE3), and the prefill
-     rows must cover the whole prompt both times (a shortfall the second time is the radix cache).
+     and when thinking is requested the reasoning is split out (a reasoning parser is running); a run that
+     streams and stores token ids also gets one tiny streamed generation.
 """
 from __future__ import annotations
 
@@ -21,15 +19,12 @@ from typing import Any
 
 from ..core.config import RunConfig
 from .client import EndpointClient, _error_message, classify
-from ..core.errors import ContractError, EndpointDown, EndpointFatal, RequestError, Retryable
+from ..core.errors import EndpointDown, RequestError, Retryable
 from .engines import OpenAIAdapter, SGLangAdapter, engine_for, identity_path, owners
 from .identity import INFO_TIMEOUT_S, get_info, info_path, read_sglang_info
-from .prefill import check_chunked_prefill
 
-PROBE_TIMEOUT_S = 30.0  # each tiny generation (8 chat tokens, 4 /generate tokens)
+PROBE_TIMEOUT_S = 30.0  # each tiny generation (8 chat tokens)
 CHAT_PROBE_TOKENS = 8
-HIDDEN_PROBE_TOKENS = 4
-KIMI_LAYER_WIDTH = 7168
 PROBE_RID_PREFIX = "regen-preflight-"  # probes are told apart from prompts in the servers' logs
 
 
@@ -52,8 +47,6 @@ class EndpointReport:
     weight_version: str | None = None
     context: int | None = None  # tokens: /v1/models max_model_len, else /get_server_info context_length
     reasoning_parser: str | None = None  # meaningful only when `sglang` is True
-    hidden_width: int | None = None  # width of the vectors /generate returned (None: not probed)
-    radix_cache: bool | None = None  # True: on (bad for hidden states); None: unknown
     sglang_version: str | None = None
     sglang: bool | None = None  # True: SGLang info endpoints answer; False: 404 (e.g. llama.cpp); None: unknown
     speculative_algorithm: str | None = None
@@ -101,14 +94,11 @@ class _Findings:
 
 
 async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout_s: float = INFO_TIMEOUT_S,
-                         probe_timeout_s: float = PROBE_TIMEOUT_S,
-                         longest_prompt: list[dict[str, str]] | None = None) -> EndpointReport:
+                         probe_timeout_s: float = PROBE_TIMEOUT_S) -> EndpointReport:
     """Every check of one endpoint. Never raises for the endpoint's faults: they are in the report.
 
     `report.ok` says whether the endpoint may get work; `report.reachable` False means it did not answer
-    (or did not generate) and may come back; `report.problems` non-empty means it is misconfigured.
-    `longest_prompt`: the messages of the run's longest prompt; with hidden states, the server counts its tokens
-    and they must fit in one chunk of its chunked_prefill_size (prefill.py)."""
+    (or did not generate) and may come back; `report.problems` non-empty means it is misconfigured."""
     report = EndpointReport(label=client.label, url=client.url)
     models_r, (minfo_path, minfo_r), (sinfo_path, sinfo_r) = await asyncio.gather(
         get_info(client, "/v1/models", info_timeout_s),
@@ -178,7 +168,6 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
         report.warnings.append(warning)
     found = _Findings()
     thinking = bool(cfg.template_kwargs().get("thinking"))
-    hidden = cfg.hidden_states.enabled
 
     # 3. What the information endpoints already tell.
     if cfg.model not in report.models:
@@ -204,8 +193,6 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
             report.warnings.append("the server runs without a reasoning parser and the config leaves thinking to "
                                    "the server's default (Kimi thinks by default): its reasoning would end up in "
                                    "content. Set `thinking:` or launch with --reasoning-parser kimi_k2")
-        if hidden and server_info.get("disable_radix_cache") is False:
-            found.add("radix", "the server reports disable_radix_cache: false")
     parser_reported = server_info is not None and "reasoning_parser" in server_info
     if not parser_reported and "thinking" not in cfg.template_kwargs():
         report.warnings.append(f"the server ({report.engine.describe()}) does not report its reasoning parser and the "
@@ -213,19 +200,15 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
                                "no parser splits it out, its reasoning ends up in content. Set `thinking:` (the "
                                "preflight then checks the split), or check the server's --reasoning-parser")
     if isinstance(report.engine, SGLangAdapter):
-        _version_checks(report.engine, cfg, report, found, server_info or {})
+        _version_checks(report.engine, cfg, found)
 
     # 4. The tiny generations, concurrently.
     probes = [_chat_probe(client, cfg, report, found, probe_timeout_s)]
     if wants_output_ids(cfg) and cfg.stream:  # the ids on the run's own transport
         probes.append(_stream_ids_probe(client, cfg, report, found, probe_timeout_s))
-    if hidden:
-        probes.append(_hidden_probe(client, cfg, report, found, probe_timeout_s, server_info))
-        probes.append(check_chunked_prefill(client, server_info, longest_prompt, probe_timeout_s, found.other,
-                                            report.warnings))
     await asyncio.gather(*probes)
     report.reachable = not report.down_reason
-    report.problems += _describe(found, cfg, report, server_info)
+    report.problems += _describe(found)
     return report
 
 
@@ -301,12 +284,11 @@ async def _stream_ids_probe(client: EndpointClient, cfg: RunConfig, report: Endp
 
 
 def wants_output_ids(cfg: RunConfig) -> bool:
-    """What the run's chat requests ask for (with hidden states, the ids come from /generate instead)."""
-    return cfg.return_token_ids and not cfg.hidden_states.enabled
+    """What the run's chat requests ask for."""
+    return cfg.return_token_ids
 
 
-def _version_checks(engine: SGLangAdapter, cfg: RunConfig, report: EndpointReport, found: _Findings,
-                    server_info: dict[str, Any]) -> None:
+def _version_checks(engine: SGLangAdapter, cfg: RunConfig, found: _Findings) -> None:
     """What this SGLang version can and cannot do for the run, read from its version and launch arguments."""
     if wants_output_ids(cfg):
         problem = engine.output_ids_problem()
@@ -314,88 +296,9 @@ def _version_checks(engine: SGLangAdapter, cfg: RunConfig, report: EndpointRepor
             problem = engine.stream_ids_problem()
         if problem:
             found.add("ids", problem)
-    if cfg.hidden_states.enabled and server_info:
-        if not engine.hidden_states_on(server_info):
-            found.add("hidden_off", "the server reports enable_return_hidden_states: false, no "
-                                    "return_hidden_states_mode full and no aux capture")
-        aux = engine.aux_problem(server_info, cfg.hidden_states.expected_width, KIMI_LAYER_WIDTH)
-        if aux:
-            found.add("aux", aux)
-        capture = engine.capture_problem(server_info, cfg.hidden_states.aux_layer_ids)
-        if capture:  # whatever the width: three DSPARK layers are as wide as EAGLE3's
-            found.other.append(capture)
 
 
-def _probe_text() -> str:
-    # A fresh nonce first, so no earlier request shares a prefix with the first probe.
-    return f"[{uuid.uuid4().hex}] regen preflight probe: name three colours of the rainbow."
-
-
-async def _hidden_probe(client: EndpointClient, cfg: RunConfig, report: EndpointReport, found: _Findings,
-                        timeout_s: float, server_info: dict | None) -> None:
-    text = _probe_text()
-    sampling = client.engine.generate_sampling(client.settings.sampling(), HIDDEN_PROBE_TOKENS, None)
-    body = {"text": text, "return_hidden_states": True,
-            "sampling_params": {**sampling, "temperature": 0.0, "ignore_eos": True}}
-    rows: list[tuple[int, int]] = []  # (n_prefill, prompt_tokens) per probe
-    for attempt in (1, 2):  # the same text twice: the second finds it in a radix cache if one is on
-        try:
-            status, answer = await client.post_json("/generate", {**body, "rid": probe_rid()}, timeout_s=timeout_s)
-        except EndpointDown as exc:
-            report.down_reason = report.down_reason or (
-                f"answers /v1/models, but a tiny /generate ({HIDDEN_PROBE_TOKENS} tokens) got no answer within "
-                f"{timeout_s:g}s ({exc.message})")
-            return
-        if status == 404:
-            found.other.append("hidden states are requested (hidden_states.enabled) but the server has no "
-                               "/generate (404): hidden states need an SGLang server")
-            return
-        if status != 200:
-            error = classify(status, _error_message(answer, f"HTTP {status}"), client.label, engine=client.engine)
-            if isinstance(error, EndpointFatal) and not isinstance(error, ContractError) and status == 400:
-                # /generate names no model: hidden states off
-                found.add("hidden_off", f"/generate with return_hidden_states answered 400 {error.message!r}")
-            elif isinstance(error, Retryable):
-                report.down_reason = report.down_reason or f"/generate failed ({status}: {error.message})"
-            else:
-                found.other.append(f"/generate with return_hidden_states was refused ({status}: {error.message})")
-            return
-        meta = answer.get("meta_info") if isinstance(answer, dict) else None
-        states = meta.get("hidden_states") if isinstance(meta, dict) else None
-        prompt_tokens = meta.get("prompt_tokens") if isinstance(meta, dict) else None
-        if not states or not isinstance(states, list):
-            found.other.append("/generate with return_hidden_states returned no hidden states "
-                               "(meta_info.hidden_states is empty)")
-            return
-        first = states[0]
-        if not (isinstance(first, list) and first and isinstance(first[0], list)):
-            found.other.append("/generate returned hidden states whose first element is not the 2-D block of "
-                               "prefill rows: not SGLang's full-sequence layout")
-            return
-        widths = {len(first[0])} | {len(v) for v in states[1:] if isinstance(v, list)}
-        if len(widths) > 1:
-            found.other.append(f"/generate returned hidden states of mixed widths {sorted(widths)}")
-            return
-        report.hidden_width = len(first[0])
-        if isinstance(prompt_tokens, int):
-            rows.append((len(first), prompt_tokens))
-        else:
-            found.other.append("/generate returned no meta_info.prompt_tokens: cannot check the prefill rows")
-            return
-        if attempt == 1 and report.hidden_width != cfg.hidden_states.expected_width:
-            break  # wrong width already refuses; no need for the cache probe
-    if rows and rows[0][0] < rows[0][1]:
-        found.add("prefill", f"a fresh probe got hidden-state rows for only {rows[0][0]} of its {rows[0][1]} "
-                            "prompt tokens")
-    elif len(rows) == 2 and rows[1][0] < rows[1][1]:
-        found.add("radix", f"sent twice, the same probe got hidden-state rows for only {rows[1][0]} of its "
-                           f"{rows[1][1]} prompt tokens the second time")
-        report.radix_cache = True
-    elif len(rows) == 2 and report.radix_cache is None:
-        report.radix_cache = False
-
-
-def _describe(found: _Findings, cfg: RunConfig, report: EndpointReport, server_info: dict | None) -> list[str]:
+def _describe(found: _Findings) -> list[str]:
     """One user-facing sentence per fault, with its evidence and the launch flag that fixes it."""
     out: list[str] = []
     ev = found.evidence
@@ -408,32 +311,4 @@ def _describe(found: _Findings, cfg: RunConfig, report: EndpointReport, server_i
     if "parser" in ev:
         out.append("thinking is requested (chat_template_kwargs thinking: true) but the server splits no "
                    f"reasoning out: {why('parser')}. Launch the server with --reasoning-parser kimi_k2")
-    if "hidden_off" in ev:
-        out.append("hidden states are requested (hidden_states.enabled) but the server is not configured to "
-                   f"return them: {why('hidden_off')}. Launch it with --enable-return-hidden-states")
-    width, expected = report.hidden_width, cfg.hidden_states.expected_width
-    engine = report.engine if isinstance(report.engine, SGLangAdapter) else SGLangAdapter()
-    if "aux" in ev and (width is None or width != expected):
-        measured = f"returns {width}-wide hidden states, expected {expected} (hidden_states.expected_width): " \
-            if width is not None else ""
-        out.append(measured + why("aux"))
-    elif cfg.hidden_states.enabled and width is not None and width != expected:
-        text = f"returns {width}-wide hidden states, expected {expected} (hidden_states.expected_width)"
-        if width == KIMI_LAYER_WIDTH and expected == 3 * KIMI_LAYER_WIDTH:
-            flags = ""
-            if server_info is not None:
-                flags = (f" (it reports speculative_algorithm: {server_info.get('speculative_algorithm')}, "
-                         f"aux capture: {engine.aux_capture(server_info)})")
-            text += (f": {width} is a single layer, not EAGLE-3's three auxiliary layers (3 x {KIMI_LAYER_WIDTH}). "
-                     "The server probably runs --speculative-algorithm EAGLE instead of EAGLE3, or captures no "
-                     f"auxiliary layers{flags}. Launch it with {engine.aux_flags()}")
-        else:
-            text += ": check the server's model and hidden-state flags, or set hidden_states.expected_width"
-        out.append(text)
-    if "radix" in ev:
-        out.append(f"the radix (prefix) cache is on, so prompt tokens served from the cache get no hidden-state "
-                   f"row: {why('radix')}. Launch it with --disable-radix-cache")
-    if "prefill" in ev:
-        out.append(f"hidden states do not cover the whole prompt: {why('prefill')}. Launch it with "
-                   "--disable-radix-cache and a --chunked-prefill-size larger than the longest prompt")
     return out + found.other

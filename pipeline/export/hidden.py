@@ -31,7 +31,7 @@ import orjson
 
 from ..core.errors import ConfigError
 from ..hidden.layout import AUX, FINAL_POST_NORM, LAST_PRE_NORM, CaptureLayout
-from ..hidden.parse import StoredLayoutMismatch
+from ..hidden.errors import StoredLayoutMismatch
 from ..hidden.parts import BF16, iter_hidden
 from ..store.capture_ledger import capture_run_dir
 from ..store.rundir import RunDir, atomic_write

@@ -1,2 +1,3 @@
-"""Hidden states: the /generate request that captures them, byte-level parsing (and its C kernel), alignment,
-and the hidden parts on disk. May import endpoints, store, prompts and core."""
+"""Hidden states of `regen capture`: the capture layout, its routes (a transformers model in process, or a vLLM
+capture server), the hidden parts on disk, bf16 conversion and the free-space check. May import endpoints, store,
+prompts and core."""

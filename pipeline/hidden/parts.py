@@ -1,19 +1,18 @@
-"""Hidden parts on disk: writer, listing, garbage collection and the loader.
+"""Hidden parts on disk: writer, listing, garbage collection and the loader (of RUN/capture, pipeline/capture.py).
 
-Layout: `<run>/hidden/part-<tag>-<prompt>-<turn>-<seq>.parquet`, schema `schema.HIDDEN`: a sample is a few
+Layout: `<capture>/hidden/part-<tag>-<prompt>-<turn>-<seq>.parquet`, schema `schema.HIDDEN`: a sample is a few
 consecutive rows of about CHUNK_BYTES, one row per row group (so the writer streams one chunk at a time and a
-reader loads one sample at a time). Names are unique by construction: `tag` names the writer (an endpoint's
-actor), `prompt` and `turn` its first sample, and `seq` counts the actor's parts. Every commit is exclusive
-(storage: it never replaces a file), so an actor restarted with its counter back at 1, retrying a sample it
-wrote before, finds the name taken and moves to the next `seq`. Many actors write into the same folder
-without coordinating. (Parts of runs written before this scheme, `part-<tag>-<seq>-<uuid8>`, still read.)
+reader loads one sample at a time). Names are unique by construction: `tag` names the writer (a capture actor),
+`prompt` and `turn` its first sample, and `seq` counts the actor's parts. Every commit is exclusive (storage: it
+never replaces a file), so an actor restarted with its counter back at 1, retrying a sample it wrote before,
+finds the name taken and moves to the next `seq`. Many actors write into the same folder without coordinating.
 The `hidden` column is stored PLAIN, uncompressed, without dictionary or statistics, so a part is the bf16
 bytes plus a few hundred bytes per sample.
 
-Commit order: an actor commits its hidden part (atomically: storage.py) before the data row that references it
-(`hidden_part` = the part's file name, `hidden_row` = the row). A crash in between leaves a hidden part
-that no data row references; `garbage_hidden_parts` lists those (and killed writers' temporary files)
-for deletion on resume, while no writer is running.
+Commit order: an actor commits its hidden part (atomically: storage.py) before the ledger row that references it
+(`hidden_part` = the part's file name, `hidden_row` = the row; the ledger is the capture's data/). A crash in
+between leaves a hidden part that no ledger row references; `garbage_hidden_parts` lists those (and killed
+writers' temporary files) for deletion on resume, while no writer is running.
 """
 from __future__ import annotations
 
@@ -36,7 +35,6 @@ from ..store.rundir import PART_RE, TMP_PREFIX, RunDir
 from ..store.storage import Location
 
 HIDDEN_PART_RE = re.compile(r"^part-([a-z0-9]{1,32})-([a-z0-9]{1,32})-(\d+)-(\d{6,})\.parquet$")
-LEGACY_HIDDEN_PART_RE = re.compile(r"^part-(?:([a-z0-9]{1,32})-)?(\d{6})-([0-9a-f]{8})\.parquet$")
 _MAX_NAME_TRIES = 1000  # names taken by earlier incarnations of the same actor (each a retried sample)
 _HIDDEN_COL = "hidden"
 CHUNK_BYTES = 8 << 20  # a sample is stored in rows of about this size, so writing never holds it twice
@@ -64,7 +62,7 @@ def _run_dir(run_dir: RunLike) -> RunDir:
 def hidden_parts(run_dir: RunLike) -> list[Location]:
     """Committed hidden parts (any writer), sorted by name."""
     return sorted(p for p in hidden_dir(run_dir).iterdir()
-                  if HIDDEN_PART_RE.match(p.name) or LEGACY_HIDDEN_PART_RE.match(p.name) or PART_RE.match(p.name))
+                  if HIDDEN_PART_RE.match(p.name) or PART_RE.match(p.name))
 
 
 def _name_field(text: str) -> str:
@@ -80,21 +78,16 @@ def _sanitize_tag(tag: str | None) -> str:
 
 
 class HiddenPartWriter:
-    """Buffers samples of one writer (an endpoint actor) and commits them as one hidden part.
+    """Buffers samples of one writer (a capture actor) and commits them as one hidden part.
 
     `add()` keeps a reference to each matrix (no copy); `commit()` writes them with one atomic rename and
-    returns (part file name, {(prompt_id, turn_index): row}); the caller then commits the data rows with
+    returns (part file name, {(prompt_id, turn_index): row}); the caller then commits the ledger rows with
     hidden_part/hidden_row. Memory: the buffered matrices plus the encoded part (about the same size).
-    Cap what is buffered with `pending_bytes` (the actor's bound on answers held at once).
     """
 
-    def __init__(self, run_dir: RunLike, tag: str | None = None, counter: Iterator[int] | None = None,
-                 rows_per_token: bool = False):
-        """`counter`: the actor's part counter, shared by all the writers one actor makes. `rows_per_token`: a
-        capture stores T rows for T tokens (row t: the states after feeding token t); the generating-request
-        layout of older runs had T - 1."""
+    def __init__(self, run_dir: RunLike, tag: str | None = None, counter: Iterator[int] | None = None):
+        """`counter`: the actor's part counter, shared by all the writers one actor makes."""
         self.run_dir = _run_dir(run_dir)
-        self.missing_rows = 0 if rows_per_token else 1
         self.tag = _sanitize_tag(tag)
         self.counter = counter if counter is not None else itertools.count(1)
         self._rows: list[dict] = []
@@ -108,14 +101,13 @@ class HiddenPartWriter:
         return sum(m.nbytes for m in self._mats)
 
     def add(self, prompt_id: str, turn_index: int, token_ids, n_prompt: int, hidden: np.ndarray) -> None:
-        """One sample: `token_ids` = prompt + completion ids, `hidden` = [T, width] bf16 (capture) or
-        [T - 1, width] (older runs), as uint16 bit patterns or ml_dtypes.bfloat16."""
+        """One sample: `token_ids` = prompt + completion ids (T), `hidden` = [T, width] bf16 (row t: the states
+        after feeding token t), as uint16 bit patterns or ml_dtypes.bfloat16."""
         if hidden.ndim != 2 or hidden.dtype.itemsize != 2:
             raise ValueError(f"hidden must be a 2-D bf16/uint16 matrix, got {hidden.dtype} {hidden.shape}")
         token_ids = np.asarray(token_ids, dtype=np.int32)
-        if hidden.shape[0] != max(len(token_ids) - self.missing_rows, 0):
-            raise ValueError(f"{hidden.shape[0]} hidden rows for {len(token_ids)} tokens; expected tokens"
-                             + (" - 1" if self.missing_rows else ""))
+        if hidden.shape[0] != len(token_ids):
+            raise ValueError(f"{hidden.shape[0]} hidden rows for {len(token_ids)} tokens; expected one a token")
         if any(r["prompt_id"] == prompt_id and r["turn_index"] == turn_index for r in self._rows):
             raise ValueError(f"({prompt_id!r}, {turn_index}) is already pending in this part")
         self._rows.append({"prompt_id": prompt_id, "turn_index": int(turn_index), "token_ids": token_ids,
@@ -173,7 +165,7 @@ class HiddenPartWriter:
 
 
 def referenced_hidden_parts(run_dir: RunLike) -> set[str]:
-    """Hidden part names referenced by committed data rows (reads only the `hidden_part` column)."""
+    """Hidden part names referenced by committed ledger rows (reads only the `hidden_part` column)."""
     rd = _run_dir(run_dir)
     names: set[str] = set()
     for part in rd.parts(rd.data):
@@ -184,8 +176,8 @@ def referenced_hidden_parts(run_dir: RunLike) -> set[str]:
 
 
 def garbage_hidden_parts(run_dir: RunLike, referenced: set[str] | None = None) -> list[Location]:
-    """Hidden parts no committed data row references, plus temporary files of killed writers. Call on resume
-    before any writer starts (a part committed a moment ago whose data row is still pending looks the same)."""
+    """Hidden parts no committed ledger row references, plus temporary files of killed writers. Call on resume
+    before any writer starts (a part committed a moment ago whose ledger row is still pending looks the same)."""
     if referenced is None:
         referenced = referenced_hidden_parts(run_dir)
     garbage = [p for p in hidden_parts(run_dir) if p.name not in referenced]
@@ -193,20 +185,24 @@ def garbage_hidden_parts(run_dir: RunLike, referenced: set[str] | None = None) -
 
 
 def remove_garbage_hidden_parts(run_dir: RunLike) -> int:
-    """Delete what `garbage_hidden_parts` lists (left by a kill, a retried request or a hedged copy). The driver
-    does this at every start, before any writer starts, also when nothing is pending. Returns how many."""
+    """Delete what `garbage_hidden_parts` lists (left by a kill or a retried call). The capture driver does this
+    at every start, before any writer starts, also when nothing is pending. Returns how many."""
     if not any(True for _ in hidden_dir(run_dir).iterdir()):
-        return 0  # no hidden states in this run: do not read the data parts
+        return 0  # nothing captured yet: do not read the ledger
     garbage = garbage_hidden_parts(run_dir)
     for part in garbage:
         part.unlink()
     return len(garbage)
 
 
-class HiddenMatrix:
-    """Shape accessors of anything holding a `hidden` [rows, width] matrix."""
-
-    hidden: np.ndarray
+@dataclass
+class HiddenSample:
+    prompt_id: str
+    turn_index: int
+    token_ids: np.ndarray  # int32 [T]: prompt + completion
+    n_prompt: int
+    hidden: np.ndarray  # bf16 [T, W], ml_dtypes.bfloat16 or uint16 bits
+    loss_mask: np.ndarray  # uint8 [T]: 0 on the prompt, 1 on the completion
 
     @property
     def n_rows(self) -> int:
@@ -215,16 +211,6 @@ class HiddenMatrix:
     @property
     def width(self) -> int:
         return int(self.hidden.shape[1])
-
-
-@dataclass
-class HiddenSample(HiddenMatrix):
-    prompt_id: str
-    turn_index: int
-    token_ids: np.ndarray  # int32 [T]: prompt + completion
-    n_prompt: int
-    hidden: np.ndarray  # bf16 [T, W] from a capture ([T - 1, W] in older runs), ml_dtypes.bfloat16 or uint16 bits
-    loss_mask: np.ndarray  # uint8 [T]: 0 on the prompt, 1 on the completion
 
 
 def _references(rd: RunDir) -> dict[str, list[tuple[int, str, int]]]:
@@ -270,18 +256,18 @@ def read_sample(path: Location | PathLike[str] | str, row: int, pf: pq.ParquetFi
 
 
 def iter_hidden(run_dir: RunLike) -> Iterator[HiddenSample]:
-    """Every hidden sample referenced by a committed data row, one part and one sample at a time, in part
+    """Every hidden sample referenced by a committed ledger row, one part and one sample at a time, in part
     name order then row order. Unreferenced (garbage) parts and rows are skipped."""
     rd = _run_dir(run_dir)
     folder = hidden_dir(rd)
     for name, refs in sorted(_references(rd).items()):
         path = folder / name
         if not path.exists():
-            raise FileNotFoundError(f"committed data rows reference {path}, which is missing")
+            raise FileNotFoundError(f"committed ledger rows reference {path}, which is missing")
         pf = path.parquet_file()
         for row, pid, turn in sorted(set(refs)):
             sample = read_sample(path, row, pf)
             if (sample.prompt_id, sample.turn_index) != (pid, turn):
                 raise ValueError(f"{name} row {row} holds ({sample.prompt_id!r}, {sample.turn_index}), "
-                                 f"but the data row says ({pid!r}, {turn})")
+                                 f"but the ledger row says ({pid!r}, {turn})")
             yield sample

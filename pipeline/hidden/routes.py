@@ -19,7 +19,7 @@ import numpy as np
 
 from ..core.errors import ConfigError
 from .layout import AUX, FINAL_POST_NORM, LAST_PRE_NORM, CaptureLayout
-from .parse import CaptureSampleError
+from .errors import CaptureSampleError
 
 
 class CaptureRoute(Protocol):

@@ -91,15 +91,23 @@ class VllmRoute:
             for leftover in (path, path + ".lock"):
                 Path(leftover).unlink(missing_ok=True)  # the server's own file is removed once read
             self._remove_earlier_sessions_files(Path(path).parent)
-        states, ids = tensors["hidden_states"].astype(np.float32), tensors["token_ids"]
-        if ids.tolist() != list(token_ids) or states.shape[:2] != (len(token_ids), 4):
-            raise ValueError(f"the server's file holds {states.shape} for ids {ids.shape}; expected "
-                             f"[{len(token_ids)}, 4, H] for the ids sent (aux ids then L in the server's config)")
+        states = self.check_file(tensors["hidden_states"].astype(np.float32), tensors["token_ids"], token_ids)
         pre = states[:, 3]
         post = pre / np.sqrt(np.mean(pre.astype(np.float64) ** 2, axis=-1, keepdims=True) + self.eps) * self.norm_weight
         by_kind = {AUX: iter(states[:, k] for k in range(3)), FINAL_POST_NORM: iter([post]), LAST_PRE_NORM: iter([pre])}
         return np.stack([next(by_kind[s.kind]) for s in self.layout.states], axis=1).astype(np.float32)
 
+    def check_file(self, states: np.ndarray, ids: np.ndarray, token_ids: list[int]) -> np.ndarray:
+        """The server's states of one request: [T, 4, H] for the ids sent. Another width is another model behind the
+        server, wrong for every sample: ConfigError, which stops the capture at its first sample."""
+        if states.ndim == 3 and states.shape[2] != self.layout.hidden_size:
+            raise ConfigError(f"{self.url} returns {states.shape[2]}-wide hidden states, but capture.json's layout is "
+                              f"{self.layout.hidden_size} wide ({self.layout.model}): the server runs another model "
+                              f"than the capture's (vllm.url serves {self.model})")
+        if ids.tolist() != list(token_ids) or states.shape[:2] != (len(token_ids), 4):
+            raise ValueError(f"the server's file holds {states.shape} for ids {ids.shape}; expected "
+                             f"[{len(token_ids)}, 4, H] for the ids sent (aux ids then L in the server's config)")
+        return states
 
     def _remove_earlier_sessions_files(self, folder: Path) -> None:
         for file in folder.glob(f"cmpl-regen-{self.owner.capture_key}-*"):

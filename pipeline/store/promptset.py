@@ -21,7 +21,7 @@ from ..prompts.errors import SourceError
 from ..prompts.fileid import FilesCheck, compare_files, file_identity
 from ..prompts.prompt_set import BuildResult, Prompt, Reject, build_into
 from ..prompts.sources import SourceSpec, load_source_spec
-from ..prompts.tokens import MESSAGE_ALLOWANCE, TEMPLATE_ALLOWANCE, PromptLength, load_length_check
+from ..prompts.tokens import load_length_check
 from . import schema
 from .rundir import RunDir
 
@@ -29,7 +29,6 @@ log = logging.getLogger("regen")
 
 BATCH_ROWS = 1024
 BATCH_CHARS = 1 << 20  # a batch is written once its text reaches this (memory holds a few times it meanwhile)
-LONGEST_COUNTED = 256  # prompts with the most bytes whose tokens the chunked-prefill check counts
 
 
 class _BatchedWriter:
@@ -161,35 +160,3 @@ def report_document(staged: StagedPromptSet) -> dict[str, Any]:
     assert staged.result is not None
     return {"sources": [r.as_dict() for r in staged.result.reports], "prompts": staged.result.prompts,
             "duplicates": staged.result.duplicates, "rejects": staged.reject_count}
-
-
-def longest_prompt(prompts: pa.Table, length: PromptLength | None = None) -> list[dict[str, str]] | None:
-    """The messages of the prompt with the most tokens, for the chunked-prefill check (chunks are tokens). Counted
-    with `length`'s tokenizer (max_prompt_tokens) where one is loaded, among the prompts with the most UTF-8
-    bytes; else the prompt with the most bytes: a token covers at least one byte, and a prompt with few
-    characters but many tokens (CJK) has many bytes."""
-    import pyarrow.compute as pc
-
-    if prompts.num_rows == 0:
-        return None
-    column = prompts.column("messages").combine_chunks()
-    contents = pc.struct_field(pc.list_flatten(column), "content")
-    per_prompt = pa.table({"prompt": pc.list_parent_indices(column), "bytes": pc.binary_length(contents)}) \
-        .group_by("prompt").aggregate([("bytes", "sum"), ("bytes", "count")]) \
-        .sort_by([("bytes_sum", "descending")])
-    if length is None:
-        log.info("chunked-prefill check: the prompt with the most UTF-8 bytes (%d) is counted; no tokenizer "
-                 "(max_prompt_tokens) to find the one with the most tokens", per_prompt.column("bytes_sum")[0].as_py())
-        return column[per_prompt.column("prompt")[0].as_py()].as_py()
-    best, best_tokens = None, -1
-    for index, size, count in zip(*(per_prompt.column(c).to_pylist()[:LONGEST_COUNTED]
-                                    for c in ("prompt", "bytes_sum", "bytes_count"))):
-        if size + TEMPLATE_ALLOWANCE + MESSAGE_ALLOWANCE * count <= best_tokens:
-            break  # no more tokens than bytes (plus the template): none further down can be longer
-        messages = column[index].as_py()
-        tokens = length.count(tuple(messages))
-        if tokens > best_tokens:
-            best, best_tokens = messages, tokens
-    log.info("chunked-prefill check: the longest prompt is %d tokens (%s's tokenizer; of the %d with the most "
-             "UTF-8 bytes at most)", best_tokens, length.name, LONGEST_COUNTED)
-    return best

@@ -58,8 +58,7 @@ class RecordBuilder:
                 "seed": None if seed is None else seed + (k if self.mode == "all_turns" else 0),
                 "deterministic": c.deterministic, "engine": c.engine, "engine_version": c.engine_version,
                 "request_id": c.request_id, "prompt_token_ids": c.prompt_token_ids,
-                "output_token_ids": c.output_token_ids, "hidden_part": c.hidden_part,
-                "hidden_row": c.hidden_row, "created_at": now_utc(),
+                "output_token_ids": c.output_token_ids, "created_at": now_utc(),
             })
         return rows
 

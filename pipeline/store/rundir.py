@@ -6,7 +6,7 @@ Layout of `outputs/<run>/`:
     rejects/            invalid inputs with their reason, one file per materialisation
     data/part-*.parquet committed records
     failures/part-*.parquet  terminal failures with the server's message
-    hidden/             hidden-state parts, written by the endpoint actors
+    capture/            `regen capture`'s hidden states, a run directory of its own (store/capture_ledger.py)
     status.json         progress, rewritten atomically
     logs/
 The run directory is a local or shared POSIX path or an object-store URI (see storage.py for what an
@@ -110,7 +110,7 @@ class RunDir:
         return self.manifest_path.exists()
 
     def create(self) -> None:
-        for sub in (self.data, self.failures, self.rejects, self.prompts, self.logs, self.path / "hidden"):
+        for sub in (self.data, self.failures, self.rejects, self.prompts, self.logs):
             sub.mkdir()
 
     # --- run.json and status.json ---------------------------------------------------------------

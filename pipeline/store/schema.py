@@ -1,12 +1,16 @@
-"""Explicit Arrow schemas of everything a run writes. Bump SCHEMA_VERSION when a column is added, and name the
-column in RECORDS_ADDED: a run keeps the schema it was created with (run.json `schema_version`), so every part of
-one run has the same columns and `datasets.load_dataset` reads them as one table; added columns are nullable."""
+"""Explicit Arrow schemas of everything a run writes. Bump SCHEMA_VERSION when a column is added (or retired), and
+name the column in RECORDS_ADDED (or RECORDS_RETIRED): a run keeps the schema it was created with (run.json
+`schema_version`), so every part of one run has the same columns and `datasets.load_dataset` reads them as one
+table; added columns are nullable, and a retired column stays (null) in the runs created before it was retired."""
 from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3  # 2: `deterministic`; 3: `engine`, `engine_version`
+SCHEMA_VERSION = 4  # 2: `deterministic`; 3: `engine`, `engine_version`; 4: no `hidden_part`, `hidden_row`
 RECORDS_ADDED = {"deterministic": 2, "engine": 3, "engine_version": 3}  # column -> the version that added it
+# column -> the first version without it. hidden_part/hidden_row named the generating request's hidden parts (a
+# route retired for `regen capture`, whose ledger names its own parts): null in every row regen writes now.
+RECORDS_RETIRED = {"hidden_part": 4, "hidden_row": 4}
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 
@@ -21,7 +25,7 @@ PROMPTS = pa.schema(
     ]
 )
 
-RECORDS = pa.schema(
+_EVERY_RECORD_COLUMN = pa.schema(
     [
         ("prompt_id", pa.string()),
         ("turn_index", pa.int32()),  # which assistant turn of the conversation this row regenerated (0-based)
@@ -53,18 +57,18 @@ RECORDS = pa.schema(
         # Exact token ids from the server, null where it cannot give them (e.g. llama.cpp).
         ("prompt_token_ids", pa.list_(pa.int32())),
         ("output_token_ids", pa.list_(pa.int32())),
-        # Hidden states (when captured): the hidden part file under hidden/ and the row in it.
+        # Retired (RECORDS_RETIRED): the generating request's hidden part under hidden/ and the row in it.
         ("hidden_part", pa.string()),
         ("hidden_row", pa.int32()),
         ("created_at", pa.timestamp("ms", tz="UTC")),
     ]
 )
 
-# hidden/part-*.parquet, written by the endpoint actor before the data row that references it. A sample is
-# `n_chunks` consecutive rows (one row group each, so the Parquet writer never holds a whole 4K-token matrix
-# twice); `hidden_row` of the data row is its first row, which also holds `token_ids`. Concatenated, the
-# chunks' `hidden` bytes are bf16 row-major [n_rows, width]: row i belongs to token i of `token_ids`
-# (prompt + completion); the last generated token has no vector, so n_rows = len(token_ids) - 1.
+# RUN/capture/hidden/part-*.parquet, written by a capture actor before the ledger row that references it. A sample
+# is `n_chunks` consecutive rows (one row group each, so the Parquet writer never holds a whole 4K-token matrix
+# twice); `hidden_row` of the ledger row is its first row, which also holds `token_ids`. Concatenated, the
+# chunks' `hidden` bytes are bf16 row-major [n_rows, width]: row t holds the states after feeding token t of
+# `token_ids` (prompt + completion), so n_rows = len(token_ids).
 HIDDEN = pa.schema(
     [
         ("prompt_id", pa.string()),
@@ -128,4 +132,8 @@ REJECTS = pa.schema(
 def records_schema(version: int | None) -> pa.Schema:
     """The record columns of a run created at schema `version` (runs from before versions were kept are 1)."""
     version = version or 1
-    return pa.schema([f for f in RECORDS if RECORDS_ADDED.get(f.name, 1) <= version])
+    return pa.schema([f for f in _EVERY_RECORD_COLUMN
+                      if RECORDS_ADDED.get(f.name, 1) <= version < RECORDS_RETIRED.get(f.name, version + 1)])
+
+
+RECORDS = records_schema(SCHEMA_VERSION)  # what a new run writes

@@ -10,7 +10,7 @@ What an atomic commit is on each backend (invariant 4: the ledger is the set of 
   upload stream dropped after an error or a second SIGINT is completed with what it held). An exclusive
   commit first checks that the name is free (no conditional PUT: names are unique by construction, each
   with one writer). `direct` uploads go straight to the final name, sparing a large object the copy: only
-  hidden parts, which count once a data row names them; a failed one is deleted, a killed one never completes.
+  hidden parts, which count once a ledger row names them; a failed one is deleted, a killed one never completes.
 A failure at or after the rename, link or copy leaves the outcome unknown (the file may be committed):
 `StorageError.maybe_committed` says so, and the caller looks (rundir.committed_part).
 

@@ -21,16 +21,17 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..core.config import Endpoint, load_config
-from ..core.errors import RegenError
+from ..core.errors import RegenError, Retryable
 from ..dispatch.dispatcher import client_settings
 from ..endpoints.client import EndpointClient, _error_message, classify
 from ..endpoints.engines import SGLangAdapter, vllm as vllm_engine
 from ..endpoints.identity import identify
-from ..hidden.capture import prompt_ids
 
 PROMPTS = [
     "Explain how a refrigerator moves heat out of its inside, step by step, for a curious teenager.",
@@ -72,6 +73,23 @@ class EndpointBench:
     def accept_length(self) -> float | None:
         values = [m.accept_length for m in self.sequential + self.concurrent if m.accept_length]
         return statistics.mean(values) if values else None
+
+
+async def prompt_ids(client: EndpointClient, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt as the server's own chat template renders it (one token of output)."""
+    s = client.settings
+    body: dict[str, Any] = {"model": s.model, "messages": messages, "max_tokens": 1, "temperature": 0.0,
+                            "return_prompt_token_ids": True, "rid": uuid.uuid4().hex}
+    if s.chat_template_kwargs:
+        body["chat_template_kwargs"] = s.chat_template_kwargs
+    status, answer = await client.post_json("/v1/chat/completions", body, timeout_s=s.timeout_s)
+    if status != 200:
+        raise classify(status, _error_message(answer, f"/v1/chat/completions answered {status}"), client.label)
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    ids = choices[0].get("prompt_token_ids") if choices and isinstance(choices[0], dict) else None
+    if not ids:
+        raise Retryable("the server returned no prompt_token_ids (SGLang >= 0.5.9 is needed)", endpoint=client.label)
+    return ids
 
 
 async def one_request(client: EndpointClient, prompt: int, native: bool) -> Measure:

@@ -25,7 +25,6 @@ import pyarrow.parquet as pq
 import yaml
 
 from ..core.config import load_config
-from ..hidden.parse import estimate_bytes
 from ..run import build_prompts
 
 
@@ -105,8 +104,6 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
     request_s = [n * stretch / tok_s for n in answer_tokens]
     generating_real = max(sum(request_s) * scale / slots, max(request_s, default=0.0))
     disk_total = disk * scale
-    if cfg.hidden_states.enabled:
-        disk_total += estimate_bytes(total, int(mean_tokens * stretch), cfg.hidden_states.expected_width)
     return Prediction(prompts=total, sample=done, sample_wall_s=elapsed, wall_s=startup + generating_real,
                       completion_tokens=int(mean_tokens * stretch * total), disk_bytes=int(disk_total))
 

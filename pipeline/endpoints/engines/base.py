@@ -99,13 +99,6 @@ class OpenAIAdapter:
             return {"return_token_ids": True, "return_prompt_token_ids": True}
         return {}
 
-    def generate_sampling(self, sampling: Sampling, max_new_tokens: int, seed: int | None) -> dict[str, Any]:
-        """`sampling_params` of a native /generate request."""
-        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, **sampling.fields()}
-        if seed is not None:
-            params["sampling_seed"] = seed
-        return params
-
     # --- answers ---------------------------------------------------------------------------------
     def output_ids(self, choice: dict[str, Any]) -> list[int] | None:
         ids = choice.get("response_token_ids")

@@ -6,8 +6,6 @@
 | chat `return_prompt_token_ids`         | yes    | yes         | yes                  | yes                       |
 | chat `return_token_ids`, output ids in | -      | `token_ids` | `response_token_ids` | `response_token_ids`      |
 | stream ids (`return_*_ids_in_sglext`)  | -      | -           | -                    | final `sglext` chunk      |
-| `--return-hidden-states-mode`          | -      | yes         | yes                  | yes                       |
-| aux layers                             | EAGLE3 speculative decoding (a draft)  || `--enable-return-aux-hidden-states`, no draft |
 | `metadata.weight_versions` spans       | -      | -           | -                    | yes                       |
 | `/generate` sampling_params contract   | -      | -           | -                    | unknown field: 400        |
 `/server_info` and `/model_info` exist in all four; 0.5.23 logs a deprecation warning on every call to the
@@ -24,9 +22,7 @@ from .base import ErrorTexts, OpenAIAdapter
 CHECKED_VERSIONS = ("0.5.14", "0.5.17", "0.5.18", "0.5.23")
 OUTPUT_IDS_FROM = (0, 5, 17)  # return_token_ids
 RESPONSE_TOKEN_IDS_FROM = (0, 5, 18)  # renamed from token_ids
-HIDDEN_MODE_FROM = (0, 5, 17)  # --return-hidden-states-mode {last,full}
 STREAM_IDS_FROM = (0, 5, 23)  # return_input_ids_in_sglext / return_output_ids_in_sglext
-AUX_WITHOUT_DRAFT_FROM = (0, 5, 23)  # --enable-return-aux-hidden-states, aux_hidden_state_capture
 SERVER_INFO_KEYS = frozenset({"model_path", "tp_size"})  # ServerArgs fields every version's /server_info has
 
 # Its 400 texts, read out of each checked version's wheel by tests/test_sglang_conformance.py: a renamed message
@@ -45,11 +41,6 @@ ERRORS = ErrorTexts(
         "unknown field `",  # 0.5.23 api/v1/api_types.py (serde's text): a field the version does not declare
     ),
     retry=("duplicate request id",),  # the retry gets a fresh rid
-    endpoint_fatal=(
-        "not configured to return hidden states",  # 0.5.17+ (the flags it names differ by version)
-        "not configured to return the hidden states",  # 0.5.14
-        "return_hidden_states mode exceeds the server maximum",  # 0.5.17+: `True` asked of a `last` server
-    ),
 )
 
 
@@ -117,10 +108,6 @@ class SGLangAdapter(OpenAIAdapter):
     def stream_ids(self) -> bool:
         return self._at_least(STREAM_IDS_FROM)
 
-    @property
-    def aux_without_draft(self) -> bool:
-        return self._at_least(AUX_WITHOUT_DRAFT_FROM)
-
     # --- requests --------------------------------------------------------------------------------
     def chat_extras(self, *, want_ids: bool, stream: bool) -> dict[str, Any]:
         if not want_ids:
@@ -169,80 +156,6 @@ class SGLangAdapter(OpenAIAdapter):
             return (f"SGLang {self.version} is outside the versions regen was checked against "
                     f"({CHECKED_VERSIONS[0]} to {CHECKED_VERSIONS[-1]})")
         return None
-
-    @staticmethod
-    def hidden_states_on(info: dict[str, Any]) -> bool:
-        """`--enable-return-hidden-states`, `--return-hidden-states-mode full`, or aux capture (which sets the
-        mode to full)."""
-        return bool(info.get("enable_return_hidden_states") or info.get("return_hidden_states_mode") == "full"
-                    or info.get("aux_hidden_state_capture") or info.get("enable_return_aux_hidden_states"))
-
-    def aux_capture(self, info: dict[str, Any]) -> str | None:
-        """Which auxiliary layers the vectors hold ("eagle3"), None for the last layer only."""
-        if info.get("aux_hidden_state_capture"):  # 0.5.23: speculative_algorithm was reset to None
-            return str(info["aux_hidden_state_capture"]).lower()
-        if (info.get("speculative_algorithm") or "").upper() == "EAGLE3":  # the EAGLE3 draft captures them
-            return "eagle3"
-        return None
-
-    def aux_flags(self) -> str:
-        """The launch flags that give EAGLE-3's auxiliary layers on this version."""
-        if self.aux_without_draft or self.version is None:
-            return ("--enable-return-aux-hidden-states --speculative-algorithm EAGLE3 (SGLang 0.5.23 captures "
-                    "them without a draft: leave out --speculative-draft-model-path)")
-        return (f"--speculative-algorithm EAGLE3 with an EAGLE-3 draft (--speculative-draft-model-path); SGLang "
-                f"{self.version} has no --enable-return-aux-hidden-states (0.5.23 captures them without a draft)")
-
-    def aux_problem(self, info: dict[str, Any], expected_width: int, layer_width: int) -> str | None:
-        """The seed's case, read from the launch arguments: EAGLE-3 data needs the three auxiliary layers
-        (expected_width = 3 x layer_width), and a server with EAGLE instead of EAGLE3 (or no aux capture)
-        returns one layer."""
-        if expected_width != 3 * layer_width or self.aux_capture(info):
-            return None
-        algorithm = info.get("speculative_algorithm")
-        running = (f"--speculative-algorithm {algorithm} instead of EAGLE3" if algorithm
-                   else "no auxiliary-layer capture")
-        return (f"the server runs {running} (it reports speculative_algorithm: {algorithm}, no aux capture): its "
-                f"hidden states are one layer ({layer_width} wide), not EAGLE-3's three auxiliary layers "
-                f"({expected_width}). Launch it with {self.aux_flags()}")
-
-    def capture_problem(self, info: dict[str, Any], wanted: list[int] | None = None) -> str | None:
-        """An aux capture that is not EAGLE3's layers: EAGLE3 with its default layer ids, or `wanted` (the run's
-        hidden_states.aux_layer_ids). 0.5.23 also captures DFLASH's or DSPARK's layers, or other ids, at a width
-        the probe cannot tell apart."""
-        capture = self.aux_capture(info)
-        if not capture:
-            return None
-        served = info.get("return_aux_hidden_state_layer_ids")
-        served = list(served) if isinstance(served, (list, tuple)) else None
-        layers = f"layers {served}" if served is not None else "the default layers"
-        if capture != "eagle3":
-            return (f"the server captures {capture.upper()}'s auxiliary hidden states ({layers}; it reports "
-                    f"aux_hidden_state_capture: {capture}), not EAGLE3's: EAGLE-3 training data needs "
-                    f"--enable-return-aux-hidden-states --speculative-algorithm EAGLE3"
-                    + (f" --return-aux-hidden-state-layer-ids {' '.join(map(str, wanted))}" if wanted else
-                       " without --return-aux-hidden-state-layer-ids (the model's EAGLE3 layers)"))
-        if "return_aux_hidden_state_layer_ids" not in info:  # older versions: the draft's layers, not reported
-            return None
-        if wanted is None and served is not None:
-            return (f"the server captures EAGLE3 auxiliary layers {served} (--return-aux-hidden-state-layer-ids), "
-                    "not the model's default EAGLE3 layers: launch it without --return-aux-hidden-state-layer-ids, "
-                    f"or set hidden_states.aux_layer_ids: {served} if the draft is trained on those")
-        if wanted is not None and served != wanted:
-            return (f"the server captures EAGLE3's auxiliary hidden states ({layers}), the run asks for layers {wanted} "
-                    f"(hidden_states.aux_layer_ids): launch it with --return-aux-hidden-state-layer-ids "
-                    f"{' '.join(map(str, wanted))}")
-        return None
-
-    @staticmethod
-    def chunked_prefill_problem(info: dict[str, Any], tokens: int, what: str) -> str | None:
-        """A sequence longer than one prefill chunk gets hidden-state rows for its last chunk only."""
-        size = info.get("chunked_prefill_size")
-        if not isinstance(size, int) or size <= 0 or tokens <= size:
-            return None
-        return (f"chunked_prefill_size is {size} tokens, shorter than {what} ({tokens} tokens): its hidden states "
-                f"would cover the last chunk only. Launch with --chunked-prefill-size {tokens} or more (-1: no "
-                "chunking)")
 
     def seed_warning(self, temperature: float) -> str | None:
         if temperature <= 0 or self.deterministic:
