@@ -29,7 +29,8 @@ from .hidden.routes import identity_for, layout_for
 from .run import EXIT_INTERRUPTED, StopFlag, setup_logging
 from .store import schema
 from .store.capture_ledger import CaptureDir, capture_run_dir, is_truncated, record_token_ids
-from .store.rundir import Committer, RunDir, RunLock, now_utc
+from .store.committer import Committer
+from .store.rundir import RunDir, RunLock, now_utc
 
 log = logging.getLogger("regen")
 
