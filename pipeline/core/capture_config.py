@@ -18,7 +18,19 @@ class VllmCapture(_Strict):
     api_key_env: str | None = None
     timeout_s: float = Field(600.0, gt=0.0)
     lock_timeout_s: float = Field(120.0, gt=0.0)  # waiting for the server to finish writing its file
+    # The server pre-creates each file's `.lock` before it answers: a path still invisible after this long is in a
+    # folder this host does not share with the server.
+    visible_timeout_s: float = Field(5.0, gt=0.0)
     concurrency: int = Field(4, ge=1, le=256)  # requests in flight per actor
+    # The connector's shared_storage_path as the server names it (None: the folder of its first answer, then
+    # held): a path elsewhere is refused and never deleted.
+    hidden_states_dir: str | None = None
+    # The server's model_config.model / `/v1/models` root (None: a path or hub id whose last component is the
+    # capture model folder's name).
+    server_model: str | None = None
+    # Files without regen's connector metadata (vLLM's own connector): refused unless true (then only their
+    # shape and width are checked, not the server's layer ids or model).
+    accept_unverified_files: bool = False
 
 
 class CaptureConfig(_Strict):
