@@ -12,13 +12,17 @@ from typing import Any
 import numpy as np
 import orjson
 
-from ..core.errors import ConfigError, DriftError
+from ..core.errors import ConfigError, ContractError, DriftError, EndpointFatal, Retryable, RunFatal
 from ..hidden.kernel import f32_to_bf16
 from ..hidden.layout import layout_shape
 from ..hidden.parse import CaptureSampleError
 from ..hidden.parts import HiddenPartWriter
 from ..hidden.routes import build_route
 from ..hidden.vllm_route import RequestOwner
+
+
+# passed through to the pool as they are: it stops the pass (config, drift, contract, storage) or retries (down)
+ROUTE_FATAL = (ConfigError, DriftError, EndpointFatal, Retryable, RunFatal, ImportError, MemoryError)
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,20 @@ class CaptureWorker:
                 for key in got if orjson.dumps(got[key], option=orjson.OPT_SORT_KEYS)
                 != orjson.dumps(want[key], option=orjson.OPT_SORT_KEYS)]
         if diff:
-            raise DriftError(self.capture_dir, diff + ["the model folder changed under a running capture"])
+            raise DriftError(self.capture_dir, diff + ["the model folder changed under a running capture"],
+                             "Restore the model folder capture.json names to resume, or capture into another copy "
+                             "of the run.")
+
+    def _check_shape(self, s: Sample, states) -> None:
+        layout = self.route.layout
+        if tuple(states.shape[1:]) != (len(layout.states), layout.hidden_size):
+            # every sample would get it: the route gives other states or another width than capture.json's
+            raise ContractError(f"route {self.cfg.route}: it returned states of shape {tuple(states.shape)} for "
+                                f"prompt {s.prompt_id}, the layout needs [T, {len(layout.states)}, "
+                                f"{layout.hidden_size}]", endpoint=self.cfg.route)
+        if states.shape[0] != len(s.token_ids):
+            raise CaptureSampleError(f"prompt {s.prompt_id} (sample {s.sample_id}): the route returned "
+                                     f"{states.shape[0]} rows for {len(s.token_ids)} tokens")
 
     def capture(self, prompts: list[list[Sample]]) -> list[list[dict[str, Any]]]:
         """For each prompt (all its samples), its ledger rows; the hidden part is committed first."""
@@ -71,16 +88,13 @@ class CaptureWorker:
                 started = time.perf_counter()
                 try:
                     states = self.route.capture(s.token_ids)
-                except (ConfigError, DriftError, ImportError, MemoryError):
-                    raise  # the route cannot work at all
+                except ROUTE_FATAL:
+                    raise  # the route cannot work at all (or the server is down): the pool decides, by class
                 except Exception as exc:  # this sample's failure: named, so the pool can fail it alone
                     raise CaptureSampleError(f"prompt {s.prompt_id} (sample {s.sample_id}): "
                                              f"{type(exc).__name__}: {exc}") from exc
                 timings[s.sample_id] = time.perf_counter() - started
-                if states.shape[:2] != (len(s.token_ids), len(self.route.layout.states)):
-                    raise CaptureSampleError(f"prompt {s.prompt_id} (sample {s.sample_id}): the route returned "
-                                             f"{states.shape} for {len(s.token_ids)} tokens and "
-                                             f"{len(self.route.layout.states)} states")
+                self._check_shape(s, states)
                 bits, _ = f32_to_bf16(np.ascontiguousarray(states, dtype=np.float32).reshape(len(s.token_ids), -1))
                 writer.add(s.prompt_id, s.turn_index, s.token_ids, s.n_prompt, bits)
         part, rows = writer.commit()
