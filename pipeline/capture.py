@@ -38,6 +38,11 @@ CAPTURE_ADVICE = ("Free space on that disk, copy the run to a disk with room and
                   "subset (a run copy with fewer parts)")
 
 
+CAPTURE_DRIFT_ADVICE = ("A capture keeps its route, model (config and weight files), layers and dtypes: restore "
+                        "them to resume, or capture into another copy of the run (or delete RUN/capture to start "
+                        "the capture over).")
+
+
 @dataclass
 class CaptureOptions:
     run_dir: str
@@ -78,10 +83,8 @@ def open_capture(run: RunDir, cfg: CaptureConfig) -> tuple[CaptureDir, dict[str,
             old, new = before.get("model_identity", {}), identity
             diff += [f"model_identity.{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in
                      sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
-            raise DriftError(str(cap.path), diff + [
-                f"fingerprint: {before.get('fingerprint')} -> {fingerprint}",
-                "a capture keeps its route, model (config and weight files), layers and dtypes: capture into "
-                "another run copy, or delete RUN/capture"])
+            raise DriftError(str(cap.path), diff + [f"fingerprint: {before.get('fingerprint')} -> {fingerprint}"],
+                             CAPTURE_DRIFT_ADVICE)
         return cap, before
     cap.write_manifest({**manifest, "created_at": now_utc().isoformat(timespec="seconds")})
     return cap, cap.read_manifest()

