@@ -40,3 +40,15 @@ def test_the_same_weights_with_other_mtimes_or_another_copy_are_not_drift(tmp_pa
     with pytest.raises(DriftError, match="model_identity.weights") as err:
         open_capture(run, load_capture_config(config_file(tmp_path, model)))
     assert "--new-run" not in str(err.value) and "another copy of the run" in str(err.value)
+
+
+# --- 10: aux layer ids are distinct, and so is the default of a small model ----------------------------------------
+def test_duplicate_aux_layers_are_refused_and_small_models_default_to_distinct_ones(tmp_path):
+    assert [default_aux_layers(n) for n in (4, 5, 6, 7, 8, 30)] == \
+        [[1, 2, 3], [1, 2, 4], [1, 3, 5], [2, 3, 4], [2, 4, 5], [2, 15, 27]]
+    for n in range(4, 40):
+        assert len(set(CaptureLayout.build("m", n, 8).aux_layer_ids)) == 3
+    with pytest.raises(ConfigError, match=r"aux_layer_ids.*repeats a layer"):
+        load_capture_config(config_file(tmp_path, tmp_path, aux_layer_ids=[2, 2, 2]))
+    with pytest.raises(ValueError, match="3 distinct layer ids"):
+        CaptureLayout.build("m", 6, 8, [2, 3, 3])
