@@ -42,6 +42,26 @@ def test_the_same_weights_with_other_mtimes_or_another_copy_are_not_drift(tmp_pa
     assert "--new-run" not in str(err.value) and "another copy of the run" in str(err.value)
 
 
+# --- 6: --speculators-data matches the rows prepare-data cut at its seq_length -------------------------------------
+def test_speculators_data_cut_at_seq_length_gets_every_file_and_loads_in_speculators(tmp_path, tok):
+    from pipeline.export.hidden import export_hidden
+    from pipeline.export.jsonl import export_run
+    from tests.smollm2_hf import smollm2_hf_dir
+    from tests.trainlib import run_checks
+
+    run = captured_tiny_run(tmp_path, tok)
+    export_run(run.path, "speculators", tmp_path / "spec.jsonl")
+    prepared = tmp_path / "prepared"
+    got = run_checks({"check": "speculators_prepare", "path": str(tmp_path / "spec.jsonl"), "out": str(prepared),
+                      "tokenizer": str(smollm2_hf_dir()), "seq_length": 44})
+    lengths = [len(r["input_ids"]) for r in got["rows"]]
+    assert sorted(lengths) == [42, 43, 44, 44]  # speculators cut two of them
+    summary = export_hidden(run, "speculators-hidden", None, speculators_data=prepared)
+    assert summary["samples"] == 4, summary["notes"]
+    checked = run_checks({"check": "speculators_hidden", "path": str(prepared), "save": str(tmp_path / "s.pt")})
+    assert checked["checked"] == 4 and checked["not_loaded"] == [], checked
+
+
 # --- 10: aux layer ids are distinct, and so is the default of a small model ----------------------------------------
 def test_duplicate_aux_layers_are_refused_and_small_models_default_to_distinct_ones(tmp_path):
     assert [default_aux_layers(n) for n in (4, 5, 6, 7, 8, 30)] == \
