@@ -289,5 +289,6 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
     if session["failed_prompts"]:
         return 1
     if refused and not committer.done:
-        raise ConfigError(f"{run.path}: none of its {len(refused)} records has token ids; nothing to capture")
+        raise ConfigError(f"{run.path}: none of its {len(refused)} records can be captured ({refusals['no_token_ids']} "
+                          f"without token ids, {refusals['count_mismatch']} whose ids disagree with their counts)")
     return 0

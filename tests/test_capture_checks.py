@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 
-import orjson
 import pytest
 
 pytest.importorskip("torch")

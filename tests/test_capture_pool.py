@@ -48,7 +48,8 @@ def capture_with_fault(tmp_path, tok, fault: str, records=None, **cfg):
     run = make_smollm2_run(tmp_path / "run", [records or smollm2_records(tok)])
     calls = tmp_path / "calls.txt"
     script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(calls=str(calls), run=str(run.path), config=str(config_file(tmp_path, model, **cfg)),
+    config = str(config_file(tmp_path, model, **cfg))
+    script.write_text(DRIVER.format(calls=str(calls), run=str(run.path), config=config,
                                     fault=textwrap.indent(textwrap.dedent(fault), " " * 8)))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
     return proc, run, calls.read_text().split() if calls.exists() else []
