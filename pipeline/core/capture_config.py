@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .config import RayOptions, _Strict, load_yaml_model
 
@@ -38,7 +38,8 @@ class CaptureConfig(_Strict):
     # The model the states come from: a local HF folder (or hub id). Route vllm reads only its config.json and the
     # final norm's weight from it (the server reports no layer count).
     model: str
-    # EAGLE-3 auxiliary layers in vLLM/speculators ids (input of layer i); default [2, L//2, L-3].
+    # EAGLE-3 auxiliary layers in vLLM/speculators ids (input of layer i), distinct; default [2, L//2, L-3]
+    # ([1, L//2, L-1] below 8 layers, where that repeats a layer).
     aux_layer_ids: list[int] | None = Field(None, min_length=3, max_length=3)
     dtype: Literal["bf16"] = "bf16"
     torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # route transformers: compute dtype
@@ -47,6 +48,11 @@ class CaptureConfig(_Strict):
     actor_num_gpus: float = Field(0.0, ge=0.0)
     torch_threads: int | None = Field(None, ge=1)
     prompts_per_call: int = Field(4, ge=1)  # prompts (all their samples) an actor takes per call
+    # A route whose server has not answered (refused, reset, timeout) for this long stops the pass (resumable).
+    down_deadline_s: float = Field(300.0, gt=0.0)
+    # This many prompts failing alone in a row, none captured between, stop the pass: the route is broken.
+    max_consecutive_failures: int = Field(8, ge=1)
+    max_solo_crashes: int = Field(2, ge=1)  # deaths of the actor running a prompt alone before the prompt fails
     flush_records: int = Field(64, ge=1)  # samples buffered before a ledger part is committed
     flush_interval_s: float = Field(10.0, gt=0.0)
     # Keep capturing what generation commits until its run is no longer locked (a live run); else one pass.
@@ -54,6 +60,13 @@ class CaptureConfig(_Strict):
     poll_interval_s: float = Field(5.0, gt=0.0)
     vllm: VllmCapture | None = None
     ray: RayOptions = RayOptions()
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _distinct(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and len(set(ids)) != len(ids):
+            raise ValueError(f"{ids} repeats a layer: EAGLE-3 needs 3 distinct layer ids")
+        return ids
 
     @model_validator(mode="after")
     def _route_section(self) -> "CaptureConfig":

@@ -115,8 +115,9 @@ def normalised_model(model: str) -> str:
 
 
 def model_identity(model: str, config) -> dict[str, Any]:
-    """What the model is, beyond its name: the config's shape and the weight files' names, sizes and mtimes
-    (replaced weights at the same path are another model; stat only, no read), or the hub revision."""
+    """What the model is, beyond its name: the config's shape, the weight files' names and sizes and a few of
+    their bytes (the index, the header, each end), or the hub revision. No mtime: each node's own copy of the same
+    files is the same model."""
     text = getattr(config, "text_config", None) or config
     ident: dict[str, Any] = {"architectures": list(getattr(config, "architectures", None) or []),
                              "model_type": getattr(config, "model_type", None),
@@ -124,12 +125,30 @@ def model_identity(model: str, config) -> dict[str, Any]:
                              "vocab_size": getattr(text, "vocab_size", None)}
     folder = Path(model).expanduser()
     if folder.is_dir():
-        files = sorted(f for f in folder.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
-        listing = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-        ident["weights"] = hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
+        digest = hashlib.sha256()
+        for f in sorted(f for f in folder.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)):
+            digest.update(repr([f.name, f.stat().st_size]).encode())
+            digest.update(_described_bytes(f))
+        ident["weights"] = digest.hexdigest()[:16]
     else:
         ident["revision"] = getattr(config, "_commit_hash", None)
     return ident
+
+
+def _described_bytes(path: Path) -> bytes:
+    """What tells one weight file from another of the same size, read cheaply: an index whole; a safetensors
+    header (tensor names, shapes, offsets); the first and last SAMPLE_BYTES of the data (other weights of the same
+    shape differ there)."""
+    if path.name.endswith(".index.json"):
+        return path.read_bytes()
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(SAMPLE_BYTES)
+        f.seek(max(0, size - SAMPLE_BYTES))
+        return head + f.read(SAMPLE_BYTES)
+
+
+SAMPLE_BYTES = 1 << 16  # read from each end of a weight file (a safetensors header is at its start)
 
 
 def _model_config(model: str):
