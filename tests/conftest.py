@@ -44,6 +44,14 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group("real-vllm" if module in REAL_VLLM_MODULES else module))
 
 
+def pytest_collection_finish(session):
+    """Refuse to run when xdist's loadgroup did not group (pytest 9 with xdist 3.8): each module fixture, the
+    vLLM fleets included, would start on every worker."""
+    if session.config.getoption("loadgroup", False) and session.items and "@" not in session.items[0].nodeid:
+        raise pytest.UsageError("pytest-xdist --dist loadgroup did not group the tests (pytest 9 with xdist 3.8?): "
+                                "install the dev extra's pins (pip install -e '.[dev]')")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """A Ray head on 127.0.0.1 for the session. Yields its address and temp dir (for log greps)."""
