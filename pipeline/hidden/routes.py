@@ -114,25 +114,53 @@ def normalised_model(model: str) -> str:
     return str(path.resolve()) if path.is_dir() else model
 
 
+IDENTITY_VERSION = 2  # how model_identity's weights digest is made; capture.json records it
+
+
 def model_identity(model: str, config) -> dict[str, Any]:
     """What the model is, beyond its name: the config's shape, the weight files' names and sizes and a few of
     their bytes (the index, the header, each end), or the hub revision. No mtime: each node's own copy of the same
     files is the same model."""
     text = getattr(config, "text_config", None) or config
-    ident: dict[str, Any] = {"architectures": list(getattr(config, "architectures", None) or []),
+    ident: dict[str, Any] = {"identity_version": IDENTITY_VERSION,
+                             "architectures": list(getattr(config, "architectures", None) or []),
                              "model_type": getattr(config, "model_type", None),
                              "num_hidden_layers": int(text.num_hidden_layers), "hidden_size": int(text.hidden_size),
                              "vocab_size": getattr(text, "vocab_size", None)}
     folder = Path(model).expanduser()
     if folder.is_dir():
-        digest = hashlib.sha256()
-        for f in sorted(f for f in folder.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)):
-            digest.update(repr([f.name, f.stat().st_size]).encode())
-            digest.update(_described_bytes(f))
-        ident["weights"] = digest.hexdigest()[:16]
+        ident["weights"] = _ends_digest(folder)
     else:
         ident["revision"] = getattr(config, "_commit_hash", None)
     return ident
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted(f for f in folder.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
+
+
+def _ends_digest(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for f in _weight_files(folder):
+        digest.update(repr([f.name, f.stat().st_size]).encode())
+        digest.update(_described_bytes(f))
+    return digest.hexdigest()[:16]
+
+
+def _stat_digest(folder: Path) -> str:
+    """The weights digest of capture.json files without identity_version (regen before the version): the weight
+    files' names, sizes and mtimes."""
+    listing = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in _weight_files(folder)]
+    return hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
+
+
+def legacy_weights_digests(model: str, version: int | None) -> list[str]:
+    """The weights digests an identity of an older `identity_version` (None: unversioned) would have for this
+    folder as it is now: equal to the recorded one means the same untouched folder."""
+    folder = Path(model).expanduser()
+    if not folder.is_dir() or version is not None:
+        return []
+    return [_stat_digest(folder), _ends_digest(folder)]  # unversioned: mtimes (first form), then both ends
 
 
 def _described_bytes(path: Path) -> bytes:

@@ -1,0 +1,69 @@
+"""Review 2 of the capture stage: an older capture.json's identity upgraded in place, a prompt that always gets a
+Retryable, the sampled / full weights identity, request owners unique to the run, and the low items."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import orjson
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from pipeline.capture import open_capture
+from pipeline.core.capture_config import load_capture_config
+from pipeline.core.errors import DriftError
+from pipeline.hidden.layout import CaptureLayout, capture_fingerprint
+from pipeline.store.capture_ledger import capture_run_dir
+from tests.smollm2_run import make_smollm2_run, smollm2_records
+from tests.test_capture_fixes import capture_in_process, config_file, new_capture, tiny_llama, tok  # noqa: F401
+
+pytestmark = pytest.mark.torch
+
+
+def as_unversioned_capture(run, model: Path) -> dict:
+    """Rewrite capture.json as regen before the identity version wrote it: weights = sha256 of the sorted
+    [name, size, mtime_ns] listing of the weight files, no identity_version, the fingerprint over that identity."""
+    cap = capture_run_dir(run)
+    manifest = cap.read_manifest()
+    files = sorted(f for f in model.iterdir() if f.name.endswith((".safetensors", ".safetensors.index.json")))
+    listing = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    ident = {k: v for k, v in manifest["model_identity"].items() if k not in ("identity_version", "weights_identity")}
+    ident["weights"] = hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
+    layout = CaptureLayout.from_dict(manifest["layout"])
+    old = {**manifest, "model_identity": ident,
+           "fingerprint": capture_fingerprint(manifest["route"], layout, ident, manifest["compute_dtype"])}
+    cap.write_manifest(old)
+    return old
+
+
+# --- 1: a capture.json of the older identity form resumes on the same untouched folder -----------------------------
+def test_an_unversioned_capture_on_the_same_folder_is_upgraded_and_resumes(tmp_path, tok, caplog):
+    model = tiny_llama(tmp_path / "model")
+    records = smollm2_records(tok)[:2]
+    run = make_smollm2_run(tmp_path / "run", [records])
+    cfg = load_capture_config(config_file(tmp_path, model))
+    new_capture(run, cfg)
+    old = as_unversioned_capture(run, model)
+    caplog.set_level("INFO", logger="regen")
+    _, manifest = open_capture(run, cfg)
+    on_disk = capture_run_dir(run).read_manifest()
+    assert on_disk == manifest and on_disk["fingerprint"] != old["fingerprint"]
+    assert "identity_version" in on_disk["model_identity"] and "upgraded" in caplog.text
+    capture_in_process(run, cfg, records[:1], expected=manifest)  # the actor's check agrees with the upgrade
+    open_capture(run, cfg)  # and the next start is a plain resume
+
+
+def test_an_unversioned_capture_whose_folder_was_touched_is_drift(tmp_path, tok):
+    model = tiny_llama(tmp_path / "model")
+    run = make_smollm2_run(tmp_path / "run", [smollm2_records(tok)[:1]])
+    cfg = load_capture_config(config_file(tmp_path, model))
+    new_capture(run, cfg)
+    old = as_unversioned_capture(run, model)
+    for f in model.iterdir():
+        os.utime(f, ns=(10**18, 10**18))  # the older form cannot tell a re-save from a copy: drift, as it was
+    with pytest.raises(DriftError, match="model_identity.weights"):
+        open_capture(run, cfg)
+    assert capture_run_dir(run).read_manifest() == old  # left as it was
