@@ -48,11 +48,15 @@ class CaptureConfig(_Strict):
     actor_num_gpus: float = Field(0.0, ge=0.0)
     torch_threads: int | None = Field(None, ge=1)
     prompts_per_call: int = Field(4, ge=1)  # prompts (all their samples) an actor takes per call
-    # A route whose server has not answered (refused, reset, timeout) for this long stops the pass (resumable).
+    # A route whose server has not answered at all (EndpointDown: refused, reset before an answer) for this long
+    # stops the pass (resumable).
     down_deadline_s: float = Field(300.0, gt=0.0)
     # This many prompts failing alone in a row, none captured between, stop the pass: the route is broken.
     max_consecutive_failures: int = Field(8, ge=1)
     max_solo_crashes: int = Field(2, ge=1)  # deaths of the actor running a prompt alone before the prompt fails
+    # Any other Retryable (a timeout, a lock held, a dropped connection, an unreadable file) a prompt gets running
+    # alone this many times fails it, named, with the last error.
+    max_prompt_retries: int = Field(3, ge=1)
     flush_records: int = Field(64, ge=1)  # samples buffered before a ledger part is committed
     flush_interval_s: float = Field(10.0, gt=0.0)
     # Keep capturing what generation commits until its run is no longer locked (a live run); else one pass.
