@@ -100,8 +100,8 @@ def upgraded_identity(cap: CaptureDir, before: dict[str, Any], cfg: CaptureConfi
     version = old.get("identity_version")
     if version == identity.get("identity_version") or "weights" not in old:
         return before
-    rest = {k: v for k, v in old.items() if k not in ("weights", "identity_version")}
-    if rest != {k: v for k, v in identity.items() if k not in ("weights", "identity_version")}:
+    how = ("weights", "identity_version", "weights_identity")
+    if {k: v for k, v in old.items() if k not in how} != {k: v for k, v in identity.items() if k not in how}:
         return before  # more than the digest differs: drift, named as it is
     if before.get("fingerprint") != capture_fingerprint(cfg.route, layout, old, compute_dtype):
         return before  # the route, layout or dtype differ too: drift

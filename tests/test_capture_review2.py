@@ -67,3 +67,55 @@ def test_an_unversioned_capture_whose_folder_was_touched_is_drift(tmp_path, tok)
     with pytest.raises(DriftError, match="model_identity.weights"):
         open_capture(run, cfg)
     assert capture_run_dir(run).read_manifest() == old  # left as it was
+
+
+# --- 3: weights changed in the middle of a file -------------------------------------------------------------------
+def identity(model, mode="sampled"):
+    from transformers import AutoConfig
+
+    from pipeline.hidden.routes import model_identity
+
+    return model_identity(str(model), AutoConfig.from_pretrained(model), mode)
+
+
+def flipped_copy(model: Path, dest: Path, offset: int) -> Path:
+    """The model with one byte of its safetensors file inverted at `offset` (same size, same header)."""
+    import shutil
+
+    shutil.copytree(model, dest)
+    with (dest / "model.safetensors").open("r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return dest
+
+
+def test_a_middle_of_file_change_is_drift_under_full_and_under_sampled_when_it_falls_in_a_window(tmp_path, tok):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from pipeline.hidden.routes import SAMPLE_BYTES, WINDOWS
+
+    model = tiny_llama(tmp_path / "model")
+    size = (model / "model.safetensors").stat().st_size
+    assert size > WINDOWS * SAMPLE_BYTES  # sampled, not read whole
+    window = 8 * (size - SAMPLE_BYTES) // (WINDOWS - 1)  # the start of a window in the middle of the file
+    in_window = flipped_copy(model, tmp_path / "in", window + 100)
+    between = flipped_copy(model, tmp_path / "between", window + SAMPLE_BYTES + 100)
+    assert identity(in_window)["weights"] != identity(model)["weights"]
+    assert identity(between) == identity(model)  # what `sampled` misses (README): a change between its windows
+    assert identity(between, "full")["weights"] != identity(model, "full")["weights"]
+
+    # the review's fine-tune: one decoder layer's down_proj scaled by -3, same shapes and header
+    tuned = LlamaForCausalLM.from_pretrained(model)
+    with torch.no_grad():
+        tuned.model.layers[3].mlp.down_proj.weight.mul_(-3.0)
+    run = make_smollm2_run(tmp_path / "run", [smollm2_records(tok)[:1]])
+    cfg = load_capture_config(config_file(tmp_path, model, weights_identity="full"))
+    new_capture(run, cfg)
+    tuned.save_pretrained(model)
+    with pytest.raises(DriftError, match="model_identity.weights"):
+        open_capture(run, cfg)
+    with pytest.raises(DriftError, match="model_identity.weights_identity: 'full' -> 'sampled'"):
+        open_capture(run, load_capture_config(config_file(tmp_path, model)))

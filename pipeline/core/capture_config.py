@@ -42,6 +42,9 @@ class CaptureConfig(_Strict):
     # ([1, L//2, L-1] below 8 layers, where that repeats a layer).
     aux_layer_ids: list[int] | None = Field(None, min_length=3, max_length=3)
     dtype: Literal["bf16"] = "bf16"
+    # The weight files in the model identity: `sampled` (each file's safetensors header and 16 evenly spaced 64 KiB
+    # windows, cheap at any size) or `full` (every byte: slow on a large model). Changing it is drift.
+    weights_identity: Literal["sampled", "full"] = "sampled"
     torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # route transformers: compute dtype
     actors: int = Field(1, ge=1, le=1024)
     actor_num_cpus: float = Field(1.0, ge=0.0)
