@@ -31,7 +31,7 @@ import ray
 
 from ..core.errors import (CaptureStopped, ConfigError, ConnectionDropped, DriftError, EndpointDown, EndpointFatal,
                            Retryable, RunFatal)
-from .capture_worker import CaptureWorker, Sample
+from .capture_worker import CaptureWorker, Sample, request_owner_key
 
 log = logging.getLogger("regen")
 
@@ -55,6 +55,7 @@ class CapturePool:
         self.generation = 0
         # this driver's session: names the route's server-side files, so a later session can tell its own apart
         self.session = f"{os.getpid()}t{time.time_ns() // 1_000_000:x}"
+        self.owner_key = request_owner_key(capture_uri, expected)  # this host's: the actors' nodes may differ
         self.failed_prompts: list[str] = []
         self.actor_restarts = 0
         self.actors: list[Any] = []
@@ -71,7 +72,7 @@ class CapturePool:
         tag = f"cap{os.getpid()}s{slot}g{self.generation}"
         return self.remote.options(num_cpus=self.cfg.actor_num_cpus, num_gpus=self.cfg.actor_num_gpus,
                                    max_restarts=0, max_concurrency=1).remote(
-            self.cfg, self.capture_uri, tag, self.fingerprint, self.session, self.expected)
+            self.cfg, self.capture_uri, tag, self.fingerprint, self.session, self.expected, self.owner_key)
 
     def run(self, batches: list[list[list[Sample]]]) -> list[str]:
         """Capture the batches on the pool's actors (started on first use, kept for the next call: a `follow`
