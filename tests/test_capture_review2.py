@@ -119,3 +119,19 @@ def test_a_middle_of_file_change_is_drift_under_full_and_under_sampled_when_it_f
         open_capture(run, cfg)
     with pytest.raises(DriftError, match="model_identity.weights_identity: 'full' -> 'sampled'"):
         open_capture(run, load_capture_config(config_file(tmp_path, model)))
+
+
+# --- 5: `regen status` text shows the capture's failed prompts and both refusals -----------------------------------
+def test_status_text_shows_failed_prompts_and_count_mismatched_refusals(tmp_path, tok, capsys):
+    from pipeline.store.status import print_status
+
+    model = tiny_llama(tmp_path / "model")
+    records = smollm2_records(tok)[:3]
+    records[1]["completion_tokens"] = 999  # its ids disagree with its own count: refused
+    run = make_smollm2_run(tmp_path / "run", [records])
+    new_capture(run, load_capture_config(config_file(tmp_path, model)))
+    capture_run_dir(run).write_status({"state": "finished", "failed_prompts": 1, "failed_prompt_ids": ["p2"]})
+    assert print_status(run.path) == 0
+    text = capsys.readouterr().out
+    assert "capture (transformers" in text and "finished; 0 of 2 samples captured" in text
+    assert "1 prompts failed" in text and "1 whose ids disagree with their counts" in text and "p2" in text
