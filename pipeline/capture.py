@@ -291,6 +291,9 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
             if not pending.prompts:
                 time.sleep(cfg.poll_interval_s)
     except BaseException as exc:
+        if pool is not None:
+            failed.update(pool.failed_prompts)  # the prompts this pass failed before it stopped
+            session["failed_prompts"] = len(failed)
         try:
             committer.flush()
         finally:  # a route or disk that cannot go on (resumable) is a stop, not an interruption
