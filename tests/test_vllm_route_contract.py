@@ -184,3 +184,11 @@ def test_captures_at_one_path_on_two_hosts_and_two_actors_name_their_requests_ap
     earlier.write_bytes(b"states")  # left by host B's own earlier session
     VllmRoute(cfg, b).capture(IDS)
     assert in_flight.exists() and not earlier.exists()
+
+
+@pytest.mark.parametrize("raw", ["not json {", "[1, 2, 3]", "null"])
+def test_malformed_regen_metadata_is_a_contract_error_naming_the_server(server, model, raw):
+    server.server_metadata = lambda: {"regen_server": raw}
+    with pytest.raises(ContractError, match="regen_server metadata is not a JSON object") as refused:
+        route_for(server, model).capture(IDS)
+    assert server.url in str(refused.value)

@@ -246,7 +246,13 @@ class VllmRoute:
                                 "model cannot be checked: load regen's connector (kv_connector "
                                 "CpuHiddenStatesConnector, kv_connector_module_path regen_hidden_states_connector) "
                                 "or set vllm.accept_unverified_files: true", endpoint=self.url)
-        server = json.loads(raw)
+        try:
+            server = json.loads(raw)
+        except ValueError:
+            server = None
+        if not isinstance(server, dict):
+            raise ContractError(f"{self.url}: {file.name}'s {METADATA_KEY} metadata is not a JSON object "
+                                f"({raw[:80]!r}): the server's connector is not regen's, or another version of it", endpoint=self.url)
         with self.guard:
             if self.server is not None:
                 if server != self.server:
