@@ -135,3 +135,15 @@ def test_status_text_shows_failed_prompts_and_count_mismatched_refusals(tmp_path
     text = capsys.readouterr().out
     assert "capture (transformers" in text and "finished; 0 of 2 samples captured" in text
     assert "1 prompts failed" in text and "1 whose ids disagree with their counts" in text and "p2" in text
+
+
+# --- 9: a model too small for the default aux layers (the empty hidden_states section: test_run_identity.py) ---
+def test_a_model_too_small_for_the_default_aux_layers_is_told_to_set_them(tmp_path):
+    from pipeline.core.errors import ConfigError
+    from pipeline.hidden.routes import layout_for
+
+    model = tiny_llama(tmp_path / "model", layers=3)
+    with pytest.raises(ConfigError) as refused:
+        layout_for(load_capture_config(config_file(tmp_path, model)))
+    message = str(refused.value)
+    assert "3 decoder layers" in message and "set aux_layer_ids" in message and "[2, 1, 0]" not in message

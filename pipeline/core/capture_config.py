@@ -39,7 +39,7 @@ class CaptureConfig(_Strict):
     # final norm's weight from it (the server reports no layer count).
     model: str
     # EAGLE-3 auxiliary layers in vLLM/speculators ids (input of layer i), distinct; default [2, L//2, L-3]
-    # ([1, L//2, L-1] below 8 layers, where that repeats a layer).
+    # ([1, L//2, L-1] at 6 layers or fewer, where that repeats a layer).
     aux_layer_ids: list[int] | None = Field(None, min_length=3, max_length=3)
     dtype: Literal["bf16"] = "bf16"
     # The weight files in the model identity: `sampled` (each file's safetensors header and 16 evenly spaced 64 KiB
