@@ -6,7 +6,6 @@ import hashlib
 import os
 from pathlib import Path
 
-import orjson
 import pytest
 
 pytest.importorskip("torch")
