@@ -25,7 +25,7 @@ from .core.errors import ConfigError, DriftError
 from .export.formats import turn_id
 from .hidden.layout import capture_fingerprint
 from .hidden.parts import remove_garbage_hidden_parts
-from .hidden.routes import identity_for, layout_for
+from .hidden.routes import identity_for, layout_for, legacy_weights_digests
 from .run import EXIT_INTERRUPTED, StopFlag, setup_logging
 from .store import schema
 from .store.capture_ledger import CaptureDir, capture_run_dir, count_mismatch, is_truncated, record_token_ids
@@ -75,7 +75,7 @@ def open_capture(run: RunDir, cfg: CaptureConfig) -> tuple[CaptureDir, dict[str,
                 "model_identity": identity, "compute_dtype": compute_dtype,
                 "run_fingerprint": run.read_manifest().get("fingerprint")}
     if cap.exists():
-        before = cap.read_manifest()
+        before = upgraded_identity(cap, cap.read_manifest(), cfg, layout, identity, compute_dtype)
         if before.get("fingerprint") != fingerprint:
             diff = [f"{key}: {before.get(key)!r} -> {manifest[key]!r}" for key in ("route", "compute_dtype")
                     if before.get(key) != manifest[key]]
@@ -90,6 +90,30 @@ def open_capture(run: RunDir, cfg: CaptureConfig) -> tuple[CaptureDir, dict[str,
         return cap, before
     cap.write_manifest({**manifest, "created_at": now_utc().isoformat(timespec="seconds")})
     return cap, cap.read_manifest()
+
+
+def upgraded_identity(cap: CaptureDir, before: dict[str, Any], cfg: CaptureConfig, layout, identity: dict[str, Any],
+                      compute_dtype: str | None) -> dict[str, Any]:
+    """capture.json with an older identity_version whose digest, recomputed the older way, is this folder's: the
+    same untouched model, so its identity is rewritten in the current form (atomically, logged). Otherwise as it is."""
+    old = before.get("model_identity") or {}
+    version = old.get("identity_version")
+    if version == identity.get("identity_version") or "weights" not in old:
+        return before
+    how = ("weights", "identity_version", "weights_identity")
+    if {k: v for k, v in old.items() if k not in how} != {k: v for k, v in identity.items() if k not in how}:
+        return before  # more than the digest differs: drift, named as it is
+    if before.get("fingerprint") != capture_fingerprint(cfg.route, layout, old, compute_dtype):
+        return before  # the route, layout or dtype differ too: drift
+    if old["weights"] not in legacy_weights_digests(cfg.model, version):
+        return before
+    upgraded = {**before, "model_identity": identity,
+                "fingerprint": capture_fingerprint(cfg.route, layout, identity, compute_dtype),
+                "upgraded_from": {"identity_version": version, "fingerprint": before.get("fingerprint")}}
+    cap.write_manifest(upgraded)
+    log.info("capture.json: model identity upgraded from version %s to %s (the same weight files; fingerprint %s -> "
+             "%s)", version, identity["identity_version"], before.get("fingerprint"), upgraded["fingerprint"])
+    return cap.read_manifest()
 
 
 def _model_name(model: str | None) -> str:
@@ -267,6 +291,9 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
             if not pending.prompts:
                 time.sleep(cfg.poll_interval_s)
     except BaseException as exc:
+        if pool is not None:
+            failed.update(pool.failed_prompts)  # the prompts this pass failed before it stopped
+            session["failed_prompts"] = len(failed)
         try:
             committer.flush()
         finally:  # a route or disk that cannot go on (resumable) is a stop, not an interruption

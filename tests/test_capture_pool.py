@@ -137,3 +137,33 @@ def test_a_full_disk_at_the_part_commit_stops_the_pass_and_fails_no_prompt(tmp_p
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "no space left" in proc.stderr.lower() and "capture of prompt" not in proc.stderr
     assert calls == ["p0,p1"]  # no forward pass repeated for a disk that is full
+
+
+def test_a_prompt_that_always_gets_a_retryable_fails_alone_and_the_others_are_captured(tmp_path, ray_cluster, tok):
+    records = smollm2_records(tok)
+    records = records + [dict(r, prompt_id=r["prompt_id"] + "b") for r in records]  # 8 prompts
+    proc, run, calls = capture_with_fault(tmp_path, tok, """
+        from pipeline.core.errors import Unexpected
+        if any(p[0].prompt_id == "p2" for p in prompts):  # its states file is corrupt: the server answers
+            raise Unexpected("SafetensorError: invalid header for prompt p2's file", endpoint="http://127.0.0.1:9")
+    """, records=records, actors=1, prompts_per_call=2, down_deadline_s=5)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert sorted(capture_run_dir(run).committed_ids()) == sorted(r["prompt_id"] for r in records if r["prompt_id"]
+                                                                  != "p2")
+    assert "capture of prompt p2 failed: Unexpected 3 times running alone" in proc.stderr
+    assert "SafetensorError" in proc.stderr and "not answered" not in proc.stderr
+    assert calls.count("p2") == 3 and calls[:4] == ["p0,p1", "p2,p3", "p0b,p1b", "p2b,p3b"]  # split: behind the rest
+
+
+def test_a_pass_stopped_after_failing_a_prompt_records_the_failed_prompt_in_status(tmp_path, ray_cluster, tok):
+    proc, run, calls = capture_with_fault(tmp_path, tok, """
+        from pipeline.core.errors import EndpointDown
+        from pipeline.hidden.errors import CaptureSampleError
+        if prompts[0][0].prompt_id == "p0":
+            raise CaptureSampleError("token id 60000 at position 3 is outside the model's vocabulary")
+        raise EndpointDown("connection refused", endpoint="http://127.0.0.1:9")
+    """, down_deadline_s=1.5)
+    assert proc.returncode == 1 and "has not answered for" in proc.stderr, proc.stderr[-3000:]
+    status = capture_run_dir(run).read_status()
+    assert status["state"] == "stopped"
+    assert (status["failed_prompts"], status["failed_prompt_ids"]) == (1, ["p0"])

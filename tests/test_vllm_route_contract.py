@@ -163,3 +163,32 @@ def test_capture_many_keeps_concurrency_requests_in_flight_and_returns_each_samp
     server.answer_delay_s, server.error = 0.0, (400, "invalid prompt")
     outcomes = route.capture_many([IDS, IDS])
     assert len(outcomes) == 2 and all(isinstance(o, CaptureSampleError) for o in outcomes)
+
+
+def test_captures_at_one_path_on_two_hosts_and_two_actors_name_their_requests_apart(server, model, monkeypatch):
+    from pipeline.dispatch.capture_worker import CaptureWorker
+
+    manifest = {"created_at": "2026-01-01T00:00:00+00:00"}
+    cfg = route_for(server, model).cfg
+
+    def owner_on(host: str, tag: str = "cap1s0g1", session: str = "sess1"):
+        monkeypatch.setattr(socket, "gethostname", lambda: host)
+        return CaptureWorker(cfg, "/home/ubuntu/outputs/run1/capture", tag, "fp", session, manifest).owner
+
+    a, b = owner_on("host-a"), owner_on("host-b", session="sess2")  # one shared server, the same capture path
+    assert a.capture_key != b.capture_key and owner_on("host-a").capture_key == a.capture_key
+    assert owner_on("host-a", "cap1s1g1").request_id(1) != a.request_id(1)  # two actors of one session
+    in_flight = server.folder / f"cmpl-{a.request_id(1)}-0-0badf00d.safetensors"  # host A's, being read
+    in_flight.write_bytes(b"states")
+    earlier = server.folder / f"cmpl-{b.request_id(1).replace('sess2', 'sess0')}-0-0badf00d.safetensors"
+    earlier.write_bytes(b"states")  # left by host B's own earlier session
+    VllmRoute(cfg, b).capture(IDS)
+    assert in_flight.exists() and not earlier.exists()
+
+
+@pytest.mark.parametrize("raw", ["not json {", "[1, 2, 3]", "null"])
+def test_malformed_regen_metadata_is_a_contract_error_naming_the_server(server, model, raw):
+    server.server_metadata = lambda: {"regen_server": raw}
+    with pytest.raises(ContractError, match="regen_server metadata is not a JSON object") as refused:
+        route_for(server, model).capture(IDS)
+    assert server.url in str(refused.value)

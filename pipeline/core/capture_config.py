@@ -39,20 +39,27 @@ class CaptureConfig(_Strict):
     # final norm's weight from it (the server reports no layer count).
     model: str
     # EAGLE-3 auxiliary layers in vLLM/speculators ids (input of layer i), distinct; default [2, L//2, L-3]
-    # ([1, L//2, L-1] below 8 layers, where that repeats a layer).
+    # ([1, L//2, L-1] at 6 layers or fewer, where that repeats a layer).
     aux_layer_ids: list[int] | None = Field(None, min_length=3, max_length=3)
     dtype: Literal["bf16"] = "bf16"
+    # The weight files in the model identity: `sampled` (each file's safetensors header and 16 evenly spaced 64 KiB
+    # windows, cheap at any size) or `full` (every byte: slow on a large model). Changing it is drift.
+    weights_identity: Literal["sampled", "full"] = "sampled"
     torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # route transformers: compute dtype
     actors: int = Field(1, ge=1, le=1024)
     actor_num_cpus: float = Field(1.0, ge=0.0)
     actor_num_gpus: float = Field(0.0, ge=0.0)
     torch_threads: int | None = Field(None, ge=1)
     prompts_per_call: int = Field(4, ge=1)  # prompts (all their samples) an actor takes per call
-    # A route whose server has not answered (refused, reset, timeout) for this long stops the pass (resumable).
+    # A route whose server has not answered at all (EndpointDown: refused, reset before an answer) for this long
+    # stops the pass (resumable).
     down_deadline_s: float = Field(300.0, gt=0.0)
     # This many prompts failing alone in a row, none captured between, stop the pass: the route is broken.
     max_consecutive_failures: int = Field(8, ge=1)
     max_solo_crashes: int = Field(2, ge=1)  # deaths of the actor running a prompt alone before the prompt fails
+    # Any other Retryable (a timeout, a lock held, a dropped connection, an unreadable file) a prompt gets running
+    # alone this many times fails it, named, with the last error.
+    max_prompt_retries: int = Field(3, ge=1)
     flush_records: int = Field(64, ge=1)  # samples buffered before a ledger part is committed
     flush_interval_s: float = Field(10.0, gt=0.0)
     # Keep capturing what generation commits until its run is no longer locked (a live run); else one pass.

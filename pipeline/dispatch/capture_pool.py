@@ -4,8 +4,12 @@ What the pool does with a batch that did not come back, by the class of the erro
 - ContractError / EndpointFatal (the route or its server can never do this capture), ConfigError, DriftError, a
   StorageError or other RunFatal (a full disk): the pass stops at once (CaptureStopped or the error itself), nothing
   is failed as a prompt, a rerun resumes.
-- Retryable / EndpointDown (refused, reset, timeout): the batch goes back to the queue and its actor waits (backoff);
-  when the route has answered nothing for `down_deadline_s` the pass stops (resumable).
+- EndpointDown (no answer at all: refused, reset before an answer): the batch goes back to the front of the queue
+  and its actor waits (backoff); when the route has answered nothing for `down_deadline_s` the pass stops
+  (resumable).
+- Any other Retryable (a timeout, a lock held, a dropped connection, an Unexpected answer): it may be one prompt's
+  doing, so the batch is split and its prompts requeued behind the other pending work; a prompt that gets one
+  running alone `max_prompt_retries` times fails, named, with the last error.
 - Anything else (TerminalForPrompt, CaptureSampleError, an unexpected exception): the batch is retried prompt by
   prompt, once: only the prompt that fails alone is failed for this session (named, with the reason) and tried again
   on the next one. `max_consecutive_failures` prompts failing alone in a row, none captured between, stop the pass.
@@ -25,14 +29,20 @@ from typing import Any, Callable
 
 import ray
 
-from ..core.errors import CaptureStopped, ConfigError, DriftError, EndpointFatal, Retryable, RunFatal
-from .capture_worker import CaptureWorker, Sample
+from ..core.errors import (CaptureStopped, ConfigError, ConnectionDropped, DriftError, EndpointDown, EndpointFatal,
+                           Retryable, RunFatal)
+from .capture_worker import CaptureWorker, Sample, request_owner_key
 
 log = logging.getLogger("regen")
 
 Rows = list[list[dict[str, Any]]]
 MAX_ACTOR_LOSSES = 5  # actor deaths in a row without an answer: the route cannot start (model too big, node gone)
 BACKOFF_S = (0.5, 10.0)  # first and longest wait of an actor whose route's server is down
+
+
+def is_down(cause: Retryable) -> bool:
+    """No answer at all: the server, not a prompt. A connection dropped mid-request may be the prompt's doing."""
+    return isinstance(cause, EndpointDown) and not isinstance(cause, ConnectionDropped)
 
 
 class CapturePool:
@@ -45,10 +55,12 @@ class CapturePool:
         self.generation = 0
         # this driver's session: names the route's server-side files, so a later session can tell its own apart
         self.session = f"{os.getpid()}t{time.time_ns() // 1_000_000:x}"
+        self.owner_key = request_owner_key(capture_uri, expected)  # this host's: the actors' nodes may differ
         self.failed_prompts: list[str] = []
         self.actor_restarts = 0
         self.actors: list[Any] = []
         self.solo_deaths: Counter[str] = Counter()
+        self.solo_retries: Counter[str] = Counter()  # Retryable (not EndpointDown) a prompt got running alone
 
     @property
     def route_name(self) -> str:
@@ -60,7 +72,7 @@ class CapturePool:
         tag = f"cap{os.getpid()}s{slot}g{self.generation}"
         return self.remote.options(num_cpus=self.cfg.actor_num_cpus, num_gpus=self.cfg.actor_num_gpus,
                                    max_restarts=0, max_concurrency=1).remote(
-            self.cfg, self.capture_uri, tag, self.fingerprint, self.session, self.expected)
+            self.cfg, self.capture_uri, tag, self.fingerprint, self.session, self.expected, self.owner_key)
 
     def run(self, batches: list[list[list[Sample]]]) -> list[str]:
         """Capture the batches on the pool's actors (started on first use, kept for the next call: a `follow`
@@ -147,6 +159,25 @@ class CapturePool:
                                              "to resume") from None
                     if isinstance(cause, (ImportError, MemoryError, ConfigError, DriftError, RunFatal)):
                         raise cause from None  # the route (or the disk) cannot work at all: stop, resumable
+                    if isinstance(cause, Retryable) and not is_down(cause):
+                        if len(batch) > 1:
+                            log.warning("a batch of %d prompts got %s: %s; each runs again alone, after the other "
+                                        "pending work", len(batch), type(cause).__name__, cause)
+                            queue.extend([samples] for samples in batch)
+                            continue
+                        prompt_id = batch[0][0].prompt_id
+                        self.solo_retries[prompt_id] += 1
+                        tries = self.solo_retries[prompt_id]
+                        if tries >= cfg.max_prompt_retries:
+                            fail_alone(prompt_id, f"{type(cause).__name__} {tries} times running alone "
+                                                  f"(max_prompt_retries {cfg.max_prompt_retries}); last: {cause}")
+                            continue
+                        log.warning("prompt %s got %s running alone (%d of %d): %s; it runs again after the other "
+                                    "pending work", prompt_id, type(cause).__name__, tries, cfg.max_prompt_retries,
+                                    cause)
+                        resting[slot] = time.monotonic() + min(BACKOFF_S[0] * 2 ** (tries - 1), BACKOFF_S[1])
+                        queue.append(batch)
+                        continue
                     if isinstance(cause, Retryable):
                         down_since = down_since if down_since is not None else time.monotonic()
                         down_for = time.monotonic() - down_since

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -37,12 +38,20 @@ class Sample:
     finish_reason: str | None
 
 
+def request_owner_key(capture_dir: str, manifest: dict | None) -> str:
+    """The key in route vllm's request ids: the same for every session of one capture on one host, another for a
+    capture at the same path on another host (or a capture made again there): the driver's hostname, RUN/capture's
+    location and capture.json's created_at. Computed by the driver: actors may run on other nodes."""
+    created = (manifest or {}).get("created_at", "")
+    return hashlib.sha1(f"{socket.gethostname()}\n{capture_dir}\n{created}".encode()).hexdigest()[:12]
+
+
 class CaptureWorker:
     def __init__(self, cfg, capture_dir: str, tag: str, fingerprint: str, session: str = "s",
-                 expected: dict | None = None):
+                 expected: dict | None = None, owner_key: str | None = None):
         self.cfg, self.capture_dir, self.tag, self.fingerprint = cfg, capture_dir, tag, fingerprint
         self.expected = expected  # capture.json as the driver read it
-        self.owner = RequestOwner(hashlib.sha1(capture_dir.encode()).hexdigest()[:12], session)
+        self.owner = RequestOwner(owner_key or request_owner_key(capture_dir, expected), session, tag)
         self.route = None
         self.counter = itertools.count(1)
 

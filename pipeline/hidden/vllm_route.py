@@ -20,8 +20,9 @@ after this request (vLLM's `{req_id}.safetensors`, req_id `cmpl-<X-Request-Id>-0
 
 A file whose reader dies (an actor killed with its driver, its request already at the server) would stay on the
 server's disk for good. So every request is named (X-Request-Id, which vLLM puts in the file name) after the
-capture and the driver's session, and each call removes the files of the same capture left by earlier sessions:
-only one session holds a capture's lock at a time, and other runs' or other clients' files never match.
+capture (its host, location and creation), the driver's session and the actor, and each call removes the files of
+the same capture left by earlier sessions: only one session holds a capture's lock at a time, and other runs' (a
+capture at the same path on another host included) or other clients' files never match.
 """
 from __future__ import annotations
 
@@ -54,14 +55,15 @@ METADATA_KEY = "regen_server"
 
 @dataclass(frozen=True)
 class RequestOwner:
-    """Names the server's files `cmpl-regen-<capture_key>-<session>-<n>-...` (vLLM prefixes `cmpl-` and appends
-    its own suffix to the request id)."""
+    """Names the server's files `cmpl-regen-<capture_key>-<session>-<actor>-<n>-...` (vLLM prefixes `cmpl-` and
+    appends its own suffix to the request id): unique across captures, sessions and actors without that suffix."""
 
-    capture_key: str  # the same for every session of one capture (a hash of RUN/capture's location)
+    capture_key: str  # the same for every session of one capture on one host (capture_worker.request_owner_key)
     session: str  # one driver's session; no "-" in it
+    actor: str = "a"  # the actor's tag (a restarted actor has another); no "-" in it
 
     def request_id(self, n: int) -> str:
-        return f"regen-{self.capture_key}-{self.session}-{n}"
+        return f"regen-{self.capture_key}-{self.session}-{self.actor}-{n}"
 
     def left_by_an_earlier_session(self, name: str) -> bool:
         prefix = f"cmpl-regen-{self.capture_key}-"
@@ -244,7 +246,13 @@ class VllmRoute:
                                 "model cannot be checked: load regen's connector (kv_connector "
                                 "CpuHiddenStatesConnector, kv_connector_module_path regen_hidden_states_connector) "
                                 "or set vllm.accept_unverified_files: true", endpoint=self.url)
-        server = json.loads(raw)
+        try:
+            server = json.loads(raw)
+        except ValueError:
+            server = None
+        if not isinstance(server, dict):
+            raise ContractError(f"{self.url}: {file.name}'s {METADATA_KEY} metadata is not a JSON object "
+                                f"({raw[:80]!r}): the server's connector is not regen's, or another version of it", endpoint=self.url)
         with self.guard:
             if self.server is not None:
                 if server != self.server:
