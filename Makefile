@@ -142,10 +142,13 @@ test-deps: setup $(VENV)/.verify sglang-wheels trainlib-wheels vllm
 
 # The layering contract ([tool.importlinter] in pyproject.toml) first: a stage importing a later one fails here.
 # The vLLM tests find the venv and the model through REGEN_VLLM_PYTHON and REGEN_VLLM_MODEL.
+# TEST_WORKERS pytest-xdist workers, each module whole on one worker (tests/conftest.py): most tests wait on
+# servers, Ray and subprocesses, so two workers fit on two cores.
+TEST_WORKERS ?= 2
 test:
 	@$(MAKE) --no-print-directory -j3 test-deps
 	$(VENV)/bin/lint-imports --no-cache --no-logo
-	REGEN_VLLM_PYTHON=$(VLLM_VENV)/bin/python REGEN_VLLM_MODEL=$(SMOLLM2_HF) $(PY) -m pytest -q $(PYTEST_ARGS)
+	REGEN_VLLM_PYTHON=$(VLLM_VENV)/bin/python REGEN_VLLM_MODEL=$(SMOLLM2_HF) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 serve-local: setup
 	$(REGEN) serve-local --port 18181

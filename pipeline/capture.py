@@ -25,17 +25,23 @@ from .core.errors import ConfigError, DriftError
 from .export.formats import turn_id
 from .hidden.layout import capture_fingerprint
 from .hidden.parts import remove_garbage_hidden_parts
-from .hidden.routes import identity_for, layout_for
+from .hidden.routes import identity_for, layout_for, legacy_weights_digests
 from .run import EXIT_INTERRUPTED, StopFlag, setup_logging
 from .store import schema
-from .store.capture_ledger import CaptureDir, capture_run_dir, is_truncated, record_token_ids
-from .store.rundir import Committer, RunDir, RunLock, now_utc
+from .store.capture_ledger import CaptureDir, capture_run_dir, count_mismatch, is_truncated, record_token_ids
+from .store.committer import Committer
+from .store.rundir import RunDir, RunLock, now_utc
 
 log = logging.getLogger("regen")
 
 
 CAPTURE_ADVICE = ("Free space on that disk, copy the run to a disk with room and capture there, or capture a "
                   "subset (a run copy with fewer parts)")
+
+
+CAPTURE_DRIFT_ADVICE = ("A capture keeps its route, model (config and weight files), layers and dtypes: restore "
+                        "them to resume, or capture into another copy of the run (or delete RUN/capture to start "
+                        "the capture over).")
 
 
 @dataclass
@@ -49,6 +55,7 @@ class CaptureOptions:
 class Pending:
     prompts: list[list[Any]] = field(default_factory=list)  # each: the Samples of one prompt
     no_token_ids: int = 0  # records refused: the server gave no token ids (llama.cpp)
+    count_mismatch: int = 0  # records refused: their ids disagree with their own token counts
     tokens: int = 0
 
 
@@ -68,7 +75,7 @@ def open_capture(run: RunDir, cfg: CaptureConfig) -> tuple[CaptureDir, dict[str,
                 "model_identity": identity, "compute_dtype": compute_dtype,
                 "run_fingerprint": run.read_manifest().get("fingerprint")}
     if cap.exists():
-        before = cap.read_manifest()
+        before = upgraded_identity(cap, cap.read_manifest(), cfg, layout, identity, compute_dtype)
         if before.get("fingerprint") != fingerprint:
             diff = [f"{key}: {before.get(key)!r} -> {manifest[key]!r}" for key in ("route", "compute_dtype")
                     if before.get(key) != manifest[key]]
@@ -78,13 +85,35 @@ def open_capture(run: RunDir, cfg: CaptureConfig) -> tuple[CaptureDir, dict[str,
             old, new = before.get("model_identity", {}), identity
             diff += [f"model_identity.{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in
                      sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
-            raise DriftError(str(cap.path), diff + [
-                f"fingerprint: {before.get('fingerprint')} -> {fingerprint}",
-                "a capture keeps its route, model (config and weight files), layers and dtypes: capture into "
-                "another run copy, or delete RUN/capture"])
+            raise DriftError(str(cap.path), diff + [f"fingerprint: {before.get('fingerprint')} -> {fingerprint}"],
+                             CAPTURE_DRIFT_ADVICE)
         return cap, before
     cap.write_manifest({**manifest, "created_at": now_utc().isoformat(timespec="seconds")})
     return cap, cap.read_manifest()
+
+
+def upgraded_identity(cap: CaptureDir, before: dict[str, Any], cfg: CaptureConfig, layout, identity: dict[str, Any],
+                      compute_dtype: str | None) -> dict[str, Any]:
+    """capture.json with an older identity_version whose digest, recomputed the older way, is this folder's: the
+    same untouched model, so its identity is rewritten in the current form (atomically, logged). Otherwise as it is."""
+    old = before.get("model_identity") or {}
+    version = old.get("identity_version")
+    if version == identity.get("identity_version") or "weights" not in old:
+        return before
+    how = ("weights", "identity_version", "weights_identity")
+    if {k: v for k, v in old.items() if k not in how} != {k: v for k, v in identity.items() if k not in how}:
+        return before  # more than the digest differs: drift, named as it is
+    if before.get("fingerprint") != capture_fingerprint(cfg.route, layout, old, compute_dtype):
+        return before  # the route, layout or dtype differ too: drift
+    if old["weights"] not in legacy_weights_digests(cfg.model, version):
+        return before
+    upgraded = {**before, "model_identity": identity,
+                "fingerprint": capture_fingerprint(cfg.route, layout, identity, compute_dtype),
+                "upgraded_from": {"identity_version": version, "fingerprint": before.get("fingerprint")}}
+    cap.write_manifest(upgraded)
+    log.info("capture.json: model identity upgraded from version %s to %s (the same weight files; fingerprint %s -> "
+             "%s)", version, identity["identity_version"], before.get("fingerprint"), upgraded["fingerprint"])
+    return cap.read_manifest()
 
 
 def _model_name(model: str | None) -> str:
@@ -102,28 +131,47 @@ def warn_if_other_model(cfg: CaptureConfig, run_manifest: dict[str, Any]) -> Non
                     generated_by, cfg.model)
 
 
-def pending_samples(run: RunDir, done: set[str], refused: set[tuple[str, int]], sample_factory) -> Pending:
+def pending_samples(run: RunDir, done: set[str], refused: set[tuple[str, int]], sample_factory,
+                    settled: set[str] | None = None) -> Pending:
     """The committed records' samples whose prompt is not captured yet, grouped by prompt. A record without
-    token ids is refused (added to `refused`), as the token exports drop it; its prompt's other turns are
-    captured (an all_turns conversation is never split across parts, so no turn of it comes later)."""
+    token ids, or whose ids disagree with its own prompt_tokens / completion_tokens, is refused (added to
+    `refused`, named), as the token exports drop it; its prompt's other turns are captured (an all_turns
+    conversation is never split across parts, so no turn of it comes later). `settled`: the parts with nothing
+    left to capture, skipped by the next listing (a follow capture polls); this listing adds to it."""
     out = Pending()
+    settled = set() if settled is None else settled
     by_prompt: dict[str, dict[int, Any]] = {}
     for part in RunDir.parts(run.data):
+        if str(part) in settled:
+            continue
+        if done.issuperset(part.read_parquet(columns=["prompt_id"]).column("prompt_id").to_pylist()):
+            settled.add(str(part))  # read its ids no more
+            continue
+        left = False
         for rec in part.read_parquet(columns=["prompt_id", "turn_index", "prompt_token_ids", "output_token_ids",
-                                               "finish_reason", "flags"]).to_pylist():
+                                               "prompt_tokens", "completion_tokens", "finish_reason",
+                                               "flags"]).to_pylist():
             pid = rec["prompt_id"]
             if pid in done:
                 continue
             ids = record_token_ids(rec)
             turn = int(rec["turn_index"] or 0)
-            if ids is None:
+            mismatch = ids is not None and count_mismatch(rec)
+            if ids is None or mismatch:
                 if (pid, turn) not in refused:
                     refused.add((pid, turn))
-                    out.no_token_ids += 1
+                    if mismatch:
+                        log.warning("record %s turn %d refused: %s", pid, turn, mismatch)
+                        out.count_mismatch += 1
+                    else:
+                        out.no_token_ids += 1
                 continue
+            left = True
             by_prompt.setdefault(pid, {}).setdefault(turn, sample_factory(
                 pid, turn, turn_id(pid, turn), ids, len(rec["prompt_token_ids"]),
                 "length" if is_truncated(rec) else rec["finish_reason"]))
+        if not left:
+            settled.add(str(part))
     for turns in by_prompt.values():
         out.prompts.append([turns[t] for t in sorted(turns)])
         out.tokens += sum(len(s.token_ids) for s in turns.values())
@@ -170,6 +218,8 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
     width = int(cap_manifest["layout"]["hidden_size"]) * len(cap_manifest["layout"]["states"])
     done = cap.committed_ids()
     refused: set[tuple[str, int]] = set()
+    refusals = {"no_token_ids": 0, "count_mismatch": 0}
+    settled: set[str] = set()  # ledger parts with nothing left to capture: not read again by a follow's polls
     failed: set[str] = set()  # prompts the route could not capture, alone, in this session
     committer = Committer(cap, done, cfg.flush_records, cfg.flush_interval_s, schema.CAPTURE, lock=lock)
     session = {"samples": 0, "tokens": 0, "route_s": 0.0, "started": time.monotonic(), "failed_prompts": 0}
@@ -186,7 +236,10 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
     def write_status(state: str) -> None:
         elapsed = time.monotonic() - session["started"]
         cap.write_status({"state": state, "updated_at": now_utc().isoformat(timespec="seconds"),
-                          "captured_prompts": len(committer.done), "refused_no_token_ids": len(refused),
+                          "captured_prompts": len(committer.done), "failed_prompts": len(failed),
+                          "failed_prompt_ids": sorted(failed)[:100],
+                          "refused_no_token_ids": refusals["no_token_ids"],
+                          "refused_count_mismatch": refusals["count_mismatch"],
                           "this_session": {"samples": session["samples"], "tokens": session["tokens"],
                                            "elapsed_s": round(elapsed, 1),
                                            "tok_s": round(session["tokens"] / max(elapsed, 1e-9), 1),
@@ -208,7 +261,12 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
         while True:
             # the lock before the listing: a listing made after seeing generation's lock released holds its last commit
             generation_live = cfg.follow and RunLock(run).is_held()
-            pending = pending_samples(run, committer.done | committer.buffered | failed, refused, Sample)
+            pending = pending_samples(run, committer.done | committer.buffered | failed, refused, Sample, settled)
+            refusals["no_token_ids"] += pending.no_token_ids
+            refusals["count_mismatch"] += pending.count_mismatch
+            if pending.count_mismatch:
+                log.warning("%d records refused: their token ids disagree with their own prompt_tokens / "
+                            "completion_tokens (named above)", pending.count_mismatch)
             if pending.no_token_ids:
                 log.warning("%d records refused: no token ids (a server that gives none, e.g. llama.cpp, cannot "
                             "be captured; regenerate with an engine that returns them)", pending.no_token_ids)
@@ -232,24 +290,33 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
                 break  # one pass, or generation had released its lock before this listing: nothing more will come
             if not pending.prompts:
                 time.sleep(cfg.poll_interval_s)
-    except BaseException:
+    except BaseException as exc:
+        if pool is not None:
+            failed.update(pool.failed_prompts)  # the prompts this pass failed before it stopped
+            session["failed_prompts"] = len(failed)
         try:
             committer.flush()
-        finally:
-            write_status("interrupted")
+        finally:  # a route or disk that cannot go on (resumable) is a stop, not an interruption
+            write_status("interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped")
         raise
     finally:
         if pool is not None:
             pool.close()
     committer.flush()
+    if state == "complete" and failed:
+        state = "finished"  # not complete: the failed prompts are tried again by the next run
     write_status(state)
     summary = {"captured_prompts": len(committer.done), "new_samples": session["samples"],
-               "refused_no_token_ids": len(refused), "failed_prompts": session["failed_prompts"]}
-    print(f"regen: capture {state}: {orjson.dumps(summary).decode()}", file=sys.stderr)
+               "refused_no_token_ids": refusals["no_token_ids"], "refused_count_mismatch": refusals["count_mismatch"],
+               "failed_prompts": session["failed_prompts"]}
+    counts = f"{len(committer.done)} prompts captured, {len(failed)} failed" + (
+        " (named above; a rerun tries them again)" if failed else "")
+    print(f"regen: capture {state}: {counts}: {orjson.dumps(summary).decode()}", file=sys.stderr)
     if state == "interrupted":
         return EXIT_INTERRUPTED
     if session["failed_prompts"]:
         return 1
     if refused and not committer.done:
-        raise ConfigError(f"{run.path}: none of its {len(refused)} records has token ids; nothing to capture")
+        raise ConfigError(f"{run.path}: none of its {len(refused)} records can be captured ({refusals['no_token_ids']} "
+                          f"without token ids, {refusals['count_mismatch']} whose ids disagree with their counts)")
     return 0

@@ -22,7 +22,8 @@ from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
 from .prompts.tokens import load_length_check
 from .store.promptset import StagedPromptSet, check_source_files, report_document, source_specs, stage_prompt_set
-from .store.rundir import Committer, RunDir, RunLock, now_utc, resolve_run_dir, successor_run_dir
+from .store.committer import Committer
+from .store.rundir import RunDir, RunLock, now_utc, resolve_run_dir, successor_run_dir
 from .dispatch.cluster import EndpointsFileWatch, init_ray
 from .dispatch.fleet import FleetDrift, FleetFacts, check_fleet_first, fleet_preflight
 from .store.records import RecordBuilder, stored_records

@@ -30,6 +30,28 @@ for _key, _value in {"AWS_ACCESS_KEY_ID": "regen-test", "AWS_SECRET_ACCESS_KEY":
 os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
 
 
+# Test modules that start real vLLM servers (about 4 GB each): one xdist worker runs them one after another.
+REAL_VLLM_MODULES = {"test_vllm_engine.py", "test_vllm_capture.py"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under `-n N --dist loadgroup` (make test), each module runs whole on one worker, so that its module
+    fixtures start once; the real-vLLM modules share one worker, so that at most one vLLM fleet runs at a time.
+    Each worker has its own session fixtures (Ray head, fleets), on free ports and its own temp dirs."""
+    for item in items:
+        module = item.path.name
+        item.add_marker(pytest.mark.xdist_group("real-vllm" if module in REAL_VLLM_MODULES else module))
+
+
+def pytest_collection_finish(session):
+    """Refuse to run when xdist's loadgroup did not group (pytest 9 with xdist 3.8): each module fixture, the
+    vLLM fleets included, would start on every worker."""
+    if session.config.getoption("loadgroup", False) and session.items and "@" not in session.items[0].nodeid:
+        raise pytest.UsageError("pytest-xdist --dist loadgroup did not group the tests (pytest 9 with xdist 3.8?): "
+                                "install the dev extra's pins (pip install -e '.[dev]')")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """A Ray head on 127.0.0.1 for the session. Yields its address and temp dir (for log greps)."""

@@ -23,7 +23,8 @@ from pipeline.core.errors import StorageError
 from pipeline.hidden.parts import HiddenPartWriter, garbage_hidden_parts, hidden_dir, iter_hidden
 from pipeline.store import schema
 from pipeline.store.lock import RunLock
-from pipeline.store.rundir import PART_RE, Committer, RunDir
+from pipeline.store.committer import Committer
+from pipeline.store.rundir import PART_RE, RunDir
 
 CREATED = datetime(2026, 1, 1, tzinfo=timezone.utc)
 PRIOR = ["p0", "p1"]  # committed before the operation

@@ -17,7 +17,8 @@ from pipeline.store import schema
 from pipeline.core.errors import (
     ConfigError, EndpointDown, EndpointFatal, Retryable, RunLocked, SecretMissing, StorageError, TerminalForPrompt,
 )
-from pipeline.store.rundir import Committer, RunDir, RunLock, atomic_write, now_utc, resolve_run_dir
+from pipeline.store.committer import Committer
+from pipeline.store.rundir import RunDir, RunLock, atomic_write, now_utc, resolve_run_dir
 
 BASE = """
 run_name: r

@@ -19,7 +19,8 @@ from pipeline.emulator import start_emulator
 from pipeline.endpoints.engines import OpenAIAdapter, VLLMAdapter
 from pipeline.endpoints.localfleet import wait_healthy
 from pipeline.endpoints.preflight import probe_fleet
-from pipeline.store.rundir import Committer, RunDir, now_utc
+from pipeline.store.committer import Committer
+from pipeline.store.rundir import RunDir, now_utc
 from pipeline.store import schema
 from tests.fake_engines import DEV_MODE_SERVER_INFO, FakeVLLM
 from tests.helpers import data_parts, free_port, run_regen, write_config, write_prompts, write_source

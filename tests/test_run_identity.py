@@ -327,3 +327,8 @@ def test_a_signal_during_the_preflight_wait_exits_130(tmp_path, signum):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_empty_hidden_states_section_is_accepted_like_a_disabled_one(tmp_path):
+    empty = sample_config(tmp_path, hidden_states={}, **dead_fleet())
+    assert load_config(empty).fingerprint() == load_config(sample_config(tmp_path, **dead_fleet())).fingerprint()

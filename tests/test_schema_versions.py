@@ -7,7 +7,8 @@ from pathlib import Path
 import datasets
 
 from pipeline.store import schema
-from pipeline.store.rundir import Committer, RunDir, now_utc
+from pipeline.store.committer import Committer
+from pipeline.store.rundir import RunDir, now_utc
 
 
 def record(pid: str) -> dict:

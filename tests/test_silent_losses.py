@@ -31,7 +31,8 @@ from pipeline.endpoints.preflight import preflight
 from pipeline.hidden.parts import HiddenPartWriter, hidden_parts, read_sample
 from pipeline.store import storage
 from pipeline.store.faults import Faults
-from pipeline.store.rundir import Committer, RunDir, now_utc
+from pipeline.store.committer import Committer
+from pipeline.store.rundir import RunDir, now_utc
 from pipeline.store.storage import Location
 from tests.helpers import data_parts, prompt_source, regen_cmd, run_regen, wait_for, write_config
 

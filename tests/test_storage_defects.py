@@ -14,7 +14,8 @@ from pipeline.core.errors import LeaseLost, RunLocked, StorageError
 from pipeline.store import storage
 from pipeline.store.faults import Faults
 from pipeline.store.lock import RunLock
-from pipeline.store.rundir import Committer, RunDir
+from pipeline.store.committer import Committer
+from pipeline.store.rundir import RunDir
 from pipeline.store.storage import Location
 from tests.storage_scenarios import NEW, DataCommit, record
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -112,6 +113,36 @@ def test_route_vllm_stores_every_layer_as_the_layer_loop_and_removes_the_server_
     assert server_files(capture_server) == [], "the server's files are removed once read"
     tokens, route_s = sum(r["n_tokens"] for r in ledger), sum(r["capture_s"] for r in ledger)
     print(f"route vllm: {tokens} tokens at {tokens / route_s:.0f} tok/s per request (request, file, norm)")
+    # what the route checked each file against (it refuses any other): the server's own account, in its metadata
+    server = server_metadata(capture_server, captured.records[0]["prompt_token_ids"])
+    assert server["layer_ids"] == AUX + [30] and server["num_hidden_layers"] == 30 and server["hidden_size"] == 576
+    assert server["model"] == str(capture_server.model_dir) and server["dtype"] == "float32"
+    assert server["served_model_name"] == ["SmolLM2-135M-Instruct"]
+
+
+def server_metadata(capture_server, ids: list[int]) -> dict:
+    """One request of our own to the capture server: the regen metadata of the file it writes."""
+    import fcntl
+    import json
+    import urllib.request
+
+    from safetensors import safe_open
+
+    with urllib.request.urlopen(capture_server.url + "/v1/models", timeout=30) as answer:
+        served = json.loads(answer.read())["data"][0]["id"]
+    request = urllib.request.Request(capture_server.url + "/v1/completions", headers={
+        "Content-Type": "application/json", "X-Request-Id": "metadata-check"},
+        data=json.dumps({"model": served, "prompt": ids, "max_tokens": 1}).encode())
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        path = json.loads(answer.read())["kv_transfer_params"]["hidden_states_path"]
+    try:
+        with open(path + ".lock") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        with safe_open(path, framework="numpy") as f:
+            return json.loads((f.metadata() or {})["regen_server"])
+    finally:
+        for leftover in (path, path + ".lock"):
+            Path(leftover).unlink(missing_ok=True)
 
 
 def test_speculators_data_gets_hs_files_in_prepare_data_row_order(captured, capture_server):

@@ -29,7 +29,8 @@ def speculators_prepare(task):
     from datasets import load_from_disk
 
     cmd = [sys.executable, "-c", "from speculators.__main__ import app; app()", "prepare-data", "--model",
-           task["tokenizer"], "--data", task["path"], "--output", task["out"], "--seq-length", "4096",
+           task["tokenizer"], "--data", task["path"], "--output", task["out"],
+           "--seq-length", str(task.get("seq_length", 4096)),
            "--num-preprocessing-workers", "1", "--overwrite"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:

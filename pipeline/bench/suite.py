@@ -14,6 +14,7 @@ process id), the emulators, the regen runs.
   simulator   `regen simulate`'s predicted wall time against the actual emulated run
   production  the production shape: 88K prompts, 16 endpoints x 64, checkpointing on, lost/doubled, RSS, commits
   sources     materialise a 1 GB JSON array of ShareGPT rows with limit 88,000: MB/s on one core, peak RSS
+  capture     `regen capture` on SmolLM2-135M (CPU) vs its forward pass alone; hidden bytes vs the ideal bf16
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from .cases import (
     saturation,
     stragglers,
 )
+from .capture import capture_throughput
 from .env import REPO
 from .scale import memory, production, resume
 from .sources import materialise_json
@@ -73,7 +75,8 @@ def simulator_accuracy(ctx: Ctx) -> Result:
 
 BENCHES = {"overhead": overhead, "saturation": saturation, "stragglers": stragglers, "resume": resume,
            "memory": memory, "emulator": emulator_capacity,
-           "simulator": simulator_accuracy, "production": production, "sources": materialise_json}
+           "simulator": simulator_accuracy, "production": production, "sources": materialise_json,
+           "capture": capture_throughput}
 
 
 def table(results: list[Result]) -> list[str]:
@@ -116,17 +119,22 @@ def markdown(results: list[Result], ctx: Ctx, elapsed: float, args: argparse.Nam
 
 def kept_from(previous: str, rerun: set[str]) -> tuple[list[str], list[str]]:
     """The table rows and `## name` sections of the benchmarks an earlier report holds and this run did not redo
-    (`--merge`), in their order."""
-    rows, sections, current = [], [], None
-    for line in previous.splitlines():
-        if line.startswith("| ") and not line.startswith(("| benchmark ", "|---")):
-            if line.split("|")[1].strip() not in rerun:
+    (`--merge`), in their order. Rows are those of the table before the first section (a section's own tables,
+    the py-spy profile, stay in it); a row of a benchmark without a section is not a benchmark's."""
+    rows, sections, current, in_sections = [], [], None, False
+    lines = previous.splitlines()
+    named = {line[3:].split(" (", 1)[0].strip() for line in lines if line.startswith("## ")}
+    for line in lines:
+        if not in_sections and line.startswith("| ") and not line.startswith(("| benchmark ", "|---")):
+            name = line.split("|")[1].strip()
+            if name not in rerun and name in named:
                 rows.append(line)
         elif line.startswith("## "):
+            in_sections = True
             name = line[3:].split(" (", 1)[0].strip()
             current = None if name in rerun or name == "Errors" else name
             if current:
-                sections.append(line + " (an earlier run)")
+                sections.append(f"## {name} (an earlier run)")  # once, however many merges ago
         elif current:
             sections.append(line)
     return rows, sections
@@ -135,10 +143,12 @@ def kept_from(previous: str, rerun: set[str]) -> tuple[list[str], list[str]]:
 def merged(report: str, previous: str, rerun: set[str]) -> str:
     rows, sections = kept_from(previous, rerun)
     lines = report.splitlines()
-    end_of_table = max(i for i, line in enumerate(lines) if line.startswith("|"))
+    end_of_table = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    while end_of_table + 1 < len(lines) and lines[end_of_table + 1].startswith("|"):
+        end_of_table += 1  # the first table; a section's own tables (a profile) come later
     note = (f"This run redid {', '.join(sorted(rerun))}; the other rows and sections come from the earlier "
             "report it was merged into (`--merge`).")
-    return "\n".join(lines[:end_of_table + 1] + rows + [""] + [note, ""] + lines[end_of_table + 1:] + sections)
+    return "\n".join(lines[:end_of_table + 1] + rows + [""] + [note, ""] + lines[end_of_table + 1:] + [""] + sections)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .config import RayOptions, _Strict, load_yaml_model
 
@@ -18,7 +18,19 @@ class VllmCapture(_Strict):
     api_key_env: str | None = None
     timeout_s: float = Field(600.0, gt=0.0)
     lock_timeout_s: float = Field(120.0, gt=0.0)  # waiting for the server to finish writing its file
+    # The server pre-creates each file's `.lock` before it answers: a path still invisible after this long is in a
+    # folder this host does not share with the server.
+    visible_timeout_s: float = Field(5.0, gt=0.0)
     concurrency: int = Field(4, ge=1, le=256)  # requests in flight per actor
+    # The connector's shared_storage_path as the server names it (None: the folder of its first answer, then
+    # held): a path elsewhere is refused and never deleted.
+    hidden_states_dir: str | None = None
+    # The server's model_config.model / `/v1/models` root (None: a path or hub id whose last component is the
+    # capture model folder's name).
+    server_model: str | None = None
+    # Files without regen's connector metadata (vLLM's own connector): refused unless true (then only their
+    # shape and width are checked, not the server's layer ids or model).
+    accept_unverified_files: bool = False
 
 
 class CaptureConfig(_Strict):
@@ -26,15 +38,28 @@ class CaptureConfig(_Strict):
     # The model the states come from: a local HF folder (or hub id). Route vllm reads only its config.json and the
     # final norm's weight from it (the server reports no layer count).
     model: str
-    # EAGLE-3 auxiliary layers in vLLM/speculators ids (input of layer i); default [2, L//2, L-3].
+    # EAGLE-3 auxiliary layers in vLLM/speculators ids (input of layer i), distinct; default [2, L//2, L-3]
+    # ([1, L//2, L-1] at 6 layers or fewer, where that repeats a layer).
     aux_layer_ids: list[int] | None = Field(None, min_length=3, max_length=3)
     dtype: Literal["bf16"] = "bf16"
+    # The weight files in the model identity: `sampled` (each file's safetensors header and 16 evenly spaced 64 KiB
+    # windows, cheap at any size) or `full` (every byte: slow on a large model). Changing it is drift.
+    weights_identity: Literal["sampled", "full"] = "sampled"
     torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # route transformers: compute dtype
     actors: int = Field(1, ge=1, le=1024)
     actor_num_cpus: float = Field(1.0, ge=0.0)
     actor_num_gpus: float = Field(0.0, ge=0.0)
     torch_threads: int | None = Field(None, ge=1)
     prompts_per_call: int = Field(4, ge=1)  # prompts (all their samples) an actor takes per call
+    # A route whose server has not answered at all (EndpointDown: refused, reset before an answer) for this long
+    # stops the pass (resumable).
+    down_deadline_s: float = Field(300.0, gt=0.0)
+    # This many prompts failing alone in a row, none captured between, stop the pass: the route is broken.
+    max_consecutive_failures: int = Field(8, ge=1)
+    max_solo_crashes: int = Field(2, ge=1)  # deaths of the actor running a prompt alone before the prompt fails
+    # Any other Retryable (a timeout, a lock held, a dropped connection, an unreadable file) a prompt gets running
+    # alone this many times fails it, named, with the last error.
+    max_prompt_retries: int = Field(3, ge=1)
     flush_records: int = Field(64, ge=1)  # samples buffered before a ledger part is committed
     flush_interval_s: float = Field(10.0, gt=0.0)
     # Keep capturing what generation commits until its run is no longer locked (a live run); else one pass.
@@ -42,6 +67,13 @@ class CaptureConfig(_Strict):
     poll_interval_s: float = Field(5.0, gt=0.0)
     vllm: VllmCapture | None = None
     ray: RayOptions = RayOptions()
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _distinct(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and len(set(ids)) != len(ids):
+            raise ValueError(f"{ids} repeats a layer: EAGLE-3 needs 3 distinct layer ids")
+        return ids
 
     @model_validator(mode="after")
     def _route_section(self) -> "CaptureConfig":

@@ -105,7 +105,7 @@ RETIRED_HIDDEN_STATES = (
     "the generating request no longer returns hidden states (SGLang gives EAGLE-3's aux layers or the last layer, "
     "never both; its JSON floats are 3-4x the bf16 bytes; it costs the generation fleet its radix cache). Capture "
     "them after generation, from the committed records: `regen capture RUN --config capture.yaml` (README, Hidden "
-    "states). Delete the hidden_states section (`hidden_states: {enabled: false}` is accepted and ignored)")
+    "states). Delete the hidden_states section (`hidden_states: {enabled: false}` or `{}` is accepted and ignored)")
 
 
 class RayOptions(_Strict):
@@ -142,7 +142,7 @@ class RunConfig(_Strict):
     hedge_tail: bool = True
     local_fleet: LocalFleet | None = None
     ray: RayOptions = RayOptions()
-    # Retired (RETIRED_HIDDEN_STATES): only `{enabled: false}` of older configs is accepted, and ignored.
+    # Retired (RETIRED_HIDDEN_STATES): only `{enabled: false}` (or `{}`) of older configs is accepted, and ignored.
     hidden_states: None = Field(None, exclude=True)
     # Ask the server for the exact token ids (SGLang: return_token_ids / return_prompt_token_ids).
     return_token_ids: bool = True
@@ -212,7 +212,7 @@ class RunConfig(_Strict):
     @field_validator("hidden_states", mode="before")
     @classmethod
     def _hidden_states_retired(cls, section: Any) -> None:
-        if section is None or section == {"enabled": False}:
+        if section is None or section in ({}, {"enabled": False}):  # an empty or disabled section: nothing asked
             return None
         keys = ", ".join(f"hidden_states.{key}" for key in section) if isinstance(section, dict) and section \
             else "hidden_states"

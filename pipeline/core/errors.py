@@ -21,14 +21,17 @@ class SecretMissing(ConfigError):
 class DriftError(RegenError):
     """Resuming a run whose identity changed: generation config, prompt-set config or weight version."""
 
-    def __init__(self, run_dir: str, diff: list[str]):
+    GENERATE_ADVICE = ("Pass --new-run to start a new run directory with this config (or, if only the sources "
+                       "changed, --refresh-prompts to add their new prompts to this run), or restore the old values "
+                       "to resume.")
+
+    def __init__(self, run_dir: str, diff: list[str], advice: str | None = None):
         self.run_dir, self.diff = run_dir, diff
         lines = "\n  ".join(diff)
-        super().__init__(
-            f"{run_dir} was started with another config:\n  {lines}\n"
-            "Pass --new-run to start a new run directory with this config (or, if only the sources changed, "
-            "--refresh-prompts to add their new prompts to this run), or restore the old values to resume."
-        )
+        super().__init__(f"{run_dir} was started with another config:\n  {lines}\n{advice or self.GENERATE_ADVICE}")
+
+    def __reduce__(self):  # crosses Ray's process boundary whole (the default would call cls(message))
+        return type(self), (self.run_dir, self.diff, str(self).rsplit("\n", 1)[-1])
 
 
 class RunLocked(RegenError):
@@ -89,6 +92,11 @@ class RunFatal(RegenError):
 
 class PreflightError(RunFatal):
     """The fleet failed its preflight: names each endpoint and mismatch."""
+
+
+class CaptureStopped(RunFatal):
+    """The capture pass stopped because its route cannot go on (refused the contract, server down past the
+    deadline, every prompt failing): names the route and the reason. Resumable: nothing was failed for it."""
 
 
 class StorageError(RunFatal):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -12,13 +13,17 @@ from typing import Any
 import numpy as np
 import orjson
 
-from ..core.errors import ConfigError, DriftError
+from ..core.errors import ConfigError, ContractError, DriftError, EndpointFatal, Retryable, RunFatal
 from ..hidden.bf16 import f32_to_bf16
 from ..hidden.layout import layout_shape
 from ..hidden.errors import CaptureSampleError
 from ..hidden.parts import HiddenPartWriter
 from ..hidden.routes import build_route
 from ..hidden.vllm_route import RequestOwner
+
+
+# passed through to the pool as they are: it stops the pass (config, drift, contract, storage) or retries (down)
+ROUTE_FATAL = (ConfigError, DriftError, EndpointFatal, Retryable, RunFatal, ImportError, MemoryError)
 
 
 @dataclass(frozen=True)
@@ -33,12 +38,20 @@ class Sample:
     finish_reason: str | None
 
 
+def request_owner_key(capture_dir: str, manifest: dict | None) -> str:
+    """The key in route vllm's request ids: the same for every session of one capture on one host, another for a
+    capture at the same path on another host (or a capture made again there): the driver's hostname, RUN/capture's
+    location and capture.json's created_at. Computed by the driver: actors may run on other nodes."""
+    created = (manifest or {}).get("created_at", "")
+    return hashlib.sha1(f"{socket.gethostname()}\n{capture_dir}\n{created}".encode()).hexdigest()[:12]
+
+
 class CaptureWorker:
     def __init__(self, cfg, capture_dir: str, tag: str, fingerprint: str, session: str = "s",
-                 expected: dict | None = None):
+                 expected: dict | None = None, owner_key: str | None = None):
         self.cfg, self.capture_dir, self.tag, self.fingerprint = cfg, capture_dir, tag, fingerprint
         self.expected = expected  # capture.json as the driver read it
-        self.owner = RequestOwner(hashlib.sha1(capture_dir.encode()).hexdigest()[:12], session)
+        self.owner = RequestOwner(owner_key or request_owner_key(capture_dir, expected), session, tag)
         self.route = None
         self.counter = itertools.count(1)
 
@@ -59,28 +72,51 @@ class CaptureWorker:
                 for key in got if orjson.dumps(got[key], option=orjson.OPT_SORT_KEYS)
                 != orjson.dumps(want[key], option=orjson.OPT_SORT_KEYS)]
         if diff:
-            raise DriftError(self.capture_dir, diff + ["the model folder changed under a running capture"])
+            raise DriftError(self.capture_dir, diff + ["the model folder changed under a running capture"],
+                             "Restore the model folder capture.json names to resume, or capture into another copy "
+                             "of the run.")
+
+    def _check_shape(self, s: Sample, states) -> None:
+        layout = self.route.layout
+        if tuple(states.shape[1:]) != (len(layout.states), layout.hidden_size):
+            # every sample would get it: the route gives other states or another width than capture.json's
+            raise ContractError(f"route {self.cfg.route}: it returned states of shape {tuple(states.shape)} for "
+                                f"prompt {s.prompt_id}, the layout needs [T, {len(layout.states)}, "
+                                f"{layout.hidden_size}]", endpoint=self.cfg.route)
+        if states.shape[0] != len(s.token_ids):
+            raise CaptureSampleError(f"prompt {s.prompt_id} (sample {s.sample_id}): the route returned "
+                                     f"{states.shape[0]} rows for {len(s.token_ids)} tokens")
+
+    def _route_states(self, chunk: list[Sample]) -> list:
+        """Each sample's states, or the exception it raised: several requests in flight where the route can."""
+        if hasattr(self.route, "capture_many"):
+            return self.route.capture_many([s.token_ids for s in chunk])
+        results: list = []
+        for s in chunk:
+            try:
+                results.append(self.route.capture(s.token_ids))
+            except Exception as exc:
+                results.append(exc)
+        return results
 
     def capture(self, prompts: list[list[Sample]]) -> list[list[dict[str, Any]]]:
         """For each prompt (all its samples), its ledger rows; the hidden part is committed first."""
         self.ready()
         writer = HiddenPartWriter(self.capture_dir, tag=self.tag, counter=self.counter)
         timings: dict[str, float] = {}
-        for samples in prompts:
-            for s in samples:
-                started = time.perf_counter()
-                try:
-                    states = self.route.capture(s.token_ids)
-                except (ConfigError, DriftError, ImportError, MemoryError):
-                    raise  # the route cannot work at all
-                except Exception as exc:  # this sample's failure: named, so the pool can fail it alone
+        flat = [s for samples in prompts for s in samples]
+        in_flight = getattr(getattr(self.route, "opts", None), "concurrency", 1)  # route vllm: requests at once
+        for start in range(0, len(flat), in_flight):  # a chunk at a time: its states are all held until stored
+            chunk = flat[start:start + in_flight]
+            started = time.perf_counter()
+            for s, states in zip(chunk, self._route_states(chunk)):
+                if isinstance(states, ROUTE_FATAL):
+                    raise states  # the route cannot work at all (or the server is down): the pool decides, by class
+                if isinstance(states, BaseException):  # this sample's failure: named, so the pool can fail it alone
                     raise CaptureSampleError(f"prompt {s.prompt_id} (sample {s.sample_id}): "
-                                             f"{type(exc).__name__}: {exc}") from exc
+                                             f"{type(states).__name__}: {states}") from states
                 timings[s.sample_id] = time.perf_counter() - started
-                if states.shape[:2] != (len(s.token_ids), len(self.route.layout.states)):
-                    raise CaptureSampleError(f"prompt {s.prompt_id} (sample {s.sample_id}): the route returned "
-                                             f"{states.shape} for {len(s.token_ids)} tokens and "
-                                             f"{len(self.route.layout.states)} states")
+                self._check_shape(s, states)
                 bits, _ = f32_to_bf16(np.ascontiguousarray(states, dtype=np.float32).reshape(len(s.token_ids), -1))
                 writer.add(s.prompt_id, s.turn_index, s.token_ids, s.n_prompt, bits)
         part, rows = writer.commit()

@@ -249,10 +249,15 @@ def _capture_lines(run_dir: RunDir) -> list[str]:
     layers = ", ".join(f"{s['kind']} layer {s['layer']} ({s['norm']})" for s in cap["layers"])
     return ["## Hidden states", "",
             f"- capture ({cap['route']}, fingerprint `{cap['fingerprint']}`): {cap['state']}, {cap['captured']} of "
-            f"{cap['capturable']} samples ({cap['tokens']} tokens); {cap['refused_no_token_ids']} records refused "
+            f"{cap['capturable']} samples captured ({cap['tokens']} tokens), {cap['failed_prompts']} prompts failed "
+            f"in its last pass{_named(cap['failed_prompt_ids'])}; {cap['refused_no_token_ids']} records refused "
             "without token ids",
             f"- states per token, in order: {layers}",
             "- exports: `regen export RUN --format specforge-offline|speculators-hidden --out DIR`", ""]
+
+
+def _named(prompt_ids: list[str]) -> str:
+    return f" ({', '.join(prompt_ids[:10])}{', ...' if len(prompt_ids) > 10 else ''})" if prompt_ids else ""
 
 
 def write_card(run_dir: str | Path | Location) -> Location:

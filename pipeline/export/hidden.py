@@ -13,7 +13,8 @@
   for row i, with `hidden_states` [T, 4, H] bf16 (aux layers, then the last layer BEFORE the final norm) and
   `token_ids` [T] int64. With `speculators_data` (a folder `speculators prepare-data` made from the
   `speculators` JSONL export), the files go into its `hidden_states/` instead, hs_i following ITS row order
-  (prepare-data shuffles), matched by token ids.
+  (prepare-data shuffles), matched by token ids; a row prepare-data cut at its seq_length matches the sample it
+  is the start of, and that file holds the cut length's states.
 Loss mask: 0 on the prompt, 1 on the completion (each library's own preprocessing gives the same mask), except a
 record cut at max_tokens: its last position is 0, where a renderer would close the turn with an end-of-turn token
 the model never generated. Both write `manifest.json` (layers, norm convention, files) last, and the whole folder
@@ -121,6 +122,14 @@ def _prepared_order(prepared: Path) -> dict[tuple[int, ...], list[int]]:
     return order
 
 
+def _cut(sample, n: int):
+    """The sample's first n tokens (a prepared row cut at seq_length)."""
+    import dataclasses
+
+    return dataclasses.replace(sample, token_ids=sample.token_ids[:n], hidden=sample.hidden[:n],
+                               loss_mask=sample.loss_mask[:n])
+
+
 def _save_rows(out: Path, rows: dict[str, list]) -> None:
     from datasets import Dataset
 
@@ -183,7 +192,9 @@ def _write(fmt, cap, layout, ledger, drop, stage: Path, prepared, torch, into_pr
     if fmt == "speculators-hidden":
         hs_folder.mkdir(exist_ok=True)
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    index, tokens, unmatched = [], 0, []
+    index, tokens, unmatched, cut = [], 0, [], 0
+    # prepare-data cuts each row at its seq_length (`input_ids[:max_length]`): a cut row is as long as the longest
+    seq_length = max(map(len, prepared), default=0) if prepared is not None else 0
     dropped: dict[str, int] = {}
     for sample in iter_hidden(cap):
         entry = ledger[(sample.prompt_id, sample.turn_index)]
@@ -199,11 +210,14 @@ def _write(fmt, cap, layout, ledger, drop, stage: Path, prepared, torch, into_pr
             idx = len(index)
         else:
             if prepared is not None:
-                slots = prepared.get(tuple(int(t) for t in sample.token_ids))
+                ids = tuple(int(t) for t in sample.token_ids)
+                slots = prepared.get(ids) or (prepared.get(ids[:seq_length]) if len(ids) > seq_length else None)
                 if not slots:
                     unmatched.append(entry["sample_id"])
                     continue
                 idx = slots.pop(0)
+                if len(ids) > seq_length and not prepared.get(ids):  # its row was cut: so are its states
+                    sample, states, cut = _cut(sample, seq_length), states[:seq_length], cut + 1
             else:
                 idx = len(rows["input_ids"])
                 rows["input_ids"].append(sample.token_ids.astype(np.int64).tolist())
@@ -220,6 +234,9 @@ def _write(fmt, cap, layout, ledger, drop, stage: Path, prepared, torch, into_pr
     if unmatched:
         notes.append(f"{len(unmatched)} captured samples have no row in the prepared data (filtered by "
                      f"prepare-data, or another export): {', '.join(unmatched[:5])}")
+    if cut:
+        notes.append(f"{cut} samples matched a row prepare-data cut at {seq_length} tokens: their files hold the "
+                     f"first {seq_length} tokens' states")
     if prepared is not None:
         missing = sum(len(v) for v in prepared.values())
         if missing:

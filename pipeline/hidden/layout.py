@@ -4,8 +4,8 @@ A captured sample is a bf16 matrix [T, K * H]: row t holds K states of width H, 
 prompt + completion was fed (T rows for T tokens). The K states, in order, are `CaptureLayout.states`:
 
 - `aux` (3 of them): the residual stream entering decoder layer i, for i in `aux_layer_ids` (default
-  [2, L//2, L-3]). In transformers' terms `output_hidden_states[i]`; in vLLM's and speculators' terms layer id
-  i ("the input of layer i"); SpecForge names the same physical states [1, L//2-1, L-4] (the output of layer
+  [2, L//2, L-3]; [1, L//2, L-1] at 6 layers or fewer). In transformers' terms `output_hidden_states[i]`; in vLLM's and
+  speculators' terms layer id i ("the input of layer i"); SpecForge names the same physical states [1, L//2-1, L-4] (the output of layer
   i-1, which SGLang captures as the input of layer i). No norm.
 - `final_post_norm`: the last decoder layer's output after the model's final norm: the input of lm_head
   (SpecForge's `hidden_state`, its teacher).
@@ -29,8 +29,11 @@ NORM_OF = {AUX: "none (residual stream entering the layer)", FINAL_POST_NORM: "a
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's default auxiliary layers in vLLM/speculators ids (input of layer i)."""
-    return [2, num_layers // 2, num_layers - 3]
+    """EAGLE-3's default auxiliary layers in vLLM/speculators ids (input of layer i): speculators' [2, L//2, L-3].
+    At 6 layers or fewer that repeats a layer (L=6: [2, 3, 3]), which speculators refuses; such a model then takes
+    [1, L//2, L-1] (distinct for L >= 4; below 4 layers no 3 distinct ids in 1..L-1 exist)."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    return ids if len(set(ids)) == 3 else [1, num_layers // 2, num_layers - 1]
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,13 @@ class CaptureLayout:
     @classmethod
     def build(cls, model: str, num_layers: int, hidden_size: int, aux_layer_ids: list[int] | None = None,
               dtype: str = "bf16") -> "CaptureLayout":
+        if not aux_layer_ids and num_layers < 4:
+            raise ValueError(f"the model has {num_layers} decoder layers, too few for the default aux layers: "
+                             "EAGLE-3 needs 3 distinct aux layer ids in 1..L-1 (set aux_layer_ids, for a model of "
+                             "4 or more layers)")
         aux = list(aux_layer_ids) if aux_layer_ids else default_aux_layers(num_layers)
-        if len(aux) != 3 or any(not 0 < i < num_layers for i in aux):
-            raise ValueError(f"aux_layer_ids {aux}: EAGLE-3 needs 3 layer ids in 1..{num_layers - 1} "
+        if len(aux) != 3 or len(set(aux)) != 3 or any(not 0 < i < num_layers for i in aux):
+            raise ValueError(f"aux_layer_ids {aux}: EAGLE-3 needs 3 distinct layer ids in 1..{num_layers - 1} "
                              f"(the model has {num_layers} decoder layers)")
         states = tuple(State(AUX, i, NORM_OF[AUX]) for i in aux) + (
             State(FINAL_POST_NORM, num_layers, NORM_OF[FINAL_POST_NORM]),

@@ -35,6 +35,7 @@ class TransformersOptions:
     aux_layer_ids: tuple[int, ...] | None = None
     torch_dtype: str = "float32"  # compute dtype; states are stored as bf16 either way
     threads: int | None = None  # torch threads in the actor (None: torch's default)
+    weights_identity: str = "sampled"  # how the weight files are hashed (model_identity)
 
 
 class TransformersRoute:
@@ -50,7 +51,7 @@ class TransformersRoute:
         if opts.threads:
             torch.set_num_threads(opts.threads)
         config = AutoConfig.from_pretrained(opts.model)
-        self.model_identity = model_identity(opts.model, config)
+        self.model_identity = model_identity(opts.model, config, opts.weights_identity)
         text = getattr(config, "text_config", None) or config
         aux = list(opts.aux_layer_ids) if opts.aux_layer_ids else None
         self.layout = CaptureLayout.build(normalised_model(opts.model), int(text.num_hidden_layers),
@@ -99,7 +100,7 @@ def build_route(cfg, owner=None) -> CaptureRoute:
     (vllm_route.RequestOwner): the capture and session that name route vllm's server-side files."""
     if cfg.route == "transformers":
         return TransformersRoute(TransformersOptions(cfg.model, tuple(cfg.aux_layer_ids or ()) or None,
-                                                     cfg.torch_dtype, cfg.torch_threads))
+                                                     cfg.torch_dtype, cfg.torch_threads, cfg.weights_identity))
     from .vllm_route import VllmRoute
 
     return VllmRoute(cfg, owner)
@@ -114,22 +115,92 @@ def normalised_model(model: str) -> str:
     return str(path.resolve()) if path.is_dir() else model
 
 
-def model_identity(model: str, config) -> dict[str, Any]:
-    """What the model is, beyond its name: the config's shape and the weight files' names, sizes and mtimes
-    (replaced weights at the same path are another model; stat only, no read), or the hub revision."""
+IDENTITY_VERSION = 3  # how model_identity's weights digest is made; capture.json records it
+
+
+def model_identity(model: str, config, weights_identity: str = "sampled") -> dict[str, Any]:
+    """What the model is, beyond its name: the config's shape, the weight files' names and sizes and their bytes
+    (`sampled`: an index whole, a safetensors header whole and WINDOWS evenly spaced windows of each file; `full`:
+    every byte), or the hub revision. No mtime: each node's own copy of the same files is the same model."""
     text = getattr(config, "text_config", None) or config
-    ident: dict[str, Any] = {"architectures": list(getattr(config, "architectures", None) or []),
+    ident: dict[str, Any] = {"identity_version": IDENTITY_VERSION, "weights_identity": weights_identity,
+                             "architectures": list(getattr(config, "architectures", None) or []),
                              "model_type": getattr(config, "model_type", None),
                              "num_hidden_layers": int(text.num_hidden_layers), "hidden_size": int(text.hidden_size),
                              "vocab_size": getattr(text, "vocab_size", None)}
     folder = Path(model).expanduser()
     if folder.is_dir():
-        files = sorted(f for f in folder.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
-        listing = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-        ident["weights"] = hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
+        ident["weights"] = _files_digest(folder, _full_bytes if weights_identity == "full" else _sampled_bytes)
     else:
         ident["revision"] = getattr(config, "_commit_hash", None)
     return ident
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted(f for f in folder.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
+
+
+def _files_digest(folder: Path, described) -> str:
+    digest = hashlib.sha256()
+    for f in _weight_files(folder):
+        digest.update(repr([f.name, f.stat().st_size]).encode())
+        described(f, digest)
+    return digest.hexdigest()[:16]
+
+
+def _stat_digest(folder: Path) -> str:
+    """The weights digest of capture.json files without identity_version (regen before the version): the weight
+    files' names, sizes and mtimes."""
+    listing = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in _weight_files(folder)]
+    return hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
+
+
+def legacy_weights_digests(model: str, version: int | None) -> list[str]:
+    """The weights digests an identity of an older `identity_version` (None: unversioned) would have for this
+    folder as it is now: equal to the recorded one means the same untouched folder."""
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        return []
+    ends = _files_digest(folder, _ends_bytes)
+    return {None: [_stat_digest(folder), ends], 2: [ends]}.get(version, [])  # unversioned: mtimes, then ends
+
+
+def _ends_bytes(path: Path, digest) -> None:
+    """identity_version 2 (and unversioned after 340be1f): an index whole, else the first and last SAMPLE_BYTES."""
+    if path.name.endswith(".index.json"):
+        digest.update(path.read_bytes())
+        return
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(SAMPLE_BYTES)
+        f.seek(max(0, size - SAMPLE_BYTES))
+        digest.update(head + f.read(SAMPLE_BYTES))
+
+
+def _sampled_bytes(path: Path, digest) -> None:
+    """An index whole; a safetensors header whole (tensor names, dtypes, shapes, offsets); WINDOWS windows of
+    SAMPLE_BYTES evenly spaced from the file's start to its end (a file smaller than those: whole)."""
+    size = path.stat().st_size
+    if path.name.endswith(".index.json") or size <= WINDOWS * SAMPLE_BYTES:
+        _full_bytes(path, digest)
+        return
+    with path.open("rb") as f:
+        if path.name.endswith(".safetensors"):
+            header = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(min(header, size - 8)))
+        for k in range(WINDOWS):
+            f.seek(k * (size - SAMPLE_BYTES) // (WINDOWS - 1))
+            digest.update(f.read(SAMPLE_BYTES))
+
+
+def _full_bytes(path: Path, digest) -> None:
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+
+
+SAMPLE_BYTES = 1 << 16  # one window of a weight file
+WINDOWS = 16  # windows per file (sampled): 1 MiB read per file, whatever its size
 
 
 def _model_config(model: str):
@@ -156,4 +227,4 @@ def layout_for(cfg) -> CaptureLayout:
 
 def identity_for(cfg) -> dict[str, Any]:
     """The model identity a capture config names (config.json and weight files' stat, no weights loaded)."""
-    return model_identity(cfg.model, _model_config(cfg.model))
+    return model_identity(cfg.model, _model_config(cfg.model), cfg.weights_identity)

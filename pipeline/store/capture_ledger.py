@@ -32,6 +32,15 @@ def record_token_ids(record: dict[str, Any]) -> list[int] | None:
     return list(record["prompt_token_ids"]) + list(record["output_token_ids"])
 
 
+def count_mismatch(rec: dict[str, Any]) -> str:
+    """Why a record's token ids cannot be its own (its counts say other lengths), or "" (a count of 0 or none is
+    a server that reported no usage: nothing to check)."""
+    wrong = [f"{len(rec[ids])} {ids} but {counts} {rec[counts]}"
+             for ids, counts in (("prompt_token_ids", "prompt_tokens"), ("output_token_ids", "completion_tokens"))
+             if rec.get(counts) and rec[counts] != len(rec[ids])]
+    return "; ".join(wrong)
+
+
 def capture_counts(run: RunDir) -> dict[str, Any] | None:
     """Captured samples of the run's committed records (None: no capture started)."""
     cap = capture_run_dir(run)
@@ -44,19 +53,29 @@ def capture_counts(run: RunDir) -> dict[str, Any] | None:
         table = read_columns(parts, ["sample_id", "n_tokens"]).to_pydict()
         captured = set(table["sample_id"])
         tokens = sum(table["n_tokens"])
-    samples = refused = 0
+    samples = refused = mismatched = 0
     for part in RunDir.parts(run.data):
-        cols = part.read_parquet(columns=["prompt_token_ids", "output_token_ids"]).to_pydict()
-        for prompt_ids, output_ids in zip(cols["prompt_token_ids"], cols["output_token_ids"]):
-            if prompt_ids is None or not output_ids:
+        for rec in part.read_parquet(columns=["prompt_token_ids", "output_token_ids", "prompt_tokens",
+                                              "completion_tokens"]).to_pylist():
+            if record_token_ids(rec) is None:
                 refused += 1
+            elif count_mismatch(rec):
+                mismatched += 1
             else:
                 samples += 1
     lock = RunLock(cap)
     live = cap.read_status() or {}
-    state = "running" if lock.is_held() else ("complete" if samples and len(captured) >= samples else "stopped")
+    if lock.is_held():
+        state = "running"
+    elif samples and len(captured) >= samples:
+        state = "complete"
+    else:  # "finished": the last pass ended with prompts it could not capture (retried by the next)
+        state = "finished" if live.get("state") == "finished" else "stopped"
     manifest = cap.read_manifest()
     return {"state": state, "route": manifest.get("route"), "fingerprint": manifest.get("fingerprint"),
             "captured": len(captured), "capturable": samples, "refused_no_token_ids": refused,
+            "refused_count_mismatch": mismatched,
             "tokens": tokens, "ledger_parts": len(parts), "this_session": live.get("this_session", {}),
+            "failed_prompts": live.get("failed_prompts", 0) if state != "complete" else 0,
+            "failed_prompt_ids": live.get("failed_prompt_ids", []) if state != "complete" else [],
             "layers": (manifest.get("layout") or {}).get("states", [])}

@@ -14,13 +14,9 @@ atomic commit is on each); readers never see a torn part.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
-import signal
-import threading
-import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -33,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import schema
-from ..core.errors import PartExists, StorageError
+from ..core.errors import StorageError
 from .lock import RunLock  # the run's lock lives with its directory
 from .storage import TMP_PREFIX, Location, read_columns
 
@@ -231,32 +227,6 @@ def _versions(folder: Location, prefix: str) -> list[Location]:
     return sorted(p for p in folder.iterdir() if p.name.startswith(prefix) and p.name.endswith(".parquet"))
 
 
-@contextlib.contextmanager
-def signals_deferred():
-    """SIGINT and SIGTERM wait until a commit and its settling are over, then reach the handlers they would
-    have reached (a second Ctrl-C then stops at once), so an interrupt never leaves a commit half known. Python
-    runs signal handlers in the main thread only, so that is where they can be held; elsewhere a commit whose
-    outcome is unknown is still resolved by looking."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            if handler is not None:  # None: a handler not installed from Python, which cannot be put back
-                signal.signal(sig, handler)
-        for signum in held:
-            handler = previous[signum]
-            if callable(handler):
-                handler(signum, None)
-            elif handler == signal.SIG_DFL:
-                signal.raise_signal(signum)
-
-
 def now_utc() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -300,114 +270,3 @@ def successor_run_dir(output_dir: str | PathLike[str], run_name: str) -> RunDir:
     while a later one exists (a directory without run.json, left by a start that was killed, counts too)."""
     runs = _numbered_runs(output_dir, run_name)
     return RunDir(Location.at(output_dir) / f"{run_name}-r{max(runs, default=1) + 1}")
-
-
-class Committer:
-    """The single committer: buffers results, drops any prompt already committed or buffered, and
-    commits a part when the buffer is full or old enough. A SIGKILL loses only the buffer."""
-
-    def __init__(self, run_dir: RunDir, done: set[str], flush_records: int, flush_interval_s: float,
-                 records_schema: pa.Schema = schema.RECORDS, lock: RunLock | None = None):
-        """`lock`: the run's lock; a driver that has lost it (a lease taken over or expired) commits nothing."""
-        self.run_dir, self.lock = run_dir, lock
-        self.records_schema = records_schema  # the run's own (schema.records_schema of its run.json)
-        self.done = done  # committed data + terminal failures (unless retried)
-        self.flush_records, self.flush_interval_s = flush_records, flush_interval_s
-        self.records: list[dict[str, Any]] = []
-        self.failures: list[dict[str, Any]] = []
-        self.buffered: set[str] = set()
-        self.dropped_duplicates = 0
-        self.committed = 0
-        self.committed_failures = 0
-        self._oldest = time.monotonic()
-        self.commit_seconds = 0.0  # time spent writing parts (the commit overhead)
-        # kind -> (part, its prompt ids, its rows) of a commit whose outcome is not known yet
-        self._unsettled: dict[str, tuple[Location, frozenset[str], int]] = {}
-
-    def _accept(self, prompt_id: str) -> bool:
-        if prompt_id in self.done or prompt_id in self.buffered:
-            self.dropped_duplicates += 1
-            return False
-        if not self.buffered:
-            self._oldest = time.monotonic()
-        self.buffered.add(prompt_id)
-        return True
-
-    def add_records(self, rows: list[dict[str, Any]]) -> bool:
-        """All rows of one prompt (one per regenerated turn) are committed together, in one part."""
-        if self._accept(rows[0]["prompt_id"]):
-            self.records.extend(rows)
-            return True
-        return False
-
-    def add_failure(self, row: dict[str, Any]) -> bool:
-        if self._accept(row["prompt_id"]):
-            self.failures.append(row)
-            return True
-        return False
-
-    def due(self) -> bool:
-        pending = len(self.buffered)
-        return pending >= self.flush_records or (
-            pending > 0 and time.monotonic() - self._oldest >= self.flush_interval_s
-        )
-
-    def maybe_flush(self) -> None:
-        if self.due():
-            self.flush()
-
-    def flush(self) -> None:
-        """Commit the buffer: records, then failures, each as one part."""
-        started = time.monotonic()
-        try:
-            self._commit("records")
-            self._commit("failures")
-        finally:
-            self.commit_seconds += time.monotonic() - started
-
-    def _commit(self, kind: str) -> None:
-        """Rows leave the buffer only once their part is known to be committed. A commit whose outcome is
-        unknown (an error after the rename, or a second signal in the middle) is remembered and resolved
-        by looking at the store before anything else is written, so a buffer is never committed twice."""
-        folder, part_schema = ((self.run_dir.data, self.records_schema) if kind == "records"
-                               else (self.run_dir.failures, schema.FAILURES))
-        unsettled = self._unsettled.get(kind)
-        if unsettled is not None:
-            path, ids, n_rows = unsettled
-            if committed_part(path, n_rows):  # raises StorageError if it cannot look: still unknown
-                self._settle(kind, ids, n_rows)
-            self._unsettled.pop(kind, None)
-        rows = getattr(self, kind)
-        if not rows:
-            return
-        if self.lock is not None:
-            self.lock.check()  # LeaseLost: another driver may own these prompts now
-        path = self.run_dir.next_part(folder)
-        ids = frozenset(row["prompt_id"] for row in rows)
-        self._unsettled[kind] = (path, ids, len(rows))
-        try:
-            with signals_deferred():
-                self.run_dir.write_part(folder, pa.Table.from_pylist(rows, schema=part_schema), path)
-                self._settle(kind, ids, len(rows))
-                self._unsettled.pop(kind, None)
-        except PartExists:
-            self._unsettled.pop(kind, None)  # that name was never ours: nothing of this buffer was committed
-            raise
-        except StorageError as exc:
-            # before the publish, certainly nothing was committed; after it, look (if looking fails too,
-            # the commit stays unsettled and the next flush looks again)
-            if exc.maybe_committed and committed_part(path, len(rows)):
-                self._settle(kind, ids, len(rows))
-            self._unsettled.pop(kind, None)
-            raise
-
-    def _settle(self, kind: str, ids: frozenset[str], n_rows: int) -> None:
-        """Idempotent, so that a settle interrupted by a signal can simply be done again."""
-        if not ids <= self.done:
-            if kind == "records":
-                self.committed += n_rows
-            else:
-                self.committed_failures += n_rows
-        self.done |= ids
-        self.buffered -= ids
-        setattr(self, kind, [row for row in getattr(self, kind) if row["prompt_id"] not in ids])

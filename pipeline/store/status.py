@@ -73,8 +73,12 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
     cap = report["capture"]
     if cap:
         print(f"  capture ({cap['route']}, {cap['fingerprint']}): {cap['state']}; {cap['captured']} of "
-              f"{cap['capturable']} samples captured ({cap['tokens']} tokens); {cap['refused_no_token_ids']} "
-              f"records refused without token ids")
+              f"{cap['capturable']} samples captured ({cap['tokens']} tokens); {cap['failed_prompts']} prompts "
+              f"failed; records refused: {cap['refused_no_token_ids']} without token ids, "
+              f"{cap['refused_count_mismatch']} whose ids disagree with their counts")
+        if cap["failed_prompt_ids"]:
+            print(f"  capture failed prompts (tried again by the next run): {', '.join(cap['failed_prompt_ids'][:10])}"
+                  + (" ..." if len(cap["failed_prompt_ids"]) > 10 else ""))
     for label, stats in report["endpoints"].items():
         print(f"  {label:<28} {stats.get('state', '?'):<8} on {stats.get('node', '?'):<15} "
               f"in flight {stats.get('in_flight', 0):>4}  "

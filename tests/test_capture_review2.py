@@ -1,0 +1,148 @@
+"""Review 2 of the capture stage: an older capture.json's identity upgraded in place, a prompt that always gets a
+Retryable, the sampled / full weights identity, request owners unique to the run, and the low items."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from pipeline.capture import open_capture
+from pipeline.core.capture_config import load_capture_config
+from pipeline.core.errors import DriftError
+from pipeline.hidden.layout import CaptureLayout, capture_fingerprint
+from pipeline.store.capture_ledger import capture_run_dir
+from tests.smollm2_run import make_smollm2_run, smollm2_records
+from tests.test_capture_fixes import capture_in_process, config_file, new_capture, tiny_llama, tok  # noqa: F401
+
+pytestmark = pytest.mark.torch
+
+
+def as_unversioned_capture(run, model: Path) -> dict:
+    """Rewrite capture.json as regen before the identity version wrote it: weights = sha256 of the sorted
+    [name, size, mtime_ns] listing of the weight files, no identity_version, the fingerprint over that identity."""
+    cap = capture_run_dir(run)
+    manifest = cap.read_manifest()
+    files = sorted(f for f in model.iterdir() if f.name.endswith((".safetensors", ".safetensors.index.json")))
+    listing = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    ident = {k: v for k, v in manifest["model_identity"].items() if k not in ("identity_version", "weights_identity")}
+    ident["weights"] = hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
+    layout = CaptureLayout.from_dict(manifest["layout"])
+    old = {**manifest, "model_identity": ident,
+           "fingerprint": capture_fingerprint(manifest["route"], layout, ident, manifest["compute_dtype"])}
+    cap.write_manifest(old)
+    return old
+
+
+# --- 1: a capture.json of the older identity form resumes on the same untouched folder -----------------------------
+def test_an_unversioned_capture_on_the_same_folder_is_upgraded_and_resumes(tmp_path, tok, caplog):
+    model = tiny_llama(tmp_path / "model")
+    records = smollm2_records(tok)[:2]
+    run = make_smollm2_run(tmp_path / "run", [records])
+    cfg = load_capture_config(config_file(tmp_path, model))
+    new_capture(run, cfg)
+    old = as_unversioned_capture(run, model)
+    caplog.set_level("INFO", logger="regen")
+    _, manifest = open_capture(run, cfg)
+    on_disk = capture_run_dir(run).read_manifest()
+    assert on_disk == manifest and on_disk["fingerprint"] != old["fingerprint"]
+    assert "identity_version" in on_disk["model_identity"] and "upgraded" in caplog.text
+    capture_in_process(run, cfg, records[:1], expected=manifest)  # the actor's check agrees with the upgrade
+    open_capture(run, cfg)  # and the next start is a plain resume
+
+
+def test_an_unversioned_capture_whose_folder_was_touched_is_drift(tmp_path, tok):
+    model = tiny_llama(tmp_path / "model")
+    run = make_smollm2_run(tmp_path / "run", [smollm2_records(tok)[:1]])
+    cfg = load_capture_config(config_file(tmp_path, model))
+    new_capture(run, cfg)
+    old = as_unversioned_capture(run, model)
+    for f in model.iterdir():
+        os.utime(f, ns=(10**18, 10**18))  # the older form cannot tell a re-save from a copy: drift, as it was
+    with pytest.raises(DriftError, match="model_identity.weights"):
+        open_capture(run, cfg)
+    assert capture_run_dir(run).read_manifest() == old  # left as it was
+
+
+# --- 3: weights changed in the middle of a file -------------------------------------------------------------------
+def identity(model, mode="sampled"):
+    from transformers import AutoConfig
+
+    from pipeline.hidden.routes import model_identity
+
+    return model_identity(str(model), AutoConfig.from_pretrained(model), mode)
+
+
+def flipped_copy(model: Path, dest: Path, offset: int) -> Path:
+    """The model with one byte of its safetensors file inverted at `offset` (same size, same header)."""
+    import shutil
+
+    shutil.copytree(model, dest)
+    with (dest / "model.safetensors").open("r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return dest
+
+
+def test_a_middle_of_file_change_is_drift_under_full_and_under_sampled_when_it_falls_in_a_window(tmp_path, tok):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from pipeline.hidden.routes import SAMPLE_BYTES, WINDOWS
+
+    model = tiny_llama(tmp_path / "model")
+    size = (model / "model.safetensors").stat().st_size
+    assert size > WINDOWS * SAMPLE_BYTES  # sampled, not read whole
+    window = 8 * (size - SAMPLE_BYTES) // (WINDOWS - 1)  # the start of a window in the middle of the file
+    in_window = flipped_copy(model, tmp_path / "in", window + 100)
+    between = flipped_copy(model, tmp_path / "between", window + SAMPLE_BYTES + 100)
+    assert identity(in_window)["weights"] != identity(model)["weights"]
+    assert identity(between) == identity(model)  # what `sampled` misses (README): a change between its windows
+    assert identity(between, "full")["weights"] != identity(model, "full")["weights"]
+
+    # the review's fine-tune: one decoder layer's down_proj scaled by -3, same shapes and header
+    tuned = LlamaForCausalLM.from_pretrained(model)
+    with torch.no_grad():
+        tuned.model.layers[3].mlp.down_proj.weight.mul_(-3.0)
+    run = make_smollm2_run(tmp_path / "run", [smollm2_records(tok)[:1]])
+    cfg = load_capture_config(config_file(tmp_path, model, weights_identity="full"))
+    new_capture(run, cfg)
+    tuned.save_pretrained(model)
+    with pytest.raises(DriftError, match="model_identity.weights"):
+        open_capture(run, cfg)
+    with pytest.raises(DriftError, match="model_identity.weights_identity: 'full' -> 'sampled'"):
+        open_capture(run, load_capture_config(config_file(tmp_path, model)))
+
+
+# --- 5: `regen status` text shows the capture's failed prompts and both refusals -----------------------------------
+def test_status_text_shows_failed_prompts_and_count_mismatched_refusals(tmp_path, tok, capsys):
+    from pipeline.store.status import print_status
+
+    model = tiny_llama(tmp_path / "model")
+    records = smollm2_records(tok)[:3]
+    records[1]["completion_tokens"] = 999  # its ids disagree with its own count: refused
+    run = make_smollm2_run(tmp_path / "run", [records])
+    new_capture(run, load_capture_config(config_file(tmp_path, model)))
+    capture_run_dir(run).write_status({"state": "finished", "failed_prompts": 1, "failed_prompt_ids": ["p2"]})
+    assert print_status(run.path) == 0
+    text = capsys.readouterr().out
+    assert "capture (transformers" in text and "finished; 0 of 2 samples captured" in text
+    assert "1 prompts failed" in text and "1 whose ids disagree with their counts" in text and "p2" in text
+
+
+# --- 9: a model too small for the default aux layers (the empty hidden_states section: test_run_identity.py) ---
+def test_a_model_too_small_for_the_default_aux_layers_is_told_to_set_them(tmp_path):
+    from pipeline.core.errors import ConfigError
+    from pipeline.hidden.routes import layout_for
+
+    model = tiny_llama(tmp_path / "model", layers=3)
+    with pytest.raises(ConfigError) as refused:
+        layout_for(load_capture_config(config_file(tmp_path, model)))
+    message = str(refused.value)
+    assert "3 decoder layers" in message and "set aux_layer_ids" in message and "[2, 1, 0]" not in message
