@@ -29,7 +29,7 @@ from pipeline.emulator.model import expected_chat
 from pipeline.endpoints.client import ClientSettings, EndpointClient
 from pipeline.endpoints.preflight import preflight
 from pipeline.hidden.parts import HiddenPartWriter, hidden_parts, read_sample
-from pipeline.store import storage
+from pipeline.store import seam, storage
 from pipeline.store.faults import Faults
 from pipeline.store.committer import Committer
 from pipeline.store.rundir import RunDir, now_utc
@@ -172,7 +172,7 @@ def record(pid: str) -> dict:
 def fail_folder_fsync_once(monkeypatch, error: BaseException) -> None:
     """The folder fsync comes right after the rename: a failure there leaves the part committed."""
     fault = "EIO" if isinstance(error, OSError) else "interrupt"
-    monkeypatch.setattr(storage, "_armed", Faults(1, fault, ops=frozenset({"fsync_dir"})))
+    monkeypatch.setattr(seam, "_armed", Faults(1, fault, ops=frozenset({"fsync_dir"})))
 
 
 def committed_rows(run: RunDir) -> list[str]:
@@ -203,11 +203,11 @@ def test_a_flush_failing_before_its_rename_commits_nothing_and_retries(tmp_path,
     run.create()
     committer = Committer(run, done=set(), flush_records=100, flush_interval_s=60)
     committer.add_records([record("a")])
-    monkeypatch.setattr(storage, "_armed", Faults(1, "ENOSPC", ops=frozenset({"write"})))
+    monkeypatch.setattr(seam, "_armed", Faults(1, "ENOSPC", ops=frozenset({"write"})))
     with pytest.raises(StorageError, match="no space left"):
         committer.flush()
     assert committed_rows(run) == [] and len(committer.records) == 1
-    monkeypatch.setattr(storage, "_armed", None)
+    monkeypatch.setattr(seam, "_armed", None)
     committer.flush()
     assert committed_rows(run) == ["a"] and committer.records == []
 

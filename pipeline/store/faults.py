@@ -1,4 +1,4 @@
-"""Test-only fault plans for the storage seam (`storage._io`), enumerated the way SQLite tests its I/O errors:
+"""Test-only fault plans for the storage seam (`seam.io_seam`), enumerated the way SQLite tests its I/O errors:
 run an operation once per I/O call in it, faulting the N-th call, N = 1, 2, ... until a run sees no fault.
 
 An I/O call is one storage primitive (`OPS`). A plan counts the calls it selects (`ops`, a `where`

@@ -14,7 +14,7 @@ What an atomic commit is on each backend (invariant 4: the ledger is the set of 
 A failure at or after the rename, link or copy leaves the outcome unknown (the file may be committed):
 `StorageError.maybe_committed` says so, and the caller looks (rundir.committed_part).
 
-Every primitive passes one seam, `_io(op, path)`, which a test arms (faults.py); Parquet is written through a
+Every primitive passes one seam, `_io(op, path)` (seam.py), which a test arms (faults.py); Parquet is written through a
 Python sink so that its writes pass it too. Errors other than a missing file are StorageErrors naming the
 file and the reason. Credentials never appear in a URI (it is written to run.json and the logs): pyarrow
 reads them from the environment or the instance's role, as the AWS and Google SDKs do.
@@ -37,27 +37,13 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ..core.errors import ConfigError, PartExists, StorageError
+from ..core.errors import ConfigError, PartExists
 from ..core.uri import check_uri
-from .faults import FAULT_ENV, Faults
+from .seam import arm, storage_error  # noqa: F401 (arm: the tests' switch of the seam)
+from .seam import io_seam as _io, storage_errors as _errors
 
 TMP_PREFIX = ".tmp-"
 WRITE_CHUNK = 1 << 20  # the sink hands the Parquet writer's many small writes to the store in chunks this big
-
-_armed: Faults | None = Faults.from_env(os.environ.get(FAULT_ENV))
-
-
-def arm(plan: Faults | None) -> Faults | None:
-    """Test-only: make `plan` the seam's fault plan (None disarms). Returns the plan it replaces."""
-    global _armed
-    previous, _armed = _armed, plan
-    return previous
-
-
-def _io(op: str, path: str) -> bool:
-    """The seam every storage primitive passes first. True: make this write a short one."""
-    return _armed is not None and _armed.hit(op, path)
-
 
 @functools.lru_cache(maxsize=None)
 def _filesystem(scheme: str, netloc: str, query: str) -> pafs.FileSystem:
@@ -406,23 +392,3 @@ def take_os_lock(where: Location, create: bool = True) -> int | None:
         except BaseException:
             os.close(fd)
             raise
-
-
-@contextlib.contextmanager
-def _errors(doing: str, where: object) -> Iterator[None]:
-    """OSError -> StorageError naming the file and the reason; a missing file stays FileNotFoundError."""
-    try:
-        yield
-    except (FileNotFoundError, FileExistsError):
-        raise
-    except OSError as exc:
-        raise storage_error(exc, where, doing=doing) from exc
-
-
-def storage_error(exc: OSError, where: object, maybe_committed: bool = False, doing: str = "write") -> StorageError:
-    reason = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only filesystem"}.get(
-        exc.errno, os.strerror(exc.errno) if exc.errno else str(exc)
-    )
-    error = StorageError(f"cannot {doing} {where}: {reason}. Nothing committed was lost; fix it and rerun to resume.")
-    error.maybe_committed = maybe_committed
-    return error
