@@ -98,15 +98,15 @@ def upgraded_identity(cap: CaptureDir, before: dict[str, Any], cfg: CaptureConfi
     same untouched model, so its identity is rewritten in the current form (atomically, logged). Otherwise as it is."""
     old = before.get("model_identity") or {}
     version = old.get("identity_version")
-    if version == identity.get("identity_version") or "weights" not in old:
+    if version == identity.get("identity_version"):
         return before
     how = ("weights", "identity_version", "weights_identity")
     if {k: v for k, v in old.items() if k not in how} != {k: v for k, v in identity.items() if k not in how}:
         return before  # more than the digest differs: drift, named as it is
     if before.get("fingerprint") != capture_fingerprint(cfg.route, layout, old, compute_dtype):
         return before  # the route, layout or dtype differ too: drift
-    if old["weights"] not in legacy_weights_digests(cfg.model, version):
-        return before
+    if "weights" in old and old["weights"] not in legacy_weights_digests(cfg.model, version):
+        return before  # a hub model has no digest: its revision, compared above, is its identity
     upgraded = {**before, "model_identity": identity,
                 "fingerprint": capture_fingerprint(cfg.route, layout, identity, compute_dtype),
                 "upgraded_from": {"identity_version": version, "fingerprint": before.get("fingerprint")}}

@@ -44,12 +44,13 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group("real-vllm" if module in REAL_VLLM_MODULES else module))
 
 
-def pytest_collection_finish(session):
-    """Refuse to run when xdist's loadgroup did not group (pytest 9 with xdist 3.8): each module fixture, the
-    vLLM fleets included, would start on every worker."""
-    if session.config.getoption("loadgroup", False) and session.items and "@" not in session.items[0].nodeid:
-        raise pytest.UsageError("pytest-xdist --dist loadgroup did not group the tests (pytest 9 with xdist 3.8?): "
-                                "install the dev extra's pins (pip install -e '.[dev]')")
+def pytest_configure(config):
+    """Refuse, on the controller (a worker's error would show only as an INTERNALERROR), a loadgroup run under
+    pytest 9: xdist 3.8 cannot set its item ids there, so every module would be split across the workers and its
+    fixtures, the vLLM fleets included, started on each."""
+    if config.getoption("dist", "no") == "loadgroup" and int(pytest.__version__.split(".")[0]) >= 9:
+        raise pytest.UsageError(f"pytest {pytest.__version__}: pytest-xdist's --dist loadgroup does not group under "
+                                "pytest 9; install the dev extra's pins (pip install -e '.[dev]': pytest < 9)")
 
 
 @pytest.fixture(scope="session")

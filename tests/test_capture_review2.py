@@ -146,3 +146,28 @@ def test_a_model_too_small_for_the_default_aux_layers_is_told_to_set_them(tmp_pa
         layout_for(load_capture_config(config_file(tmp_path, model)))
     message = str(refused.value)
     assert "3 decoder layers" in message and "set aux_layer_ids" in message and "[2, 1, 0]" not in message
+
+
+def test_an_unversioned_capture_of_a_hub_model_is_upgraded_by_its_revision(tmp_path):
+    """A hub model's identity is its revision (no weight digest): an older capture.json of the same revision
+    resumes, upgraded; another revision stays drift."""
+    import types
+
+    from pipeline.capture import upgraded_identity
+    from pipeline.hidden.routes import model_identity
+    from pipeline.store.capture_ledger import CaptureDir
+
+    hub = "HuggingFaceTB/SmolLM2-135M"
+    config = types.SimpleNamespace(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=30,
+                                   hidden_size=576, vocab_size=49152, _commit_hash="abc123")
+    layout = CaptureLayout.build(hub, 30, 576, None)
+    now = model_identity(hub, config)
+    cfg = types.SimpleNamespace(model=hub, route="transformers")
+    cap = CaptureDir(tmp_path / "capture")
+    cap.create()
+    for revision, upgraded in (("abc123", True), ("other", False)):
+        old = {k: v for k, v in now.items() if k not in ("identity_version", "weights_identity")}
+        old["revision"] = revision
+        before = {"fingerprint": capture_fingerprint("transformers", layout, old, "float32"), "model_identity": old}
+        after = upgraded_identity(cap, before, cfg, layout, now, "float32")
+        assert (after["fingerprint"] == capture_fingerprint("transformers", layout, now, "float32")) is upgraded

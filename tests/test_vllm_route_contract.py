@@ -192,3 +192,40 @@ def test_malformed_regen_metadata_is_a_contract_error_naming_the_server(server, 
     with pytest.raises(ContractError, match="regen_server metadata is not a JSON object") as refused:
         route_for(server, model).capture(IDS)
     assert server.url in str(refused.value)
+
+
+def test_a_chunk_in_flight_charges_each_sample_its_share_and_a_fatal_error_wins(tmp_path):
+    """The worker sends `vllm.concurrency` samples at once through `capture_many`: the ledger's capture_s sums to
+    the route's real time (route_tok_s is right), and a ContractError anywhere in the chunk stops the pass before a
+    sample failure earlier in it is charged to its prompt."""
+    import time
+    from types import SimpleNamespace
+
+    from pipeline.core.errors import ContractError
+    from pipeline.dispatch.capture_worker import CaptureWorker, Sample
+    from pipeline.hidden.layout import CaptureLayout
+
+    class InFlight:  # route vllm's surface: every request of the chunk in flight together
+        def __init__(self, errors=None):
+            self.opts = SimpleNamespace(concurrency=8)
+            self.layout = CaptureLayout.build("m", 8, 4, None)
+            self.errors = errors or {}
+
+        def capture_many(self, many):
+            time.sleep(0.4)
+            return [self.errors.get(ids[0]) or np.zeros((len(ids), len(self.layout.states), 4), np.float32)
+                    for ids in many]
+
+    def worker(route):
+        w = CaptureWorker(SimpleNamespace(route="vllm"), str(tmp_path / f"cap{id(route)}"), "t", "fp", owner_key="k")
+        w.route = route
+        return w
+
+    prompts = [[Sample(f"p{i}", 0, f"s{i}", [i, 1, 2], 2, "stop")] for i in range(8)]
+    started = time.perf_counter()
+    rows = worker(InFlight()).capture(prompts)
+    wall = time.perf_counter() - started
+    assert sum(r[0]["capture_s"] for r in rows) <= wall  # not 8 x the chunk's time
+    route = InFlight({0: CaptureSampleError("bad ids"), 1: ContractError("now serves another model", endpoint="u")})
+    with pytest.raises(ContractError):
+        worker(route).capture(prompts[:2])

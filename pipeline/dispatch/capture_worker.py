@@ -109,13 +109,16 @@ class CaptureWorker:
         for start in range(0, len(flat), in_flight):  # a chunk at a time: its states are all held until stored
             chunk = flat[start:start + in_flight]
             started = time.perf_counter()
-            for s, states in zip(chunk, self._route_states(chunk)):
-                if isinstance(states, ROUTE_FATAL):
-                    raise states  # the route cannot work at all (or the server is down): the pool decides, by class
+            results = self._route_states(chunk)
+            in_flight_s = (time.perf_counter() - started) / len(chunk)  # each sample's share of the chunk's time
+            fatal = next((r for r in results if isinstance(r, ROUTE_FATAL)), None)
+            if fatal is not None:
+                raise fatal  # the route cannot work at all (or the server is down): the pool decides, by class
+            for s, states in zip(chunk, results):
                 if isinstance(states, BaseException):  # this sample's failure: named, so the pool can fail it alone
                     raise CaptureSampleError(f"prompt {s.prompt_id} (sample {s.sample_id}): "
                                              f"{type(states).__name__}: {states}") from states
-                timings[s.sample_id] = time.perf_counter() - started
+                timings[s.sample_id] = in_flight_s
                 self._check_shape(s, states)
                 bits, _ = f32_to_bf16(np.ascontiguousarray(states, dtype=np.float32).reshape(len(s.token_ids), -1))
                 writer.add(s.prompt_id, s.turn_index, s.token_ids, s.n_prompt, bits)
