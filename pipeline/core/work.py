@@ -33,6 +33,9 @@ class Completion:
     deterministic: bool | None = None  # the server runs --enable-deterministic-inference (None: unknown)
     engine: str | None = None  # the endpoint's engine as the preflight identified it (sglang, vllm, llamacpp)
     engine_version: str | None = None
+    # The target's tool calls as OpenAI objects ({"id", "type": "function", "function": {"name", "arguments"}},
+    # `arguments` a JSON string); None: the answer called no tool.
+    tool_calls: list[dict] | None = None
 
 @dataclass(frozen=True)
 class WorkItem:
@@ -40,6 +43,7 @@ class WorkItem:
     messages_json: bytes  # orjson of the conversation; decoded only by the endpoint worker
     seed: int | None
     affinity: int = 0  # prefix-affinity key (affinity_key; dispatch/routing.py); 0: none
+    tools_json: bytes | None = None  # canonical JSON of the prompt's OpenAI `tools` list; None: the prompt has none
 
 
 # What became of one work item at one endpoint. DROPPED: the connection was lost mid-request (counted per prompt).
@@ -56,6 +60,9 @@ class Outcome:
     completions: list[Completion] = field(default_factory=list)  # one per regenerated turn
     message: str = ""
     status: int | None = None
+    # all_turns with tools: why the conversation ended before the source's last step (e.g. the target called
+    # another tool than the cached result answers), and at which step; None: it ran to its end.
+    conversation_end: str | None = None
 
 
 @dataclass

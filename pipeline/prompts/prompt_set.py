@@ -47,6 +47,7 @@ class Prompt:
     reference: str | None  # the source's original final assistant turn, if it had one
     origin: str  # where the first occurrence came from
     source_ref: str | None = None
+    tools: tuple[dict[str, Any], ...] | None = None  # the OpenAI `tools` list the prompt is sent with; None: none
 
 
 class PromptSink(Protocol):
