@@ -6,9 +6,8 @@ import os
 import signal
 import sys
 
-from .core.errors import ConfigError, DriftError, RegenError, RunLocked
-
-EXIT_CODES = {ConfigError: 2, DriftError: 3, RunLocked: 4}
+from .core import exits
+from .core.errors import RegenError
 
 
 def _interrupt(_signum: int, _frame: object) -> None:
@@ -193,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except RegenError as exc:
         print(f"regen: error: {exc}", file=sys.stderr)
-        return next((code for cls, code in EXIT_CODES.items() if isinstance(exc, cls)), 1)
+        return exits.for_error(exc)
     except KeyboardInterrupt:
         print("regen: interrupted", file=sys.stderr)
-        return 130
+        return exits.INTERRUPTED.code

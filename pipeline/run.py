@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from . import __version__
 from .store import schema
+from .core import exits
 from .core.config import RunConfig, load_config
 from .core.errors import DriftError, LeaseLost, StorageError
 from .core.identity import IDENTITY_VERSION, StoredRecords, check_identity, resumed_manifest
@@ -31,7 +32,7 @@ from .core.work import DONE, Outcome
 
 log = logging.getLogger("regen")
 
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = exits.INTERRUPTED.code
 
 
 @dataclass
