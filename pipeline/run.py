@@ -27,6 +27,7 @@ from .store.committer import Committer
 from .store.rundir import RunDir, RunLock, now_utc, resolve_run_dir, successor_run_dir
 from .dispatch.cluster import EndpointsFileWatch, init_ray
 from .dispatch.fleet import FleetDrift, FleetFacts, check_fleet_first, fleet_preflight
+from .store.prompt_reader import PendingPrompt, PromptSetReader
 from .store.records import RecordBuilder, stored_records
 from .core.work import DONE, Outcome
 
@@ -51,10 +52,12 @@ def build_prompts(cfg: RunConfig) -> PromptSet:
     return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed, length_check=check)
 
 
-def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool, staged: StagedPromptSet | None = None) -> pa.Table:
+def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool,
+                staged: StagedPromptSet | None = None) -> PromptSetReader:
     """The prompt set is read from the sources once; a resume uses the stored copy. The sources are read into
-    a staged set first (`staged`: already read), so a source that fails writes nothing into the run."""
-    existing = run_dir.load_prompt_set()
+    a staged set first (`staged`: already read), so a source that fails writes nothing into the run. Returns the
+    version this run reads, pinned, never loaded whole (store/prompt_reader.py)."""
+    existing = run_dir.prompt_set_reader()
     if existing is not None and not refresh:
         if staged is not None:
             staged.discard()
@@ -68,12 +71,12 @@ def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool, staged: StagedPr
     if report["duplicates"]:
         log.info("%d duplicate prompts collapsed", report["duplicates"])
     staged.commit(run_dir)
-    prompts = run_dir.load_prompt_set()
+    prompts = run_dir.prompt_set_reader()
     # recorded once the set is committed: a kill before this leaves the old identity, refused as drift
     run_dir.write_manifest({**run_dir.read_manifest(), "prompts": cfg.prompt_identity(),
                             "source_files": staged.files, "prompt_report": report})
     if existing is not None:
-        old, new = set(existing.column("prompt_id").to_pylist()), set(prompts.column("prompt_id").to_pylist())
+        old, new = existing.ids(), prompts.ids()
         vanished = old - new
         log.warning("prompt set refreshed: %d added, %d vanished from the sources (their records are kept)",
                     len(new - old), len(vanished))
@@ -235,21 +238,22 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: St
 
 
 def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any],
-                     prompts: pa.Table, stop: StopFlag, lock: RunLock | None = None) -> int:
+                     prompts: PromptSetReader, stop: StopFlag, lock: RunLock | None = None) -> int:
     from .endpoints.localfleet import local_fleet
     from .store.progress import Progress
 
-    all_ids = prompts.column("prompt_id").to_pylist()
     committed = run_dir.committed_ids()
     failed = run_dir.failed_ids() - committed
     done = committed | (set() if opts.retry_failures else failed)
-    pending = [pid for pid in all_ids if pid not in done]
-    rejects = run_dir.rejects_table()
+    # a few bytes per pending prompt (its id, row and routing key); messages are read as work is handed out
+    scan = prompts.pending(committed, failed, not opts.retry_failures, cfg.prefix_affinity_chars)
+    pending = scan.pending
+    rejects = run_dir.rejects_count()
 
     def progress() -> Progress:
-        return Progress(run_dir, total=len(all_ids), already_done=len(committed & set(all_ids)),
-                        failed_before=0 if opts.retry_failures else len(failed & set(all_ids)),
-                        rejects=0 if rejects is None else rejects.num_rows, status_interval_s=cfg.status_interval_s)
+        return Progress(run_dir, total=scan.total, already_done=scan.done,
+                        failed_before=0 if opts.retry_failures else scan.failed,
+                        rejects=rejects, status_interval_s=cfg.status_interval_s)
 
     # --new-run also looks at the weights a complete run is pinned to: other weights make a successor
     if not pending and not (opts.new_run and manifest.get("weight_version") is not None):
@@ -258,7 +262,7 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
         fleet = fleet_preflight(cfg, run_dir)
         if not pending:
             return report_complete(run_dir, progress())
-        log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed),
+        log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), scan.total, len(committed),
                  len(failed))
         run_progress = progress()
         builder = RecordBuilder(prompts, cfg, fingerprint=manifest.get("fingerprint"))
@@ -307,7 +311,7 @@ def salvage(committer: Committer, progress, state: str) -> None:
 
 
 
-def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,
+def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[PendingPrompt], committer: Committer,
                  progress, stop: StopFlag, fleet: "FleetFacts") -> str:
     from .dispatch.dispatcher import Dispatcher, client_settings, make_actor_factory
 
@@ -336,11 +340,11 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
         committer.maybe_flush()
         progress.tick(endpoints)
 
-    dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
+    dispatcher = Dispatcher(cfg, pending, on_outcome, on_tick, stop,
                             make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines, fleet.run_engines),
                                                cfg.api_key),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
-                            unreachable=fleet.unreachable)
+                            unreachable=fleet.unreachable, load=builder.work_items)
     try:
         dispatcher.run()
     finally:

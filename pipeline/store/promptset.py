@@ -17,12 +17,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..core.config import RunConfig
+from ..core.work import affinity_key
 from ..prompts.errors import SourceError
 from ..prompts.fileid import FilesCheck, compare_files, file_identity
 from ..prompts.prompt_set import BuildResult, Prompt, Reject, build_into
 from ..prompts.sources import SourceSpec, load_source_spec
 from ..prompts.tokens import load_length_check
 from . import schema
+from .prompt_reader import route_schema
 from .rundir import RunDir
 
 log = logging.getLogger("regen")
@@ -59,10 +61,12 @@ class _BatchedWriter:
 class StagedPromptSet:
     """A PromptSink writing the prompts and rejects to temporary files; `commit` puts them in a run directory."""
 
-    def __init__(self) -> None:
+    def __init__(self, affinity_chars: int = 0) -> None:
+        """`affinity_chars`: the prefix length each prompt's routing key (`route_key`) is computed for."""
         self._tmp = tempfile.TemporaryDirectory(prefix="regen-prompts-")
         folder = Path(self._tmp.name)
-        self.prompts = _BatchedWriter(folder / "prompts.parquet", schema.PROMPTS)
+        self.affinity_chars = affinity_chars
+        self.prompts = _BatchedWriter(folder / "prompts.parquet", route_schema(schema.PROMPTS, affinity_chars))
         self.rejects = _BatchedWriter(folder / "rejects.parquet", schema.REJECTS)
         self.closed = False
         self.result: BuildResult | None = None
@@ -71,7 +75,8 @@ class StagedPromptSet:
     def add_prompt(self, p: Prompt) -> None:
         chars = sum(len(m["content"]) for m in p.messages) + len(p.reference or "")
         self.prompts.add({"prompt_id": p.prompt_id, "source": p.source, "origin": p.origin,
-                          "source_ref": p.source_ref, "messages": list(p.messages), "reference": p.reference}, chars)
+                          "source_ref": p.source_ref, "messages": list(p.messages), "reference": p.reference,
+                          "route_key": affinity_key(p.messages, self.affinity_chars)}, chars)
 
     def add_reject(self, r: Reject) -> None:
         self.rejects.add({"source": r.source, "origin": r.origin, "reason": r.reason, "raw": r.raw,
@@ -115,7 +120,7 @@ def stage_prompt_set(cfg: RunConfig) -> StagedPromptSet:
     """Read every source into a staged set (raises SourceError, TruncatedSource or NoValidPrompts, having
     written nothing anywhere but its own temporary folder)."""
     specs = source_specs(cfg)
-    staged = StagedPromptSet()
+    staged = StagedPromptSet(cfg.prefix_affinity_chars)
     try:
         staged.files = file_identity({key: spec for key, (spec, _) in specs.items()})
         check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer or cfg.model)

@@ -4,50 +4,52 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..core.config import RunConfig
 from ..core.identity import StoredRecords
-from ..core.work import Outcome, WorkItem, affinity_key
+from ..core.work import Outcome, WorkItem
 from ..prompts.conversation import histories, seed_for
+from .prompt_reader import PendingPrompt, PromptRow, PromptSetReader
 from .quality import quality_flags
 from .rundir import RunDir, now_utc
 
 
 class RecordBuilder:
-    """Turns an outcome into data rows (one per regenerated turn) or a failure row. The prompt set stays
-    an Arrow table: a prompt's messages become Python objects only when it is sent or recorded."""
+    """Turns an outcome into data rows (one per regenerated turn) or a failure row. It holds no prompt set: a
+    prompt's row is read when it is handed out (`work_items`) and kept, in `in_flight`, until its record is built."""
 
-    def __init__(self, prompts: pa.Table, cfg: RunConfig, fingerprint: str | None = None):
-        """`fingerprint`: the run's, from its run.json (a run keeps the one it was created with)."""
-        self.index = {pid: i for i, pid in enumerate(prompts.column("prompt_id").to_pylist())}
-        self.sources = prompts.column("source").to_pylist()
-        self.references = prompts.column("reference").to_pylist()
-        self.messages = prompts.column("messages").combine_chunks()
+    def __init__(self, reader: PromptSetReader | None, cfg: RunConfig, fingerprint: str | None = None):
+        """`reader`: the run's pinned prompt set; `fingerprint`: the run's, from its run.json (a run keeps the one
+        it was created with)."""
+        self.reader = reader
+        self.in_flight: dict[str, PromptRow] = {}  # handed out, no final outcome yet
         self.fingerprint = fingerprint or cfg.fingerprint()
         self.temperature, self.mode = cfg.sampling.temperature, cfg.mode
         self.max_tokens = cfg.sampling.max_tokens
-        self.affinity_chars = cfg.prefix_affinity_chars
 
-    def messages_of(self, i: int) -> list[dict[str, str]]:
-        return self.messages[i].as_py()
+    def work_items(self, batch: list[PendingPrompt | WorkItem]) -> list[WorkItem]:
+        """The dispatcher's `load`: pending prompts become work items, their rows read from the prompt set in one
+        pass over their row groups; a work item (a retry, already read) passes through."""
+        pending = [item for item in batch if isinstance(item, PendingPrompt)]
+        rows = iter(self.reader.rows(pending)) if pending else iter(())
+        return [self.work_item(next(rows)) if isinstance(item, PendingPrompt) else item for item in batch]
 
-    def work_item(self, prompt_id: str) -> WorkItem:
-        messages = self.messages_of(self.index[prompt_id])
-        return WorkItem(prompt_id, orjson.dumps(messages), seed_for(prompt_id, self.temperature),
-                        affinity_key(messages, self.affinity_chars))
+    def work_item(self, row: PromptRow) -> WorkItem:
+        self.in_flight[row.prompt_id] = row
+        return WorkItem(row.prompt_id, orjson.dumps(row.messages), seed_for(row.prompt_id, self.temperature),
+                        row.affinity)
 
     def records(self, outcome: Outcome, attempts: int) -> list[dict[str, Any]]:
-        i = self.index[outcome.prompt_id]
-        sent = histories(self.mode, self.messages_of(i), [c.content for c in outcome.completions])
+        row = self.in_flight.pop(outcome.prompt_id)
+        sent = histories(self.mode, row.messages, [c.content for c in outcome.completions])
         seed = seed_for(outcome.prompt_id, self.temperature)
         rows = []
         for k, (messages, c) in enumerate(zip(sent, outcome.completions)):
             rows.append({
-                "prompt_id": outcome.prompt_id, "source": self.sources[i], "messages": messages,
+                "prompt_id": outcome.prompt_id, "source": row.source, "messages": messages,
                 "turn_index": k if self.mode == "all_turns" else sum(m["role"] == "assistant" for m in messages),
-                "n_turns": len(outcome.completions), "reference": self.references[i] if self.mode != "all_turns" else None,
+                "n_turns": len(outcome.completions), "reference": row.reference if self.mode != "all_turns" else None,
                 "content": c.content, "reasoning_content": c.reasoning_content, "finish_reason": c.finish_reason,
                 "flags": quality_flags(c.content, c.reasoning_content, c.finish_reason, c.completion_tokens,
                                        self.max_tokens),
@@ -63,8 +65,9 @@ class RecordBuilder:
         return rows
 
     def failure(self, outcome: Outcome, attempts: int) -> dict[str, Any]:
+        row = self.in_flight.pop(outcome.prompt_id)
         return {
-            "prompt_id": outcome.prompt_id, "source": self.sources[self.index[outcome.prompt_id]],
+            "prompt_id": outcome.prompt_id, "source": row.source,
             "error_class": outcome.kind, "status": outcome.status, "message": outcome.message,
             "endpoint": outcome.endpoint, "attempts": attempts, "config_fingerprint": self.fingerprint,
             "created_at": now_utc(),

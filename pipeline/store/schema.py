@@ -22,6 +22,9 @@ PROMPTS = pa.schema(
         ("source_ref", pa.string()),
         ("messages", pa.list_(MESSAGE)),
         ("reference", pa.string()),
+        # The routing key (core/work.py affinity_key) for the prefix length in the schema's metadata
+        # (prompt_reader.ROUTE_CHARS); a set staged without it has it computed when a run reads it.
+        ("route_key", pa.uint64()),
     ]
 )
 
