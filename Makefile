@@ -157,5 +157,6 @@ emulate: setup
 	$(REGEN) emulate --port 30000
 
 .PHONY: bench
+# N: prompts for the on-demand scale case (make bench ARGS="--only scale" N=1000000)
 bench: setup
-	$(PY) -m pipeline.bench $(ARGS)
+	$(PY) -m pipeline.bench $(ARGS) $(if $(N),--n $(N))
