@@ -41,15 +41,17 @@ def write_chats(path: Path, n: int, seed: int = 0) -> float:
     system prompts) as JSONL. Returns the mean bytes per line."""
     rng = np.random.default_rng(seed)
     pool = _LETTERS[rng.integers(0, len(_LETTERS), 1 << 24)].tobytes().decode()
+    turns = rng.integers(1, 4, n).tolist()
+    lengths = rng.integers(200, 1200, (n, 6)).tolist()
+    starts = rng.integers(0, len(pool) - 1200, (n, 6)).tolist()
     size = 0
     with open(path, "wb", buffering=1 << 22) as out:
         for i in range(n):
-            turns = int(rng.integers(1, 4))
-            lengths, starts = rng.integers(200, 1200, 6), rng.integers(0, len(pool) - 1200, 6)
             conv = [{"from": "system", "value": SYSTEMS[i % 5]}] if i % 3 == 0 else []
-            for t in range(turns):
-                conv.append({"from": "human", "value": f"[{i}.{t}] " + pool[starts[2 * t]:starts[2 * t] + lengths[2 * t]]})
-                conv.append({"from": "gpt", "value": pool[starts[2 * t + 1]:starts[2 * t + 1] + lengths[2 * t + 1]]})
+            at, length = starts[i], lengths[i]
+            for t in range(turns[i]):
+                conv.append({"from": "human", "value": f"[{i}.{t}] " + pool[at[2 * t]:at[2 * t] + length[2 * t]]})
+                conv.append({"from": "gpt", "value": pool[at[2 * t + 1]:at[2 * t + 1] + length[2 * t + 1]]})
             line = orjson.dumps({"id": i, "conversations": conv}) + b"\n"
             size += len(line)
             out.write(line)

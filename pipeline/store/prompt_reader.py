@@ -156,6 +156,9 @@ class PromptSetReader:
         if affinity_chars > 0 and not stored:
             log.info("prompt set %s has no routing keys for prefix_affinity_chars=%d: computing them from the "
                      "messages (one pass)", self.name, affinity_chars)
+        if listed:
+            log.info("prompt set %s: %d prompts in %d row groups, pinned for this run", self.name, self.num_rows,
+                     len(self.group_rows))
         columns = ["prompt_id"] + ([ROUTE_KEY] if stored else ["messages"] if affinity_chars > 0 else [])
         scan = PendingScan([], 0, 0, 0)
         for start, table in self.scan(columns):
