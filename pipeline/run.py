@@ -351,5 +351,5 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[Pen
         dispatcher.shutdown()
     progress.extra = {"requeued": dispatcher.requeued, "actor_restarts": dispatcher.actor_restarts,
                       "hedged": len(dispatcher.hedged), "dropped_duplicates": committer.dropped_duplicates,
-                      "fleet_changes": dispatcher.fleet_changes}
+                      "fleet_changes": dispatcher.fleet_changes, "prompt_groups_read": builder.reader.groups_read}
     return "interrupted" if stop() else "complete"

@@ -58,23 +58,46 @@ def write_chats(path: Path, n: int, seed: int = 0) -> float:
     return size / max(n, 1)
 
 
-def _first_prompt_request(log: Path, offset: int, proc: subprocess.Popen, timeout: float) -> float | None:
-    """The time of the first request past `offset` in an emulator's request log that is not a preflight probe."""
+def _log_sizes(logs: list[Path]) -> list[int]:
+    return [log.stat().st_size if log.exists() else 0 for log in logs]
+
+
+def _first_prompt_request(logs: list[Path], offsets: list[int], proc: subprocess.Popen,
+                          timeout: float) -> float | None:
+    """The time of the first request past the offsets in the emulators' request logs that is not a preflight
+    probe."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with open(log, "rb") as f:
-                f.seek(offset)
-                for line in f:
-                    if not line.endswith(b"\n"):
-                        break
-                    rec = orjson.loads(line)
-                    if not str(rec.get("rid", "")).startswith(PROBE_RID_PREFIX):
-                        return rec["time"]
-        except OSError:
-            pass
-        time.sleep(0.01)
+        firsts = []
+        for log, offset in zip(logs, offsets):
+            try:
+                with open(log, "rb") as f:
+                    f.seek(offset)
+                    for line in f:
+                        if not line.endswith(b"\n"):
+                            break
+                        rec = orjson.loads(line)
+                        if not str(rec.get("rid", "")).startswith(PROBE_RID_PREFIX):
+                            firsts.append(rec["time"])
+                            break
+            except OSError:
+                pass
+        if firsts:
+            return min(firsts)
+        time.sleep(0.02)
     return None
+
+
+def _logged_at(run: Path, text: str) -> float | None:
+    """When the run's log last wrote a line containing `text` (its local-time stamp, as a Unix time)."""
+    from datetime import datetime
+
+    found = None
+    with open(run / "logs" / "regen.log", "rb") as f:
+        for line in f:
+            if text.encode() in line:
+                found = line[:23].decode()
+    return None if found is None else datetime.strptime(found, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def _ledger(run: Path) -> tuple[int, int]:
@@ -122,23 +145,21 @@ def set_done(run: Path, fraction: float) -> tuple[int, int]:
 
 
 _PENDING_BYTES = r"""
-import gc, sys
+import gc, sys, tracemalloc
 from pipeline.store.rundir import RunDir
 from pipeline.dispatch.routing import Router
 
-def rss():
-    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) * 1024
-
 reader = RunDir(sys.argv[1]).prompt_set_reader()
 gc.collect()
-base = rss()
+tracemalloc.start()
 scan = reader.pending(set(), set(), True, 256)
 router = Router(affinity=True)
 router.set_endpoints([f"e{i}" for i in range(16)])
 router.add(scan.pending)
 unfinished = {p.prompt_id for p in scan.pending}
 gc.collect()
-print(len(scan.pending), rss() - base)
+held, _ = tracemalloc.get_traced_memory()
+print(len(scan.pending), held)
 """
 
 
@@ -149,14 +170,14 @@ def pending_bytes(run: Path) -> tuple[int, float]:
     return n, grown / max(n, 1)
 
 
-def _run(ctx: Ctx, config: Path, log: Path, run: Path, budget_s: float | None,
-         first_log: tuple[Path, int] | None = None) -> dict:
+def _run(ctx: Ctx, config: Path, log: Path, run: Path, budget_s: float | None, request_logs: list[Path]) -> dict:
     ctx.head.ensure()
+    offsets = _log_sizes(request_logs)
     started = time.time()
     proc = start_regen(config, ctx.head.env(), log)
     sampler = RssSampler(proc.pid, None, run, interval=1.0)
     sampler.start()
-    first = _first_prompt_request(first_log[0], first_log[1], proc, 600) if first_log else None
+    first = _first_prompt_request(request_logs, offsets, proc, 900)
     try:
         rc = proc.wait(budget_s if budget_s else None)
     except subprocess.TimeoutExpired:
@@ -167,7 +188,9 @@ def _run(ctx: Ctx, config: Path, log: Path, run: Path, budget_s: float | None,
     if rc not in (0, 130):
         raise RuntimeError(log.read_text(errors="replace")[-3000:])
     live = [s for s in sampler.samples if s["done"] is not None]
+    ready = _logged_at(run, " prompts pending of ")
     return {"rc": rc, "wall": wall, "first": None if first is None else first - started,
+            "ready": None if ready is None else ready - started,
             "peak": max((s["driver_mb"] for s in sampler.samples), default=0.0),
             "materialise_peak": max((s["driver_mb"] for s in sampler.samples if s["done"] is None), default=0.0),
             "dispatch_peak": max((s["driver_mb"] for s in live), default=0.0),
@@ -181,17 +204,16 @@ def scale(ctx: Ctx) -> Result:
     t0 = time.perf_counter()
     line_bytes = write_chats(w / "chats.jsonl", n)
     source_s = time.perf_counter() - t0
-    per = [{"request_log": str(w / "e0.jsonl")}] + [{}] * (ENDPOINTS - 1)
-    with emulators(ENDPOINTS, per=per, tok_per_s=TOK_S, capacity=CONCURRENCY) as fleet:
+    logs = [w / f"e{i}.jsonl" for i in range(ENDPOINTS)]
+    with emulators(ENDPOINTS, logs=w, tok_per_s=TOK_S, capacity=CONCURRENCY) as fleet:
         config = write_config(w, [e.url for e in fleet], CONCURRENCY, w / "chats.jsonl", MAX_TOKENS)
         spec = w / "source.yaml"
         spec.write_text(yaml.safe_dump({**yaml.safe_load(spec.read_text()), "format": "sharegpt"}))
         run = w / "out" / "bench"
-        new = _run(ctx, config, w / "regen-new.log", run, ctx.scale_budget_s)
+        new = _run(ctx, config, w / "regen-new.log", run, ctx.scale_budget_s, logs)
         made = _ledger(run)[1]
         written, removed = set_done(run, 0.9)
-        offset = (w / "e0.jsonl").stat().st_size if (w / "e0.jsonl").exists() else 0
-        resumed = _run(ctx, config, w / "regen-resume.log", run, None, first_log=(w / "e0.jsonl", offset))
+        resumed = _run(ctx, config, w / "regen-resume.log", run, None, logs)
     rows, unique = _ledger(run)
     n_pending, per_prompt = pending_bytes(run)
     dispatched = new["wall"] - new["dispatch_t0"]
@@ -209,6 +231,10 @@ def scale(ctx: Ctx) -> Result:
         ("command → first request, resume at 90% done (Ray head up)",
          f"{fmt(resumed['first'])} s" if resumed["first"] is not None else "no request seen", "≤ 5 s at 1M",
          (resumed["first"] is not None and resumed["first"] <= 5.0) if n >= 1_000_000 else None),
+        ("resume: command → pending set ready (ledger, prompt-set scan, preflight)",
+         f"{fmt(resumed['ready'])} s" if resumed["ready"] is not None else "not logged", "", None),
+        ("new run: command → first request (materialise included)",
+         f"{fmt(new['first'])} s" if new["first"] is not None else "no request seen", "", None),
         ("driver structures per pending prompt (all pending)", f"{per_prompt:.0f} B", "a few hundred bytes", None),
         ("dispatch pace vs the emulators' ideal (new run)",
          f"{rate:.0f} vs {ideal_rate:.0f} completions/s = {rate / ideal_rate:.2f}x", "", None),
@@ -225,8 +251,8 @@ def scale(ctx: Ctx) -> Result:
            if new["rc"] == 130 else f"complete, {made} records")
         + f". Then set to 90% done: {written} ledger-only records written, {removed} removed. The resume ran the "
         f"last {tail} prompts in {resumed['wall']:.0f} s.",
-        f"Bytes per pending prompt: RSS growth of a fresh process holding the pending list of all {n_pending} "
-        "prompts, the router's queues over 16 endpoints and the unfinished set, over the prompt count.",
+        f"Bytes per pending prompt: what a fresh process allocates (tracemalloc) to hold the pending list of all "
+        f"{n_pending} prompts, the router's queues over 16 endpoints and the unfinished set, over the prompt count.",
         f"The machine has {os.cpu_count()} cores shared with other work: the driver, the Ray actors and "
         f"{ENDPOINTS} emulators contend for them, so the pace against the ideal mostly measures that contention.",
     ]

@@ -33,7 +33,7 @@ ROUTE_KEY = "route_key"
 ROUTE_CHARS = b"regen.route_key_chars"  # schema metadata: the prefix_affinity_chars the column was computed with
 READ_ATTEMPTS = 4
 READ_RETRY_S = 0.5  # doubled after each failed attempt
-CACHED_GROUPS = 8  # row groups of messages held at once (a group is at most 1024 prompts or ~1 MB of text)
+CACHED_GROUPS = 32  # row groups held at once (each at most 1024 prompts or ~1 MB of text): ~32 MB
 ROW_COLUMNS = ("prompt_id", "source", "messages", "reference", "tools")  # "tools": when the set has the column
 
 
