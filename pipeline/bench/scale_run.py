@@ -32,6 +32,7 @@ from .env import REPO, RssSampler, emulators, start_regen, write_config
 
 ENDPOINTS, CONCURRENCY, MAX_TOKENS, TOK_S = 16, 64, 32, 12.5  # the production case's time-compressed shape
 PART_ROWS = 512  # the committer's default flush
+FINAL_TAIL = 2000  # prompts the last session runs when the resume was stopped by its budget
 _LETTERS = np.frombuffer(b"etaoinshrdlucmfwypvbgkqjxz     ", dtype=np.uint8)
 SYSTEMS = [f"You are assistant number {k}. " + "Answer carefully and cite what you rely on. " * 6 for k in range(5)]
 
@@ -106,6 +107,12 @@ def _ledger(run: Path) -> tuple[int, int]:
     return len(ids), len(set(ids))
 
 
+def made_in(run: Path) -> int:
+    """Records regen made (the benchmark's ledger-only records have no request id)."""
+    return sum(len(pq.read_table(p, columns=["request_id"]).column(0).drop_null())
+               for p in (run / "data").glob("part-*.parquet"))
+
+
 def set_done(run: Path, fraction: float) -> tuple[int, int]:
     """Make `fraction` of the run's prompts committed: write ledger-only records for prompts without one (parts of
     PART_ROWS, through RunDir.write_part), or remove whole parts past it. Returns (written, removed) records."""
@@ -177,12 +184,18 @@ def _run(ctx: Ctx, config: Path, log: Path, run: Path, budget_s: float | None, r
     proc = start_regen(config, ctx.head.env(), log)
     sampler = RssSampler(proc.pid, None, run, interval=1.0)
     sampler.start()
-    first = _first_prompt_request(request_logs, offsets, proc, 900)
-    try:
-        rc = proc.wait(budget_s if budget_s else None)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # a clean stop: the buffer is committed, the run stays resumable
-        rc = proc.wait(300)
+    first = _first_prompt_request(request_logs, offsets, proc, 1800)
+    while True:
+        try:
+            rc = proc.wait(1.0)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        # past the budget, once requests flow (a stop during materialise would leave no prompt set)
+        if budget_s and time.time() - started > budget_s and first is not None:
+            proc.send_signal(signal.SIGTERM)  # a clean stop: the buffer is committed, the run stays resumable
+            rc = proc.wait(300)
+            break
     wall = time.time() - started
     sampler.stop()
     if rc not in (0, 130):
@@ -213,13 +226,18 @@ def scale(ctx: Ctx) -> Result:
         new = _run(ctx, config, w / "regen-new.log", run, ctx.scale_budget_s, logs)
         made = _ledger(run)[1]
         written, removed = set_done(run, 0.9)
-        resumed = _run(ctx, config, w / "regen-resume.log", run, None, logs)
+        resumed = _run(ctx, config, w / "regen-resume.log", run, ctx.scale_resume_budget_s, logs)
+        finish = None
+        if resumed["rc"] == 130:  # stopped by its budget: the rest but FINAL_TAIL set done, then run to the end
+            more, _ = set_done(run, 1 - min(FINAL_TAIL, n // 10) / n)
+            finish = {**_run(ctx, config, w / "regen-finish.log", run, None, logs), "written": more}
     rows, unique = _ledger(run)
     n_pending, per_prompt = pending_bytes(run)
     dispatched = new["wall"] - new["dispatch_t0"]
     ideal_rate = ENDPOINTS * CONCURRENCY * TOK_S / MAX_TOKENS  # completions a second the fleet can give
     rate = made / dispatched if dispatched > 0 else 0.0
     tail = n - int(n * 0.9)
+    by_regen = made_in(run)
     res.rows += [
         ("prompts committed / lost / doubled (after the resume)", f"{unique} / {n - unique} / {rows - unique}",
          "0 lost, 0 doubled", unique == n and rows == unique),
@@ -239,7 +257,9 @@ def scale(ctx: Ctx) -> Result:
         ("dispatch pace vs the emulators' ideal (new run)",
          f"{rate:.0f} vs {ideal_rate:.0f} completions/s = {rate / ideal_rate:.2f}x", "", None),
         ("resume: wall time for the last 10% vs ideal",
-         f"{resumed['wall']:.0f} s vs {tail / ideal_rate:.0f} s", "", None),
+         f"{resumed['wall']:.0f} s vs {tail / ideal_rate:.0f} s" if finish is None else
+         f"stopped by the budget after {resumed['wall']:.0f} s", "", None),
+        ("driver peak RSS, last session", f"{finish['peak']:.0f} MB" if finish else "(no last session)", "", None),
     ]
     res.notes += [
         f"{n} ShareGPT conversations of 1-3 exchanges (a third with a shared system prompt), {line_bytes / 1024:.1f} "
@@ -249,8 +269,13 @@ def scale(ctx: Ctx) -> Result:
         f"New run: {new['wall']:.0f} s, of which materialising the prompt set {new['dispatch_t0']:.0f} s; "
         + (f"stopped by the budget ({ctx.scale_budget_s:.0f} s) with {made} records made"
            if new["rc"] == 130 else f"complete, {made} records")
-        + f". Then set to 90% done: {written} ledger-only records written, {removed} removed. The resume ran the "
-        f"last {tail} prompts in {resumed['wall']:.0f} s.",
+        + f". Then set to 90% done: {written} ledger-only records written, {removed} removed. "
+        + (f"The resume ran the last {tail} prompts in {resumed['wall']:.0f} s." if finish is None else
+           f"The resume was stopped by its budget ({ctx.scale_resume_budget_s:.0f} s, from the command); then all but "
+           f"{min(FINAL_TAIL, n // 10)} prompts were set done ({finish['written']} more ledger-only records) and a "
+           f"last session ran them to the end in {finish['wall']:.0f} s (first request at {fmt(finish['first'])} s)."),
+        f"Records made by regen itself (not written by the benchmark): {by_regen} of {n}; 0 lost and 0 "
+        "doubled count every prompt of the set across all sessions and the written records.",
         f"Bytes per pending prompt: what a fresh process allocates (tracemalloc) to hold the pending list of all "
         f"{n_pending} prompts, the router's queues over 16 endpoints and the unfinished set, over the prompt count.",
         f"The machine has {os.cpu_count()} cores shared with other work: the driver, the Ray actors and "

@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=None, help="prompts for the scale case (default 1,000,000; quick 20,000)")
     p.add_argument("--scale-budget-s", type=float, default=None,
                    help="stop the scale case's new run after this many seconds (default: run it to the end)")
+    p.add_argument("--scale-resume-budget-s", type=float, default=None,
+                   help="stop the scale case's resume after this many seconds, then run the last 2,000 prompts")
     p.add_argument("--workdir", default=None, help="keep run directories here (default: a temp dir, removed)")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()] or [n for n in BENCHES if n not in ON_DEMAND]
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="regen-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(work, quick=args.quick, repeat=args.repeat or (1 if args.quick else 3), profile=not args.no_profile,
-              scale_n=args.n, scale_budget_s=args.scale_budget_s)
+              scale_n=args.n, scale_budget_s=args.scale_budget_s, scale_resume_budget_s=args.scale_resume_budget_s)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     results: list[Result] = []
     errors: list[str] = []

@@ -20,7 +20,9 @@ def ledger_counts(run_dir: RunDir) -> dict[str, Any]:
     prompts = run_dir.prompt_set_reader()
     committed = run_dir.committed_ids()
     failed = run_dir.failed_ids() - committed
-    scan = prompts.pending(committed, failed, True, 0, listed=False) if prompts is not None else PendingScan([], 0, 0, 0)
+    scan = PendingScan([], 0, 0, 0)
+    if prompts is not None:
+        scan = prompts.pending(committed, failed, True, 0, listed=False)
     return {
         "total": scan.total,
         "done": scan.done,
