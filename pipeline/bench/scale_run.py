@@ -233,7 +233,7 @@ def scale(ctx: Ctx) -> Result:
             finish = {**_run(ctx, config, w / "regen-finish.log", run, None, logs), "written": more}
     rows, unique = _ledger(run)
     n_pending, per_prompt = pending_bytes(run)
-    dispatched = new["wall"] - new["dispatch_t0"]
+    dispatched = new["wall"] - (new["first"] if new["first"] is not None else new["dispatch_t0"])
     ideal_rate = ENDPOINTS * CONCURRENCY * TOK_S / MAX_TOKENS  # completions a second the fleet can give
     rate = made / dispatched if dispatched > 0 else 0.0
     tail = n - int(n * 0.9)
@@ -254,7 +254,7 @@ def scale(ctx: Ctx) -> Result:
         ("new run: command → first request (materialise included)",
          f"{fmt(new['first'])} s" if new["first"] is not None else "no request seen", "", None),
         ("driver structures per pending prompt (all pending)", f"{per_prompt:.0f} B", "a few hundred bytes", None),
-        ("dispatch pace vs the emulators' ideal (new run)",
+        ("dispatch pace vs the emulators' ideal (new run, from its first request)",
          f"{rate:.0f} vs {ideal_rate:.0f} completions/s = {rate / ideal_rate:.2f}x", "", None),
         ("resume: wall time for the last 10% vs ideal",
          f"{resumed['wall']:.0f} s vs {tail / ideal_rate:.0f} s" if finish is None else
