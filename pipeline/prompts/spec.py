@@ -82,7 +82,7 @@ class SourceSpecFile(BaseModel):
                                                 "`conversations`, `messages`, `instruction`, `prompt`).")
     id_field: str | None = Field(None, description="A field holding the record's own id, kept on each record as its "
                                                    "`source_ref` (for tracing only: it is not the prompt id).")
-    limit: int | None = Field(None, description="Keep at most this many prompts of the source: of those earlier "
+    limit: int | None = Field(None, ge=1, description="Keep at most this many prompts of the source: of those earlier "
                                                 "sources do not hold, the ones of lowest sha256(seed:prompt_id). The "
                                                 "run config's `sources[].limit` wins over it.")
     records_field: str | None = Field(None, description="kind json (or a `.json` file of kind hf): the key of the "
