@@ -155,10 +155,10 @@ test:
 
 # The docs site (mkdocs.yml, docs/): --strict fails on a broken link, a missing page or a page outside the nav.
 docs-build: setup
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 docs: setup
-	$(VENV)/bin/mkdocs serve -a 127.0.0.1:8000
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8000
 
 # docs/reference/ is generated from the code and committed; tests/test_docs.py fails when it is stale.
 docs-ref: setup
