@@ -17,7 +17,9 @@ from pipeline.core.errors import DriftError
 from pipeline.hidden.layout import CaptureLayout, capture_fingerprint
 from pipeline.hidden.parts import hidden_parts
 from pipeline.store.capture_ledger import capture_run_dir
-from tests.capture_helpers import capture_in_process, config_file, new_capture, tiny_llama, tok  # noqa: F401 (fixtures by name)
+from tests.capture_helpers import (  # noqa: F401 (fixtures by name)
+    capture_in_process, config_file, new_capture, tiny_llama, tok,
+)
 from tests.smollm2_run import make_smollm2_run, smollm2_records
 
 

@@ -13,7 +13,9 @@ import pytest
 from pipeline.core.capture_config import load_capture_config
 from pipeline.hidden.parts import hidden_parts
 from pipeline.store.capture_ledger import capture_run_dir
-from tests.capture_helpers import config_file, new_capture, tiny_llama, tok  # noqa: F401 (fixtures by name)
+from tests.capture_helpers import (  # noqa: F401 (fixtures by name)
+    config_file, new_capture, tiny_llama, tok,
+)
 from tests.smollm2_run import make_smollm2_run, smollm2_records
 
 

@@ -11,7 +11,9 @@ import pytest
 
 from pipeline.core.capture_config import load_capture_config
 from tests.smollm2_run import make_smollm2_run, smollm2_records
-from tests.capture_helpers import capture_in_process, captured_tiny_run, config_file, new_capture, tiny_llama, tok  # noqa: F401 (fixtures by name)
+from tests.capture_helpers import (  # noqa: F401 (fixtures by name)
+    capture_in_process, captured_tiny_run, config_file, new_capture, tiny_llama, tok,
+)
 
 
 torch = pytest.importorskip("torch")

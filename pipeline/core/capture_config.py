@@ -53,7 +53,8 @@ class CaptureConfig(_Strict):
     actors: int = Field(1, ge=1, le=1024, description="Capture actors (each loads the model, for route transformers).")
     actor_num_cpus: float = Field(1.0, ge=0.0, description="CPUs Ray reserves for each capture actor.")
     actor_num_gpus: float = Field(0.0, ge=0.0, description="GPUs Ray reserves for each capture actor.")
-    torch_threads: int | None = Field(None, ge=1, description="Route transformers: torch threads per actor (None: torch's default).")
+    torch_threads: int | None = Field(None, ge=1, description=(
+        "Route transformers: torch threads per actor (None: torch's default)."))
     prompts_per_call: int = Field(4, ge=1, description="Prompts (all their samples) an actor takes per call.")
     down_deadline_s: float = Field(300.0, gt=0.0, description=(
         "A route whose server has not answered at all (EndpointDown: refused, reset before an answer) for this long "

@@ -118,15 +118,17 @@ class SourceRef(_Strict):
 RETIRED_HIDDEN_STATES = (
     "the generating request no longer returns hidden states (SGLang gives EAGLE-3's aux layers or the last layer, "
     "never both; its JSON floats are 3-4x the bf16 bytes; it costs the generation fleet its radix cache). Capture "
-    "them after generation, from the committed records: `regen capture RUN --config capture.yaml` (README, Hidden "
-    "states). Delete the hidden_states section (`hidden_states: {enabled: false}` or `{}` is accepted and ignored)")
+    "them after generation, from the committed records: `regen capture RUN --config capture.yaml` "
+    "(docs/hidden-states.md). Delete the hidden_states section (`hidden_states: {enabled: false}` or `{}` is "
+    "accepted and ignored)")
 
 
 class RayOptions(_Strict):
     address: str | None = Field(None, description=(
         "None (and no RAY_ADDRESS), or `local`: start an embedded cluster on 127.0.0.1 without a dashboard; "
         "`auto`: join the running cluster (`ray start`); or a cluster address."))
-    actor_num_cpus: float = Field(0.0, ge=0.0, description="CPUs Ray reserves for each endpoint actor of `regen generate`.")
+    actor_num_cpus: float = Field(0.0, ge=0.0, description=(
+        "CPUs Ray reserves for each endpoint actor of `regen generate`."))
 
 
 class RunConfig(_Strict):
@@ -184,7 +186,8 @@ class RunConfig(_Strict):
     max_prompt_tokens: int | None = Field(None, ge=1, description=(
         "Prompts longer than this (the chat template applied, counted with `tokenizer`) are rejected before "
         "sending; without a loadable tokenizer the server's 400 makes them terminal failures."))
-    tokenizer: str | None = Field(None, description="The tokenizer max_prompt_tokens counts with (default: the model's).")
+    tokenizer: str | None = Field(None, description=(
+        "The tokenizer max_prompt_tokens counts with (default: the model's)."))
     # Retries and deadlines.
     max_attempts: int = Field(4, ge=1, description="HTTP attempts per prompt across all endpoints.")
     attempts_per_endpoint: int = Field(2, ge=1, description="Attempts on one endpoint before the prompt moves on.")
@@ -193,11 +196,13 @@ class RunConfig(_Strict):
         "a poison prompt."))
     request_timeout_s: float = Field(0.0, ge=0.0, description=(
         "Deadline of one non-streamed request (0: 30 s + max_tokens / min_tok_per_s)."))
-    min_tok_per_s: float = Field(2.0, gt=0.0, description="The slowest decode rate the derived request deadline allows.")
+    min_tok_per_s: float = Field(2.0, gt=0.0, description=(
+        "The slowest decode rate the derived request deadline allows."))
     stream: bool = Field(False, description=(
         "Stream answers (SSE): a stalled request is detected sooner (stall_timeout_s); weight pinning is off for the "
         "answers (stream chunks carry no weight version)."))
-    stall_timeout_s: float = Field(60.0, gt=0.0, description="With stream: cancel a request after this long without a token.")
+    stall_timeout_s: float = Field(60.0, gt=0.0, description=(
+        "With stream: cancel a request after this long without a token."))
     dead_fleet_deadline_s: float = Field(600.0, gt=0.0, description=(
         "With no healthy endpoint for this long the run stops (exit 1, resumable)."))
     circuit_failures: int = Field(5, ge=1, description="Consecutive failures that open an endpoint's circuit breaker.")
