@@ -75,7 +75,8 @@ class SourceSpecFile(BaseModel):
                                   "spec file's folder.")
     format: Literal["sharegpt", "openai", "alpaca", "prompt"] = Field(
         description="The record format: `sharegpt` (`from`/`value` turns), `openai` (`role`/`content` messages), "
-                    "`alpaca` (`instruction`, optional `input`) or `prompt` (one user message).")
+                    "`alpaca` (`instruction`, optional `input` and `output`) or `prompt` (one user message, optional "
+                    "`system`).")
     split: str = Field("train", description="kind hf: the split to read.")
     subset: str | None = Field(None, description="kind hf: the dataset's configuration (subset) name.")
     field: str | None = Field(None, description="The record's conversation field (default by format: "
