@@ -1,5 +1,5 @@
 """Training-row builders and the SpecForge validator. Pure: records in (dicts with the RECORDS
-columns), rows out. The facts they follow are in ../shared/reference/training-formats.md.
+columns), rows out. What each library reads: docs/exports-and-training.md.
 
 Only target-written text may become trainable:
 - SpecForge conversations train on every assistant message, so a conversation row holds only
