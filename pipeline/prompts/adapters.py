@@ -10,7 +10,7 @@ from ..core.errors import ConfigError
 from .records import InvalidRecord, RejectCode
 
 if TYPE_CHECKING:
-    from .sources import SourceSpec
+    from .spec import SourceSpec
 
 
 def _invalid(code: str, reason: str) -> InvalidRecord:

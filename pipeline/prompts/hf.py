@@ -19,7 +19,9 @@ from typing import Any, Iterator
 from .errors import SourceError, read_error
 from .records import RawRecord, Reject
 from .jsonarray import json_lines
-from .sources import ReadStats, SourceSpec, read_file
+from .localfiles import read_file
+from .reading import ReadStats
+from .spec import SourceSpec
 
 DATA_EXTENSIONS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
