@@ -7,6 +7,7 @@ adapter carries the fields it knows (`carried_keys`) and counts every other non-
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigError
@@ -24,6 +25,7 @@ def _invalid(code: str, reason: str) -> InvalidRecord:
 
 TOOLS_KEYS = ("tools", "functions")  # top-level keys holding the tools list (OpenAI's current and older names)
 MESSAGE_TOOL_KEYS = ("tool_calls", "function_call", "tool_call_id")
+PLAIN_ROLES = frozenset({"human", "gpt", "user", "assistant", "system"})  # spelled as they are most often
 
 
 def to_messages(spec: "SourceSpec", data: Any) -> list[dict[str, Any]]:
@@ -44,21 +46,23 @@ def to_conversation(spec: "SourceSpec", data: Any, tally: Tally) -> tuple[list[d
         messages, tools = _prompt(data, field), []
     else:
         raise ConfigError(f"source {spec.name!r}: unknown format {spec.format!r}")
-    for key in sorted(set(data) - carried_keys(spec)):
-        if not _empty(data[key]):
+    carried = carried_keys(spec)
+    for key in data:
+        if key not in carried and not _empty(data[key]):
             tally.uncarry(f"record.{key}")
     return messages, tools
 
 
-def carried_keys(spec: "SourceSpec") -> set[str]:
+@functools.lru_cache(maxsize=64)
+def carried_keys(spec: "SourceSpec") -> frozenset[str]:
     """The top-level keys of a record that the spec's format reads (the others are counted, never dropped
     silently)."""
     keys = {spec.conversation_field} | ({spec.id_field} if spec.id_field else set())
     if spec.format in ("sharegpt", "openai"):
-        return keys | set(TOOLS_KEYS)
+        return frozenset(keys | set(TOOLS_KEYS))
     if spec.format == "alpaca":
-        return keys | {"input", "output"}
-    return keys | {"system"}
+        return frozenset(keys | {"input", "output"})
+    return frozenset(keys | {"system"})
 
 
 def _empty(value: Any) -> bool:
@@ -85,35 +89,50 @@ def _conversation(data: dict, field: str, fmt: str, tally: Tally) -> tuple[list[
     primary = ("from", "value") if fmt == "sharegpt" else ("role", "content")
     other = ("role", "content") if fmt == "sharegpt" else ("from", "value")
     out = []
+    plain = True  # only role and content, and no role of the tool shapes: nothing to expand
     for i, item in enumerate(conv, start=1):
         if not isinstance(item, dict):
             raise _invalid("bad_message", f"message {i} is a {json_type(item)}, not an object")
         rk, ck = other if primary[0] not in item and other[0] in item else primary
         if rk not in item:
             raise _invalid("bad_message", f"message {i} has no role ({rk!r} is missing)")
-        calls = any(item.get(key) is not None for key in ("tool_calls", "function_call"))
-        if ck not in item and not calls:  # OpenAI leaves `content` out of a pure call
-            raise _invalid("bad_message", f"message {i} has no content ({ck!r} is missing)")
-        message = {"role": item[rk], "content": item.get(ck)}
-        carried = {rk, ck}
-        for key in MESSAGE_TOOL_KEYS:
-            if item.get(key) is not None:
-                message[key] = item[key]
-                carried.add(key)
-        if role_of(item[rk]) in RESULT_ROLES | CALL_ROLES and item.get("name") is not None:
-            message["name"] = item["name"]  # the tool a result answers (a user's `name` is not carried)
-            carried.add("name")
-        for key in item:
-            if key not in carried and not _empty(item[key]):
-                tally.uncarry(f"message.{key}")
-        out.append(message)
+        if len(item) == 2 and ck in item:  # the common case, kept fast
+            role = item[rk]
+            out.append({"role": role, "content": item[ck]})
+            plain = plain and role in PLAIN_ROLES
+            continue
+        plain = False
+        out.append(_message(i, item, rk, ck, tally))
     tools: list[dict[str, Any]] = []
     for key in TOOLS_KEYS:
-        tools += normalise_tools(data.get(key), f"the {key!r} field", tally)
+        if data.get(key) is not None:
+            tools += normalise_tools(data[key], f"the {key!r} field", tally)
+    if plain and not tools and not (isinstance(out[0]["content"], str) and "<tools>" in out[0]["content"]):
+        return out, []
     block = hermes_tools(out, tally)  # Hermes, in ShareGPT or in OpenAI spelling
     tools += block
     out = expand(out, is_hermes(out, bool(tools)), tally)
     return out, _unique(tools, tally)
+
+
+def _message(i: int, item: dict, rk: str, ck: str, tally: Tally) -> dict[str, Any]:
+    """A message with keys beyond role and content: the tool keys are carried, the others counted."""
+    calls = any(item.get(key) is not None for key in ("tool_calls", "function_call"))
+    if ck not in item and not calls:  # OpenAI leaves `content` out of a pure call
+        raise _invalid("bad_message", f"message {i} has no content ({ck!r} is missing)")
+    message = {"role": item[rk], "content": item.get(ck)}
+    carried = {rk, ck}
+    for key in MESSAGE_TOOL_KEYS:
+        if item.get(key) is not None:
+            message[key] = item[key]
+            carried.add(key)
+    if role_of(item[rk]) in RESULT_ROLES | CALL_ROLES and item.get("name") is not None:
+        message["name"] = item["name"]  # the tool a result answers (a user's `name` is not carried)
+        carried.add("name")
+    for key in item:
+        if key not in carried and not _empty(item[key]):
+            tally.uncarry(f"message.{key}")
+    return message
 
 
 def _unique(tools: list[dict[str, Any]], tally: Tally) -> list[dict[str, Any]]:

@@ -47,7 +47,8 @@ def prompt_id(messages: Iterable[Mapping[str, Any]], mode: str = "last_turn",
     msgs = []
     for m in messages:
         msg = {"role": m["role"], "content": m["content"]}
-        msg.update({key: m[key] for key in ("tool_calls", "tool_call_id", "name") if m.get(key) is not None})
+        if len(m) > 2:
+            msg.update({key: m[key] for key in ("tool_calls", "tool_call_id", "name") if m.get(key) is not None})
         if mode == "all_turns" and m["role"] == "assistant":
             if not m.get("tool_calls"):
                 continue
@@ -114,7 +115,15 @@ def normalise_record(raw_messages: Any, tools: list[dict[str, Any]] | None, mode
             raise InvalidRecord(RejectCode.NO_USER_TURN, "the conversation has no user turn")
         raise InvalidRecord(RejectCode.NOTHING_TO_SEND,
                             "the conversation has nothing to send (it has only a system message)")
-    body = _check_steps(body, tally)
+    tool_steps = any(len(m) > 2 or m["role"] == "tool" for _, m in body)
+    if tool_steps:
+        body = _check_steps(body, tally)
+    else:  # the plain chat of before tool calls, checked as fast as it was
+        for k, (i, m) in enumerate(body):
+            expected = "user" if k % 2 == 0 else "assistant"
+            if m["role"] != expected:
+                raise InvalidRecord(RejectCode.NOT_ALTERNATING, f"roles do not alternate: message {i} is "
+                                                                f"{m['role']} where {expected} was expected")
     if mode == "last_turn" and body[-1][1]["role"] == "assistant" and not body[-1][1].get("tool_calls") \
             and not body[-1][1]["content"]:
         tally.drop("blank_reference")  # the reference only: a new answer takes its place, so nothing is lost
@@ -124,7 +133,8 @@ def normalise_record(raw_messages: Any, tools: list[dict[str, Any]] | None, mode
             raise InvalidRecord(RejectCode.BLANK_CONTENT, f"message {i} ({m['role']}) is blank")
     messages = [m for _, m in system + body]
     norm_tools = tuple(tools) if tools else None
-    _count_tools(messages, norm_tools, tally)
+    if tool_steps or norm_tools:
+        _count_tools(messages, norm_tools, tally)
     if mode == "all_turns":
         return Normalised(tuple(messages), None, None, norm_tools)
     reference = calls = None
@@ -150,19 +160,21 @@ def _message(i: int, m: Any, tally: Tally) -> tuple[int, dict[str, Any]] | None:
         role = ROLE_MAP.get(raw_role) or ROLE_MAP.get(raw_role.strip().lower())
     if role is None:
         raise InvalidRecord(RejectCode.UNKNOWN_ROLE, f"message {i} has an unknown role {raw_role!r}")
-    calls = m.get("tool_calls") if role == "assistant" else None
-    if role != "assistant" and m.get("tool_calls"):
-        raise InvalidRecord(RejectCode.BAD_TOOL_CALL, f"message {i} ({role}) has tool calls; only an assistant "
-                                                      "step may call a tool")
-    if role != "tool":
-        for key in ("tool_call_id", "name"):
-            if m.get(key) is not None:
-                tally.uncarry(f"message.{key}")
-    if role == "tool" and isinstance(content, (dict, list)):
-        content = canonical_json(content)  # a structured result, as its JSON text
-        tally.tool("structured_results_as_json")
-    if content is None and calls:
-        content = ""
+    calls = None
+    if len(m) > 2 or role == "tool":  # tool keys: only checked where there can be any
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if role != "assistant" and m.get("tool_calls"):
+            raise InvalidRecord(RejectCode.BAD_TOOL_CALL, f"message {i} ({role}) has tool calls; only an "
+                                                          "assistant step may call a tool")
+        if role != "tool":
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None:
+                    tally.uncarry(f"message.{key}")
+        if role == "tool" and isinstance(content, (dict, list)):
+            content = canonical_json(content)  # a structured result, as its JSON text
+            tally.tool("structured_results_as_json")
+        if content is None and calls:
+            content = ""
     if type(content) is not str and not isinstance(content, str):
         raise InvalidRecord(RejectCode.NON_STRING_CONTENT,
                             f"message {i} ({role}) has non-string content ({type(content).__name__})")

@@ -38,6 +38,8 @@ class SourceReport:
 
     def count(self, tally: "Tally") -> None:
         """What normalising one kept record counted."""
+        if not (tally.dropped or tally.uncarried or tally.tools):
+            return
         dropped = dict(tally.dropped)
         self.nul_removed += dropped.pop("nul", 0)
         for target, counts in ((self.dropped_turns, dropped), (self.uncarried, tally.uncarried),
