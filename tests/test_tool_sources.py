@@ -342,3 +342,15 @@ def declared_tools(line: str) -> list[str]:
     system = (record.get("conversations") or [{}])[0].get("value") or ""
     block = system.split("<tools>")[-1].split("</tools>")[0] if "</tools> XML" in system and system.count("<tools>") > 1 else ""
     return sorted(re.findall(r"""['"]function['"]: \{['"]name['"]: ['"](\w+)['"]""", block))
+
+
+def test_status_and_card_lines_show_the_tool_counts_and_the_fields_not_carried():
+    from pipeline.prompts.report import report_lines, report_table
+
+    ps = sample("sample_tools")
+    report = ps.reports[0].as_dict()
+    line = report_lines([report])[0]
+    assert "; tool calls: tool_calls 20, tool_results 19, prompts_with_tools 15" in line
+    assert ps.reports[0].tool_counts["made_call_ids"] == 2 and "; fields not carried: message.reasoning_content 1" in line
+    row = report_table([report])[2]
+    assert row.endswith("| message.reasoning_content 1 |") and "calls_without_schema 2" in row

@@ -171,7 +171,11 @@ def _message(i: int, m: Any, tally: Tally) -> tuple[int, dict[str, Any]] | None:
                 if m.get(key) is not None:
                     tally.uncarry(f"message.{key}")
         if role == "tool" and isinstance(content, (dict, list)):
-            content = canonical_json(content)  # a structured result, as its JSON text
+            try:
+                content = canonical_json(content)  # a structured result, as its JSON text
+            except TypeError as exc:
+                raise InvalidRecord(RejectCode.NON_STRING_CONTENT,
+                                    f"message {i} (tool) holds a result that is not JSON ({exc})") from exc
             tally.tool("structured_results_as_json")
         if content is None and calls:
             content = ""

@@ -109,6 +109,10 @@ def normalise_tools(raw: Any, where: str, tally: Tally) -> list[dict[str, Any]]:
         function = tool.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise InvalidRecord(RejectCode.BAD_TOOLS, f"{where}: tool {k} has no function name")
+        try:
+            canonical_json(tool)
+        except TypeError as exc:  # e.g. a non-string key from a Python literal
+            raise InvalidRecord(RejectCode.BAD_TOOLS, f"{where}: tool {k} is not JSON ({exc})") from exc
         tools.append(tool)
     return tools
 

@@ -102,8 +102,10 @@ def expand(messages: list[dict[str, Any]], hermes: bool, tally: Tally) -> list[d
         role = role_of(m["role"])
         if role in CALL_ROLES:  # LLaMA-Factory: the turn's text is the call
             content = m["content"]
+            if isinstance(content, (dict, list)):  # a column read from Parquet may hold the call itself
+                content = canonical_json(content)
             if not isinstance(content, str):
-                raise InvalidRecord(RejectCode.BAD_TOOL_CALL, f"message {i} ({role}) is not JSON text")
+                raise InvalidRecord(RejectCode.BAD_TOOL_CALL, f"message {i} ({role}) is not a call")
             calls = _call_from_json(content, f"message {i} ({role})")
             m = {"role": "assistant", "content": None, "tool_calls": calls}
             tally.tool("function_call_turns")
