@@ -33,14 +33,14 @@ class PromptLength:
                 ids = ids["input_ids"]
             return len(ids)
         # no template to apply: the contents' tokens, a lower bound of what the server counts
-        return sum(len(self.tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
+        return sum(len(self.tokenizer.encode(m["content"] or "", add_special_tokens=False)) for m in messages)
 
     def __call__(self, messages: tuple[dict[str, str], ...]) -> None:
         allowance = TEMPLATE_ALLOWANCE + MESSAGE_ALLOWANCE * len(messages)
-        chars = sum(len(m["content"]) for m in messages)
+        chars = sum(len(m["content"] or "") for m in messages)  # a pure call's content is None
         if 4 * chars + allowance <= self.max_tokens:  # a character is at most 4 UTF-8 bytes
             return
-        if sum(len(m["content"].encode()) for m in messages) + allowance <= self.max_tokens:
+        if sum(len((m["content"] or "").encode()) for m in messages) + allowance <= self.max_tokens:
             return
         tokens = self.count(messages)
         if tokens > self.max_tokens:

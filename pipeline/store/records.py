@@ -11,6 +11,7 @@ from ..core.config import RunConfig
 from ..core.identity import StoredRecords
 from ..core.work import Outcome, WorkItem, affinity_key
 from ..prompts.conversation import histories, seed_for
+from ..prompts.tool_calls import message_from_row, message_row
 from .quality import quality_flags
 from .rundir import RunDir, now_utc
 
@@ -25,18 +26,25 @@ class RecordBuilder:
         self.sources = prompts.column("source").to_pylist()
         self.references = prompts.column("reference").to_pylist()
         self.messages = prompts.column("messages").combine_chunks()
+        # a prompt set written before tool calls has no tools column: none of its prompts has tools
+        self.tools = (prompts.column("tools").to_pylist() if "tools" in prompts.column_names
+                      else [None] * prompts.num_rows)
         self.fingerprint = fingerprint or cfg.fingerprint()
         self.temperature, self.mode = cfg.sampling.temperature, cfg.mode
         self.max_tokens = cfg.sampling.max_tokens
         self.affinity_chars = cfg.prefix_affinity_chars
 
-    def messages_of(self, i: int) -> list[dict[str, str]]:
-        return self.messages[i].as_py()
+    def messages_of(self, i: int) -> list[dict[str, Any]]:
+        """The prompt's messages as normalised (a tool-free message is exactly {"role", "content"})."""
+        return [message_from_row(m) for m in self.messages[i].as_py()]
 
     def work_item(self, prompt_id: str) -> WorkItem:
-        messages = self.messages_of(self.index[prompt_id])
+        i = self.index[prompt_id]
+        messages = self.messages_of(i)
+        tools = self.tools[i]
         return WorkItem(prompt_id, orjson.dumps(messages), seed_for(prompt_id, self.temperature),
-                        affinity_key(messages, self.affinity_chars))
+                        affinity_key(messages, self.affinity_chars),
+                        tools_json=None if tools is None else tools.encode())
 
     def records(self, outcome: Outcome, attempts: int) -> list[dict[str, Any]]:
         i = self.index[outcome.prompt_id]
@@ -45,7 +53,8 @@ class RecordBuilder:
         rows = []
         for k, (messages, c) in enumerate(zip(sent, outcome.completions)):
             rows.append({
-                "prompt_id": outcome.prompt_id, "source": self.sources[i], "messages": messages,
+                "prompt_id": outcome.prompt_id, "source": self.sources[i],
+                "messages": [message_row(m) for m in messages], "tools": self.tools[i],
                 "turn_index": k if self.mode == "all_turns" else sum(m["role"] == "assistant" for m in messages),
                 "n_turns": len(outcome.completions), "reference": self.references[i] if self.mode != "all_turns" else None,
                 "content": c.content, "reasoning_content": c.reasoning_content, "finish_reason": c.finish_reason,
