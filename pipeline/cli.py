@@ -189,7 +189,12 @@ def main(argv: list[str] | None = None) -> int:
             args = argparse.Namespace(func=PASSTHROUGH[argv[0]], rest=argv[1:])
         else:
             args = build_parser().parse_args(argv)
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, so that a reader that left is seen inside the try
+        return code
+    except BrokenPipeError:  # `regen status RUN | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail
+        return 0
     except RegenError as exc:
         print(f"regen: error: {exc}", file=sys.stderr)
         return exits.for_error(exc)

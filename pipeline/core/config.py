@@ -113,6 +113,15 @@ class RayOptions(_Strict):
     actor_num_cpus: float = Field(0.0, ge=0.0)
 
 
+class MetricsServer(_Strict):
+    """An opt-in Prometheus endpoint on the driver (docs/observability.md)."""
+
+    host: str = Field("127.0.0.1", description="Address the driver's /metrics listens on. The default is reachable "
+                                               "from this machine only; 0.0.0.0 lets a Prometheus elsewhere scrape it.")
+    port: int = Field(9464, ge=0, le=65535, description="Port of /metrics (0: any free port, named in the log and in "
+                                                         "status.json as metrics_url).")
+
+
 class RunConfig(_Strict):
     run_name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
     output_dir: str = "outputs"
@@ -166,6 +175,12 @@ class RunConfig(_Strict):
     flush_interval_s: float = Field(30.0, gt=0.0)
     flush_records: int = Field(512, ge=1)
     status_interval_s: float = Field(2.0, gt=0.0)
+    progress_log_interval_s: float = Field(
+        60.0, gt=0.0, description="Seconds between the progress lines in logs/regen.log (done, failed, pending, "
+                                  "rates, ETA); without a terminal they are also the console's progress.")
+    metrics: MetricsServer | None = Field(
+        None, description="Serve Prometheus metrics on the driver while the run dispatches (off when absent; "
+                          "`metrics: {}` serves on 127.0.0.1:9464).")
 
     @field_validator("output_dir")
     @classmethod

@@ -1,0 +1,127 @@
+"""A long run tells its story: RUN/logs/regen.log read as a user reads it after a run under nohup (no terminal),
+and `regen status` while it runs. One real run on SGLang emulators, with an endpoint SIGKILLed mid-run and
+started again; a real Ray head, real `regen` subprocesses."""
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import orjson
+import pytest
+
+from tests.helpers import (
+    committed_ids, emulators, prompt_source, regen_cmd, run_regen, start_regen, wait_for, write_config,
+)
+
+MODEL = "moonshotai/Kimi-K2.5"
+PROMPTS = 150
+
+
+def log_lines(run: Path) -> list[str]:
+    return (run / "logs" / "regen.log").read_text().splitlines()
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory, ray_cluster):
+    """One run of PROMPTS prompts over three emulators; emu-2 is SIGKILLed once records are committed, and
+    started again once the log says its circuit opened. `regen status` is asked while the run goes on."""
+    tmp = tmp_path_factory.mktemp("story")
+    with emulators(3, preset="kimi", tok_per_s=40) as servers:
+        endpoints = [{"url": s.url, "concurrency": 2, "name": f"emu-{i}"} for i, s in enumerate(servers)]
+        config = write_config(tmp, endpoints, [prompt_source(tmp, PROMPTS)], model=MODEL,
+                              sampling={"temperature": 0.0, "max_tokens": 16}, progress_log_interval_s=0.5,
+                              circuit_failures=1)
+        run = tmp / "out" / "t"
+        console = tmp / "console.txt"
+        proc = start_regen("generate", "--config", str(config), log=console)  # stdout and stderr: a file
+        try:
+            wait_for(lambda: run.exists() and len(committed_ids(run)) >= 16, 120, 0.2, "a first commit")
+            servers[2].kill()
+            wait_for(lambda: any("emu-2: circuit opened" in line for line in log_lines(run)), 60, 0.2,
+                     "the circuit of the killed endpoint to open")
+            servers[2].start()
+            wait_for(lambda: "ETA" in run_regen("status", str(run)).stdout, 60, 0.5, "status with an ETA")
+            status_running = run_regen("status", str(run))
+            proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return SimpleNamespace(run=run, code=proc.returncode, log=log_lines(run), console=console.read_bytes(),
+                           status_running=status_running, status_after=run_regen("status", str(run)))
+
+
+def test_the_log_holds_each_endpoints_preflight_verdict(story):
+    verdicts = [line for line in story.log if "preflight: endpoint" in line]
+    assert {re.search(r"endpoint (emu-\d)", line).group(1) for line in verdicts} == {"emu-0", "emu-1", "emu-2"}
+    assert all(" ok: sglang " in line and "weight version default" in line for line in verdicts), verdicts
+
+
+def test_the_log_shows_progress_at_a_steady_interval_with_rates_and_eta(story):
+    progress = [line for line in story.log if "progress: " in line]
+    assert len(progress) >= 3, story.log
+    done = [int(re.search(r"progress: (\d+)/%d done" % PROMPTS, line).group(1)) for line in progress]
+    assert done == sorted(done) and done[-1] > done[0]
+    assert all(re.search(r"\d+ failed, \d+ pending; recent [\d.]+ prompts/s \d+ tok/s .*overall [\d.]+ prompts/s "
+                         r"\d+ tok/s; ETA ", line) for line in progress), progress[0]
+
+
+def test_the_log_says_why_an_endpoint_left_the_work_and_when_it_came_back(story):
+    opened = next(line for line in story.log if "endpoint emu-2: circuit opened (" in line)
+    assert "no error recorded" not in opened and "WARNING" in opened
+    assert any("endpoint emu-2: circuit closed" in line for line in story.log[story.log.index(opened):]), \
+        "the restarted server took work again"
+
+
+def test_the_log_holds_the_commits_and_ends_with_the_outcome_and_exit_code(story):
+    assert story.code == 0
+    commits = [line for line in story.log if re.search(r"committed \d+ records in part-\d+", line)]
+    assert commits and sum(int(re.search(r"committed (\d+)", line).group(1)) for line in commits) == PROMPTS
+    last = story.log[-1]
+    assert "run ended (exit 0): run " in last and f"is complete: {PROMPTS} records, 0 failures" in last
+
+
+def test_without_a_terminal_progress_is_plain_lines_never_a_redrawn_bar(story):
+    assert b"\r" not in story.console
+    text = story.console.decode()
+    assert "regen: progress: " in text and "prompt/s" not in text  # tqdm's unit; the lines say prompts/s
+    assert "run ended (exit 0)" in text
+
+
+def test_status_shows_rates_eta_and_each_endpoints_throughput_while_running(story):
+    out = story.status_running.stdout
+    assert re.search(r"recent rate: [\d.]+ prompts/s, \d+ tok/s", out), out
+    assert re.search(r"overall rate: [\d.]+ prompts/s, \d+ tok/s", out), out
+    assert re.search(r"ETA (\d+h)?(\d+m)?\d+s at the recent rate", out) or "ETA unknown" in out, out
+    for label in ("emu-0", "emu-1", "emu-2"):
+        assert re.search(rf"{label}\s+\w+\s+on .* \d+ done\s+[\d.]+ prompts/s\s+[\d.]+ tok/s", out), out
+
+
+def test_a_complete_run_shows_nothing_in_flight(story):
+    report = orjson.loads(run_regen("status", str(story.run), "--json").stdout)
+    assert report["state"] == "complete" and report["endpoints"]
+    assert all(e["in_flight"] == 0 for e in report["endpoints"].values()), report["endpoints"]
+    assert sum(e["session_done"] for e in report["endpoints"].values()) == PROMPTS
+
+
+def test_status_into_a_pipe_that_closes_early_prints_no_traceback(story):
+    # `head -n 0` leaves at once: every write of regen meets a closed pipe
+    command = " ".join(regen_cmd("status", str(story.run))) + " | head -n 0"
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
+    assert result.returncode == 0
+
+
+def test_a_refused_preflight_is_in_the_log_with_the_exit_code(tmp_path):
+    with emulators(1, preset="kimi") as (server,):
+        config = write_config(tmp_path, [{"url": server.url, "name": "emu-x"}], [prompt_source(tmp_path, 3)],
+                              model="some/other-model")
+        result = run_regen("generate", "--config", str(config))
+    assert result.returncode != 0, result.stderr
+    lines = log_lines(tmp_path / "out" / "t")
+    assert any("preflight: endpoint emu-x" in line and "REFUSED: " in line for line in lines), lines
+    assert f"run ended (exit {result.returncode}): fatal: PreflightError" in lines[-1]
+    assert "3 pending of 3" in lines[-1]
+    assert result.stderr.count("fleet preflight refused") == 1, "the console says it once"
