@@ -86,8 +86,9 @@ class Progress:
         now = time.monotonic()
         then, finished, tokens = self.samples[0]
         window = max(1e-9, now - then)
+        recent_prompts = self.done + self.failed - finished
         return {
-            "recent": {"window_s": round(window, 1), "prompts_s": round((self.done + self.failed - finished) / window, 3),
+            "recent": {"window_s": round(window, 1), "prompts_s": round(recent_prompts / window, 3),
                        "tok_s": round((self.completion_tokens - tokens) / window, 1)},
             "overall": {"window_s": round(self.elapsed(), 1),
                         "prompts_s": round((self.done + self.failed) / self.elapsed(), 3),
