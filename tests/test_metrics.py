@@ -122,3 +122,4 @@ def test_every_series_the_grafana_dashboard_queries_is_in_a_live_scrape(scrape):
                 assert any(label in labels_of[name] for name in used), f"{expr}: no series has label {label}"
         for label in re.findall(r"label_values\(\s*regen_\w+\s*,\s*(\w+)\)", expr):
             assert any(label in labels_of[name] for name in used), expr
+

@@ -24,10 +24,26 @@ def log_lines(run: Path) -> list[str]:
     return (run / "logs" / "regen.log").read_text().splitlines()
 
 
+def kill_actor(address: str, label: str) -> None:
+    """Kill the Ray actor that serves `label` (the actors are named after their endpoint)."""
+    import ray
+
+    from pipeline.dispatch.actors import ACTOR_NAMESPACE
+
+    ray.init(address=address, namespace=ACTOR_NAMESPACE)
+    try:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == ACTOR_NAMESPACE and f":{label}:" in a["name"]]
+        assert len(names) == 1, names
+        ray.kill(ray.get_actor(names[0]))
+    finally:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
 def story(tmp_path_factory, ray_cluster):
-    """One run of PROMPTS prompts over three emulators; emu-2 is SIGKILLed once records are committed, and
-    started again once the log says its circuit opened. `regen status` is asked while the run goes on."""
+    """One run of PROMPTS prompts over three emulators. Once records are committed, the Ray actor of emu-0 is
+    killed, and the server emu-2 is SIGKILLed and started again once the log says its circuit opened. `regen status` is asked while the run goes on."""
     tmp = tmp_path_factory.mktemp("story")
     with emulators(3, preset="kimi", tok_per_s=40) as servers:
         endpoints = [{"url": s.url, "concurrency": 2, "name": f"emu-{i}"} for i, s in enumerate(servers)]
@@ -39,6 +55,7 @@ def story(tmp_path_factory, ray_cluster):
         proc = start_regen("generate", "--config", str(config), log=console)  # stdout and stderr: a file
         try:
             wait_for(lambda: run.exists() and len(committed_ids(run)) >= 16, 120, 0.2, "a first commit")
+            kill_actor(ray_cluster["address"], "emu-0")
             servers[2].kill()
             wait_for(lambda: any("emu-2: circuit opened" in line for line in log_lines(run)), 60, 0.2,
                      "the circuit of the killed endpoint to open")
@@ -73,6 +90,13 @@ def test_the_log_says_why_an_endpoint_left_the_work_and_when_it_came_back(story)
     assert "no error recorded" not in opened and "WARNING" in opened
     assert any("endpoint emu-2: circuit closed" in line for line in story.log[story.log.index(opened):]), \
         "the restarted server took work again"
+
+
+def test_the_log_tells_an_actors_death_and_its_restart(story):
+    died = next(i for i, line in enumerate(story.log) if "actor for emu-0 died" in line)
+    assert "requeueing" in story.log[died]
+    assert any("endpoint emu-0: actor restarted" in line for line in story.log[died:])
+    assert any("endpoint emu-0: its new actor runs (healthy)" in line for line in story.log[died:])
 
 
 def test_the_log_holds_the_commits_and_ends_with_the_outcome_and_exit_code(story):

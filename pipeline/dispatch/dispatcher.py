@@ -293,7 +293,8 @@ class Dispatcher:
         """A dead actor's in-flight work is requeued (suspects of the crash, isolation.py) and a fresh actor
         takes its place: at once the first time, then with backoff until a replacement has run a prompt (an
         actor that dies on every start, or on every prompt it is given); meanwhile the endpoint counts as down."""
-        log.warning("actor for %s died (%s); requeueing %d prompts", slot.label, exc, len(slot.assigned))
+        why = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line in the log
+        log.warning("actor for %s died (%s); requeueing %d prompts", slot.label, why, len(slot.assigned))
         for prompt_id in slot.assigned:
             if self.isolation.ended(slot.label, prompt_id):
                 self.isolation.deaths[prompt_id] += 1
