@@ -163,3 +163,52 @@ def test_a_refused_preflight_is_in_the_log_with_the_exit_code(tmp_path):
     assert f"run ended (exit {result.returncode}): fatal: PreflightError" in lines[-1]
     assert "3 pending of 3" in lines[-1]
     assert result.stderr.count("fleet preflight refused") == 1, "the console says it once"
+
+
+PROGRESS_SNIPPET = """
+import sys, time
+from pipeline.run import setup_logging
+from pipeline.store.progress import Progress
+from pipeline.store.rundir import RunDir
+run = RunDir(sys.argv[1])
+run.create()
+setup_logging(run)
+progress = Progress(run, total=8, already_done=0, failed_before=0, rejects=0, status_interval_s=0.01,
+                    log_interval_s=0.01)
+for _ in range(8):
+    progress.record(True, 5, "emu-0")
+    time.sleep(0.03)
+    progress.tick({"emu-0": {"state": "healthy"}})
+progress.close()
+"""
+
+
+def test_on_a_terminal_the_bar_stays_and_the_progress_lines_go_to_the_log_only(tmp_path):
+    import fcntl
+    import os
+    import pty
+    import struct
+    import sys
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 120-column terminal
+    try:
+        result = subprocess.run([sys.executable, "-c", PROGRESS_SNIPPET, str(tmp_path / "run")], stderr=follower,
+                                timeout=60)
+        os.close(follower)
+        terminal = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal's other side closed: all read
+                break
+            if not chunk:
+                break
+            terminal += chunk
+    finally:
+        os.close(leader)
+    assert result.returncode == 0
+    assert b"\r" in terminal and b"8/8" in terminal, terminal[-500:]  # tqdm's bar, redrawn in place
+    assert b"progress:" not in terminal
+    assert any("progress: 8/8 done" in line for line in log_lines(tmp_path / "run"))
