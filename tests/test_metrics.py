@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -31,7 +32,8 @@ def status_of(run: Path) -> dict:
 @pytest.fixture(scope="module")
 def scrape(tmp_path_factory, ray_cluster):
     """A run with `metrics: {port: 0}` over two emulators, one of which often answers 503 (though not to the
-    preflight: fault_seed); /metrics is scraped once a third of the prompts are done and that one has erred."""
+    preflight: fault_seed); /metrics is scraped once a third of the prompts are done and that one has erred,
+    then the run is stopped (SIGINT)."""
     tmp = tmp_path_factory.mktemp("metrics")
     with emulators(1, preset="kimi", tok_per_s=80) as (good,), \
             emulators(1, preset="kimi", tok_per_s=80, fault_503=0.6, fault_seed=5) as (flaky,):
@@ -50,6 +52,7 @@ def scrape(tmp_path_factory, ray_cluster):
             wait_for(lambda: ready(status_of(run)), 120, 0.2, "a third of the prompts done and an error")
             url = status_of(run)["metrics_url"]
             text = urllib.request.urlopen(url, timeout=10).read().decode()
+            proc.send_signal(signal.SIGINT)  # a stop asked for: the buffer is committed, the run ends with 130
             proc.wait(timeout=180)
         finally:
             if proc.poll() is None:
@@ -89,7 +92,6 @@ def test_metrics_show_each_endpoints_state_in_flight_latency_and_error_classes(s
 
 
 def test_metrics_listen_on_loopback_by_default_and_stop_with_the_run(scrape):
-    assert scrape.code == 0
     assert scrape.url.startswith("http://127.0.0.1:") and scrape.url.endswith("/metrics")
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(scrape.url, timeout=5)
@@ -123,3 +125,9 @@ def test_every_series_the_grafana_dashboard_queries_is_in_a_live_scrape(scrape):
         for label in re.findall(r"label_values\(\s*regen_\w+\s*,\s*(\w+)\)", expr):
             assert any(label in labels_of[name] for name in used), expr
 
+
+def test_a_stopped_run_ends_its_log_with_interrupted_the_counts_and_exit_130(scrape):
+    assert scrape.code == 130
+    last = (scrape.run / "logs" / "regen.log").read_text().splitlines()[-1]
+    assert re.search(r"run ended \(exit 130\): interrupted: \d+ new records committed; \d+ done, 0 failed, \d+ "
+                     rf"pending of {PROMPTS}; rerun to resume ", last), last
