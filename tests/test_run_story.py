@@ -17,7 +17,7 @@ from tests.helpers import (
 )
 
 MODEL = "moonshotai/Kimi-K2.5"
-PROMPTS = 150
+PROMPTS = 200
 
 
 def log_lines(run: Path) -> list[str]:
@@ -45,11 +45,11 @@ def story(tmp_path_factory, ray_cluster):
     """One run of PROMPTS prompts over four emulators, each with its own story:
     emu-0: its Ray actor is killed once records are committed (it dies and is restarted);
     emu-1: serves throughout;
-    emu-2: SIGKILLed at the first commit, then started again serving other weights (refused, it stays out);
+    emu-2: SIGKILLed at the first commit, and started again serving other weights (refused, it stays out);
     emu-3: down at the preflight, started at the first commit (its circuit closes and it takes work).
     `regen status` is asked while the run goes on."""
     tmp = tmp_path_factory.mktemp("story")
-    with emulators(4, preset="kimi", tok_per_s=40) as servers:
+    with emulators(4, preset="kimi", tok_per_s=30) as servers:
         endpoints = [{"url": s.url, "concurrency": 2, "name": f"emu-{i}"} for i, s in enumerate(servers)]
         config = write_config(tmp, endpoints, [prompt_source(tmp, PROMPTS)], model=MODEL,
                               sampling={"temperature": 0.0, "max_tokens": 16}, progress_log_interval_s=0.5,
@@ -59,16 +59,14 @@ def story(tmp_path_factory, ray_cluster):
         servers[3].stop()
         proc = start_regen("generate", "--config", str(config), log=console)  # stdout and stderr: a file
         try:
+            # Each step is taken at once, none waits for the run: on a busy machine the run could end first.
             wait_for(lambda: run.exists() and len(committed_ids(run)) >= 16, 120, 0.2, "a first commit")
-            servers[2].kill()
+            servers[2].kill()  # in-flight requests are dropped: its circuit opens
             servers[3].start()
-            kill_actor(ray_cluster["address"], "emu-0")
-            wait_for(lambda: any("emu-2: circuit opened" in line for line in log_lines(run)), 60, 0.2,
-                     "the circuit of the killed endpoint to open")
             servers[2].restart(weight_version="other-weights")
-            wait_for(lambda: "ETA" in run_regen("status", str(run)).stdout, 60, 0.5, "status with an ETA")
             status_running = run_regen("status", str(run))
-            proc.wait(timeout=180)
+            kill_actor(ray_cluster["address"], "emu-0")
+            proc.wait(timeout=300)
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -107,5 +107,4 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
               f"in flight {stats.get('in_flight', 0):>4}  {stats.get('session_done', 0):>7} done  "
               f"{stats.get('session_prompts_s', 0):>7.2f} prompts/s  "
               f"{stats.get('session_tok_s', stats.get('tok_s', 0)):>8} tok/s  errors {stats.get('errors', {})}")
-    sys.stdout.flush()  # inside the command: a reader that left (`| head`) is seen here, not at exit
     return 0
