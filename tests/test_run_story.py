@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -71,7 +70,7 @@ def story(tmp_path_factory, ray_cluster):
             if proc.poll() is None:
                 proc.kill()
     return SimpleNamespace(run=run, code=proc.returncode, log=log_lines(run), console=console.read_bytes(),
-                           status_running=status_running, status_after=run_regen("status", str(run)))
+                           status_running=status_running)
 
 
 def test_the_log_holds_each_endpoints_preflight_verdict(story):
