@@ -70,9 +70,10 @@ def log_verdicts(reports, fleet_problems: list[str]) -> None:
             engine = f"{r.engine.engine} {r.engine.version or '(version unknown)'}" if r.engine else "engine unknown"
             verdict = (f"ok: {engine}, weight version {r.weight_version or 'not reported'}, context "
                        f"{r.context or 'unknown'}")
-        log.info("preflight: endpoint %s (%s) %s", r.label, r.url, verdict, extra={"file_only": True})
+        level = logging.INFO if r.ok else logging.WARNING
+        log.log(level, "preflight: endpoint %s (%s) %s", r.label, r.url, verdict, extra={"file_only": True})
     for problem in fleet_problems:
-        log.info("preflight: fleet REFUSED: %s", problem, extra={"file_only": True})
+        log.warning("preflight: fleet REFUSED: %s", problem, extra={"file_only": True})
 
 
 def check_fleet_first(cfg: RunConfig, run_dir: RunDir) -> None:
