@@ -29,7 +29,13 @@ def _capture(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from .store.status import print_status
 
-    return print_status(args.run_dir, as_json=args.json)
+    try:
+        code = print_status(args.run_dir, as_json=args.json)
+        sys.stdout.flush()  # here, so that a reader that left is seen inside the try
+        return code
+    except BrokenPipeError:  # `regen status RUN | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail
+        return 0
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -131,6 +131,15 @@ class RayOptions(_Strict):
         "CPUs Ray reserves for each endpoint actor of `regen generate`."))
 
 
+class MetricsServer(_Strict):
+    """An opt-in Prometheus endpoint on the driver (docs/observability.md)."""
+
+    host: str = Field("127.0.0.1", description="Address the driver's /metrics listens on. The default is reachable "
+                                               "from this machine only; 0.0.0.0 lets a Prometheus elsewhere scrape it.")
+    port: int = Field(9464, ge=0, le=65535, description="Port of /metrics (0: any free port, named in the log and in "
+                                                         "status.json as metrics_url).")
+
+
 class RunConfig(_Strict):
     run_name: str = Field(pattern=r"^[A-Za-z0-9._-]+$", description=(
         "The run's name: its directory is output_dir/run_name (letters, digits, `.`, `_`, `-`)."))
@@ -211,6 +220,12 @@ class RunConfig(_Strict):
         "Commit the buffered records at least this often: a SIGKILL loses at most this much work."))
     flush_records: int = Field(512, ge=1, description="Commit once this many records are buffered.")
     status_interval_s: float = Field(2.0, gt=0.0, description="How often status.json is rewritten.")
+    progress_log_interval_s: float = Field(
+        60.0, gt=0.0, description="Seconds between the progress lines in logs/regen.log (done, failed, pending, "
+                                  "rates, ETA); without a terminal they are also the console's progress.")
+    metrics: MetricsServer | None = Field(
+        None, description="Serve Prometheus metrics on the driver while the run dispatches (off when absent; "
+                          "`metrics: {}` serves on 127.0.0.1:9464).")
 
     @field_validator("output_dir")
     @classmethod

@@ -23,6 +23,7 @@ from ..core.work import DONE, DROPPED, RETRY, RETURNED, TERMINAL, Exchange, Outc
 from .actors import ACTOR_NAMESPACE, client_settings, make_actor_factory  # noqa: F401 - the run's imports
 from .isolation import Isolation
 from .routing import Router
+from .story import log_change
 from .transport import ActorLost, RayTransport, Transport
 
 log = logging.getLogger("regen.dispatch")
@@ -216,6 +217,7 @@ class Dispatcher:
 
     # --- outcomes -----------------------------------------------------------------------------------
     def _absorb(self, slot: Slot, exchange: Exchange) -> None:
+        log_change(slot.label, slot.state, slot.stats, exchange.state, exchange.stats)
         slot.state, slot.stats = exchange.state, exchange.stats
         down = exchange.state in ("open", "fatal") or slot.losses > 0
         slot.down_since = (slot.down_since or time.monotonic()) if down else None
@@ -291,7 +293,8 @@ class Dispatcher:
         """A dead actor's in-flight work is requeued (suspects of the crash, isolation.py) and a fresh actor
         takes its place: at once the first time, then with backoff until a replacement has run a prompt (an
         actor that dies on every start, or on every prompt it is given); meanwhile the endpoint counts as down."""
-        log.warning("actor for %s died (%s); requeueing %d prompts", slot.label, exc, len(slot.assigned))
+        why = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line in the log
+        log.warning("actor for %s died (%s); requeueing %d prompts", slot.label, why, len(slot.assigned))
         for prompt_id in slot.assigned:
             if self.isolation.ended(slot.label, prompt_id):
                 self.isolation.deaths[prompt_id] += 1
@@ -308,12 +311,14 @@ class Dispatcher:
         slot.losses += 1
         delay = 0.0 if slot.losses == 1 else min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (slot.losses - 2))
         slot.restart_at = time.monotonic() + delay
+        log.info("endpoint %s: a new actor starts in %.1fs (%d lost in a row)", slot.label, delay, slot.losses)
 
     def _restart_due(self) -> None:
         now = time.monotonic()
         for slot in self.slots.values():
             if slot.restart_at is not None and now >= slot.restart_at:
                 self.actor_restarts += 1
+                log.info("endpoint %s: actor restarted (%d restarts this session)", slot.label, self.actor_restarts)
                 slot.restart_at = None
                 slot.handle = self.actor_factory(slot.endpoint, False)
                 slot.created_at, slot.answered, slot.warned_unplaced = now, False, False

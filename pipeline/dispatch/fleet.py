@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 from ..core.config import RunConfig
-from ..core.errors import DriftError
+from ..core.errors import DriftError, PreflightError
 from ..store.rundir import RunDir
 
 log = logging.getLogger("regen.fleet")
@@ -45,13 +45,35 @@ def fleet_preflight(cfg: RunConfig, run_dir: RunDir) -> FleetFacts:
     from ..endpoints.preflight import preflight
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
-    reports = preflight(cfg, api_keys)
+    try:
+        reports = preflight(cfg, api_keys)
+    except PreflightError as refused:
+        log_verdicts(getattr(refused, "reports", []), getattr(refused, "fleet_problems", []))
+        raise
+    log_verdicts(reports, [])
     check_engines(run_dir, reports)
     weight_version = pin_weight_version(run_dir, reports)
     record_determinism(run_dir, reports)
     engines = record_engines(run_dir, reports)
     return FleetFacts(weight_version, {r.label: r.engine for r in reports if r.engine is not None},
                       {r.label for r in reports if not r.reachable}, [e for e in engines if e.get("engine")])
+
+
+def log_verdicts(reports, fleet_problems: list[str]) -> None:
+    """Each endpoint's preflight verdict, into the run's log (the console has the refusal or the warnings)."""
+    for r in reports:
+        if r.problems:
+            verdict = "REFUSED: " + "; ".join(r.problems)
+        elif not r.reachable:
+            verdict = f"unreachable ({r.down_reason}); it gets work once it answers and passes the preflight"
+        else:
+            engine = f"{r.engine.engine} {r.engine.version or '(version unknown)'}" if r.engine else "engine unknown"
+            verdict = (f"ok: {engine}, weight version {r.weight_version or 'not reported'}, context "
+                       f"{r.context or 'unknown'}")
+        level = logging.INFO if r.ok else logging.WARNING
+        log.log(level, "preflight: endpoint %s (%s) %s", r.label, r.url, verdict, extra={"file_only": True})
+    for problem in fleet_problems:
+        log.warning("preflight: fleet REFUSED: %s", problem, extra={"file_only": True})
 
 
 def check_fleet_first(cfg: RunConfig, run_dir: RunDir) -> None:
