@@ -57,6 +57,44 @@ def local_data_files(spec: SourceSpec) -> list[Path]:
                   and not any(part.startswith(".") for part in p.relative_to(local).parts))
 
 
+def is_hub_dataset(spec: SourceSpec) -> bool:
+    """A kind-hf source naming a dataset on the hub (not a local file or folder)."""
+    return spec.kind == "hf" and not spec.local_path().exists() and not _looks_local(spec.path)
+
+
+def own_reader_files(spec: SourceSpec) -> list[Path]:
+    """The local files of a kind-hf source that regen's own readers read (the others go through `datasets`)."""
+    local = spec.local_path()
+    if local.is_file():
+        return [local]
+    if local.is_dir() and spec.data_files and not _saved_to_disk(local):
+        try:
+            return _matching(spec, local)
+        except SourceError:
+            return []
+    return []
+
+
+def hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached now; None: a TCP connect to it succeeded within `timeout_s`.
+    HF_HUB_OFFLINE counts as unreachable without trying. (The hub client retries for most of a minute before it
+    says so itself.)"""
+    import socket
+    from urllib.parse import urlsplit
+
+    import datasets.config as hub
+
+    if hub.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    parts = urlsplit(hub.HF_ENDPOINT)
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"{host}:{port} did not answer within {timeout_s:.0f} s: {exc.strerror or type(exc).__name__}"
+
+
 def _looks_local(path: str) -> bool:
     """A hub name is `owner/name`; anything with a leading ./, ~ or /, or a file extension, means a local path."""
     return path.startswith((".", "/", "~")) or Path(path).suffix.lower() in DATA_EXTENSIONS or path.count("/") > 1
