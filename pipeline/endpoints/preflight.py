@@ -155,8 +155,10 @@ def _refuse(message: str, reports: list[EndpointReport], fleet: list[str]) -> Pr
     return error
 
 
-async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], **timeouts: float) -> list[EndpointReport]:
-    """`preflight` for callers already inside an event loop."""
+async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], announce: bool = True,
+                          **timeouts: float) -> list[EndpointReport]:
+    """`preflight` for callers already inside an event loop. `announce`: log the fleet notes and each endpoint's
+    warnings once it passes (False: the caller prints them itself, as `regen preflight` does in its table)."""
     deadline = time.monotonic() + cfg.dead_fleet_deadline_s
     delay = 1.0
     while True:
@@ -165,6 +167,8 @@ async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], **tim
         if fleet or any(r.problems for r in reports):
             raise _refuse(refusal_text(reports, fleet), reports, fleet)
         if any(r.reachable for r in reports):
+            if not announce:
+                return reports
             for note in fleet_notes(reports, cfg):
                 log.warning("fleet: %s", note)
             for r in reports:
@@ -187,13 +191,14 @@ async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], **tim
         delay = min(delay * 2, 30.0)
 
 
-def preflight(cfg: RunConfig, api_keys: dict[str, str | None], **timeouts: float) -> list[EndpointReport]:
+def preflight(cfg: RunConfig, api_keys: dict[str, str | None], announce: bool = True,
+              **timeouts: float) -> list[EndpointReport]:
     """Check the fleet before any prompt is sent.
 
     Raises PreflightError naming each endpoint and mismatch; waits with backoff up to
     cfg.dead_fleet_deadline_s while no endpoint answers. Unreachable endpoints among working ones are
     warnings (logged, and in the reports). `timeouts`: info_timeout_s, probe_timeout_s."""
-    return asyncio.run(preflight_async(cfg, api_keys, **timeouts))
+    return asyncio.run(preflight_async(cfg, api_keys, announce, **timeouts))
 
 
 # --- `regen preflight CONFIG` ---------------------------------------------------------------------------
@@ -215,7 +220,7 @@ def run_preflight_command(config_path: str) -> int:
         if cfg.local_fleet is not None:
             reports = _with_local_fleet(cfg, api_keys)
         else:
-            reports = preflight(cfg, api_keys)
+            reports = preflight(cfg, api_keys, announce=False)  # the table and the lines below say it all, once
     except PreflightError as exc:
         reports = getattr(exc, "reports", None)
         if reports:
@@ -248,7 +253,7 @@ def _with_local_fleet(cfg: RunConfig, api_keys: dict[str, str | None]) -> list[E
     logs = Path(tempfile.mkdtemp(prefix="regen-preflight-"))
     try:
         with LocalFleetProcesses(cfg.local_fleet, logs):
-            reports = preflight(cfg, api_keys)
+            reports = preflight(cfg, api_keys, announce=False)
     except RunFatal:
         if not any(logs.iterdir()):  # e.g. a port in use: nothing started, nothing to keep
             shutil.rmtree(logs, ignore_errors=True)
