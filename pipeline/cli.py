@@ -17,7 +17,8 @@ def _interrupt(_signum: int, _frame: object) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from .run import GenerateOptions, generate
 
-    return generate(GenerateOptions(args.config, args.new_run, args.refresh_prompts, args.retry_failures))
+    return generate(GenerateOptions(args.config, args.new_run, args.refresh_prompts, args.retry_failures,
+                                    start_with_passing=args.start_with_passing))
 
 
 def _capture(args: argparse.Namespace) -> int:
@@ -77,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--refresh-prompts", action="store_true",
                      help="re-read the sources: new prompts are added, done ones never sent again")
     gen.add_argument("--retry-failures", action="store_true", help="send terminal failures again")
+    gen.add_argument("--start-with-passing", action="store_true",
+                     help="when the preflight refuses some endpoints for problems of their own, start with the ones "
+                          "that pass instead of refusing the run; the others are named in the log and status and "
+                          "join once they pass the preflight (a fleet split between models or weights is still "
+                          "refused)")
     gen.set_defaults(func=_generate)
 
     cap = sub.add_parser("capture", help="capture the hidden states of a run's committed records", description=(
