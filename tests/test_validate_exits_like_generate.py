@@ -1,7 +1,8 @@
 """`regen validate` exits as `regen generate` would (issue 23, dead end 3): a JSON source cut short and an unset
 api_key_env are exit 2 for both, with generate's own words; `--no-secrets` skips the secrets check; a hub that
-cannot be reached (HF_HUB_OFFLINE, --offline, no answer to a short connect) is skipped with a note instead of a
-minute of the hub client's retries; the production config's "check it without contacting anything" line is true."""
+does not answer a short connect (or HF_HUB_OFFLINE) is looked for in the local cache only, at once, instead of after
+a minute of the hub client's retries; --offline contacts nothing and skips hub datasets with a note; the production
+config's "check it without contacting anything" line is true."""
 from __future__ import annotations
 
 import json
@@ -121,30 +122,49 @@ def hub_source_config(tmp: Path) -> Path:
     return one_source_config(tmp, {"kind": "hf", "path": "regen-test/no-such-dataset", "split": "train"})
 
 
-@pytest.mark.parametrize("how", ["HF_HUB_OFFLINE", "--offline"])
-def test_offline_skips_the_hub_probe_with_a_note_and_contacts_nothing(tmp_path, how):
+NOT_CACHED = ("cannot load regen-test/no-such-dataset[train] from the Hugging Face hub: offline mode is on "
+              "(HF_HUB_OFFLINE) and the dataset is not in the local cache")
+
+
+def test_offline_contacts_nothing_and_skips_hub_datasets_with_a_note(tmp_path):
     listener = CountingListener()
     try:
-        env = {"HF_ENDPOINT": f"http://127.0.0.1:{listener.port}", "HF_HUB_OFFLINE": "1" if how != "--offline" else "0"}
-        args = ["validate", str(hub_source_config(tmp_path))] + (["--offline"] if how == "--offline" else [])
-        out = run_regen(*args, env=env, timeout=60)
+        out = run_regen("validate", "--offline", str(hub_source_config(tmp_path)), timeout=60,
+                        env={"HF_ENDPOINT": f"http://127.0.0.1:{listener.port}", "HF_HUB_OFFLINE": "0"})
     finally:
         listener.close()
     assert out.returncode == 0 and "is valid" in out.stdout, out.stdout + out.stderr
-    reason = "HF_HUB_OFFLINE is set" if how == "HF_HUB_OFFLINE" else "--offline"
-    assert (f"  not probed: the hub is not contacted ({reason}); regen generate needs the hub, or the dataset in "
-            "the local cache") in out.stdout
+    assert ("  not probed: --offline contacts no hub (regen generate needs the hub, or the dataset in the local "
+            "cache)") in out.stdout
     assert listener.connections == 0
 
 
-def test_a_hub_that_does_not_answer_is_skipped_with_a_note(tmp_path):
+def test_with_hf_hub_offline_a_hub_dataset_is_looked_for_in_the_cache_only_and_contacts_nothing(tmp_path):
+    listener = CountingListener()
+    try:
+        out = run_regen("validate", str(hub_source_config(tmp_path)), timeout=60,
+                        env={"HF_ENDPOINT": f"http://127.0.0.1:{listener.port}", "HF_HUB_OFFLINE": "1",
+                             "HF_DATASETS_CACHE": str(tmp_path / "cache")})
+    finally:
+        listener.close()
+    assert out.returncode == 2, out.stdout  # as generate: the dataset is in no cache here
+    assert ("  the hub is not contacted (HF_HUB_OFFLINE is set): looked for in the local cache only (--offline skips "
+            "hub datasets)") in out.stdout
+    assert f"  cannot read it: {NOT_CACHED}" in out.stdout
+    assert listener.connections == 0
+
+
+def test_a_hub_that_does_not_answer_a_short_connect_is_looked_for_in_the_cache_only(tmp_path):
+    # On the old code: a minute of the hub client's retries, then "the hub is unreachable".
     with socket.socket() as closed:  # a port nothing listens on: the connect is refused at once
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    out = run_regen("validate", str(hub_source_config(tmp_path)),
-                    env={"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_OFFLINE": "0"}, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert f"  not probed: the hub is not contacted (127.0.0.1:{port} did not answer within 3 s:" in out.stdout
+    out = run_regen("validate", str(hub_source_config(tmp_path)), timeout=60,
+                    env={"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_OFFLINE": "0",
+                         "HF_DATASETS_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"  the hub is not contacted (127.0.0.1:{port} did not answer within 3 s: " in out.stdout
+    assert f"  cannot read it: {NOT_CACHED}" in out.stdout
 
 
 def test_the_production_configs_check_without_contacting_anything_is_true(monkeypatch):

@@ -75,24 +75,39 @@ def own_reader_files(spec: SourceSpec) -> list[Path]:
     return []
 
 
-def hub_unreachable(timeout_s: float = 3.0) -> str | None:
+HUB_CONNECT_TIMEOUT_S = 3.0
+
+
+def hub_unreachable(timeout_s: float = HUB_CONNECT_TIMEOUT_S) -> str | None:
     """Why the Hugging Face hub cannot be reached now; None: a TCP connect to it succeeded within `timeout_s`.
     HF_HUB_OFFLINE counts as unreachable without trying. (The hub client retries for most of a minute before it
-    says so itself.)"""
+    says so itself.) Read from the environment, as the hub client will read it once imported."""
+    import os
     import socket
     from urllib.parse import urlsplit
 
-    import datasets.config as hub
-
-    if hub.HF_HUB_OFFLINE:
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         return "HF_HUB_OFFLINE is set"
-    parts = urlsplit(hub.HF_ENDPOINT)
+    parts = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             return None
     except OSError as exc:
         return f"{host}:{port} did not answer within {timeout_s:.0f} s: {exc.strerror or type(exc).__name__}"
+
+
+def hub_cache_only() -> None:
+    """Read hub datasets from the local cache only, in this process: no retries against a hub that does not answer.
+    Takes effect where `datasets` is imported after it (the validate command imports it later)."""
+    import os
+    import sys
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if "datasets" in sys.modules:
+        import datasets.config
+
+        datasets.config.HF_HUB_OFFLINE = True
 
 
 def _looks_local(path: str) -> bool:

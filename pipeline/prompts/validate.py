@@ -3,9 +3,10 @@
 It reads the config, reads the first records of each source, and exits as `generate` would: a source that cannot
 be read, holds no valid prompt, or is a JSON file cut short without `salvage: true` (generate reads to the end of
 it and refuses) is exit 2, and so is an `api_key_env` that is not set (`--no-secrets` skips that check, for a
-cluster's config looked at on a laptop). It contacts no endpoint. A hub dataset is streamed for its first records,
-unless the hub cannot be reached: with HF_HUB_OFFLINE set, `--offline`, or no answer to a short connect, its probe
-is skipped with a note rather than waiting on the hub client's retries.
+cluster's config looked at on a laptop). It contacts no endpoint. A hub dataset is streamed for its first records;
+when the hub does not answer a short connect (or HF_HUB_OFFLINE is set) it is looked for in the local cache only, at
+once, rather than after the hub client's minute of retries; `--offline` contacts nothing and skips hub datasets with
+a note.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from ..core import exits
 from ..core.config import RunConfig, load_config
 from .errors import SourceError
-from .hf import hub_unreachable, is_hub_dataset
+from .hf import hub_cache_only, hub_unreachable, is_hub_dataset
 from .probe import probe_source
 from .sources import SourceSpec, load_source_spec
 
@@ -30,19 +31,22 @@ class ValidateOptions:
 
 def validate(opts: ValidateOptions) -> int:
     cfg = load_config(opts.config)
+    specs = [(ref, load_source_spec(ref.spec)) for ref in cfg.sources]
+    hub_reason = None
+    if not opts.offline and any(is_hub_dataset(spec) for _, spec in specs):
+        hub_reason = hub_unreachable()
+        if hub_reason:
+            hub_cache_only()  # as fast as HF_HUB_OFFLINE: the cache answers, or says the dataset is not in it
     unreadable = 0
-    hub_reason: str | None = "--offline" if opts.offline else None
-    hub_checked = opts.offline
-    for ref in cfg.sources:
-        spec = load_source_spec(ref.spec)
+    for ref, spec in specs:
         print(f"source {spec.name}: {spec.kind} {spec.path} ({spec.format}), limit {ref.limit or spec.limit or 'none'}")
-        if is_hub_dataset(spec):
-            if not hub_checked:
-                hub_reason, hub_checked = hub_unreachable(), True
-            if hub_reason:
-                print(f"  not probed: the hub is not contacted ({hub_reason}); regen generate needs the hub, or "
-                      "the dataset in the local cache")
-                continue
+        if is_hub_dataset(spec) and opts.offline:
+            print("  not probed: --offline contacts no hub (regen generate needs the hub, or the dataset in the local "
+                  "cache)")
+            continue
+        if is_hub_dataset(spec) and hub_reason:
+            print(f"  the hub is not contacted ({hub_reason}): looked for in the local cache only (--offline skips "
+                  "hub datasets)")
         unreadable += _source_refused(spec)
     missing = _missing_secrets(cfg, opts.secrets)
     errors = []
