@@ -14,6 +14,7 @@ import random
 import sys
 import time
 
+from ..core import exits
 from ..core.config import RunConfig
 from .client import ClientSettings, EndpointClient
 from ..core.errors import ConfigError, PreflightError
@@ -241,7 +242,7 @@ def run_preflight_command(config_path: str) -> int:
         api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
     except ConfigError as exc:
         print(f"regen: error: {exc}", file=sys.stderr)
-        return 2
+        return exits.CONFIG.code
     try:
         if cfg.local_fleet is not None:
             reports = _with_local_fleet(cfg, api_keys)
@@ -252,19 +253,19 @@ def run_preflight_command(config_path: str) -> int:
         if reports:
             print(render_table(reports, cfg, getattr(exc, "fleet_problems", [])))
         print(f"regen: error: {exc}", file=sys.stderr)
-        return 1
+        return exits.FAILED.code
     except ConfigError as exc:
         print(f"regen: error: {exc}", file=sys.stderr)
-        return 2
+        return exits.CONFIG.code
     except Exception as exc:  # noqa: BLE001 - e.g. a local fleet that will not start (RunFatal)
         print(f"regen: error: {exc}", file=sys.stderr)
-        return 1
+        return exits.FAILED.code
     print(render_table(reports, cfg, []))
     for note in fleet_notes(reports, cfg):
         print(f"  fleet: {note}")
     ready = sum(r.ok for r in reports)
     print(f"preflight passed: {ready} of {len(reports)} endpoints ready for {cfg.model}")
-    return 0
+    return exits.OK.code
 
 
 def _with_local_fleet(cfg: RunConfig, api_keys: dict[str, str | None]) -> list[EndpointReport]:
