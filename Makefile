@@ -170,6 +170,8 @@ serve-local: setup
 emulate: setup
 	$(REGEN) emulate --port 30000
 
+# The capture case needs torch and transformers (the verify extra) and SmolLM2-135M as an HF folder (converted
+# once into the cache, as `make vllm` does); a case whose needs are missing is skipped with a line saying which.
 .PHONY: bench
-bench: setup
-	$(PY) -m pipeline.bench $(ARGS)
+bench: setup $(VENV)/.verify $(SMOLLM2_HF)/.complete
+	REGEN_VLLM_MODEL=$(SMOLLM2_HF) $(PY) -m pipeline.bench $(ARGS)

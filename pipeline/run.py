@@ -44,6 +44,7 @@ class GenerateOptions:
     new_run: bool = False
     refresh_prompts: bool = False
     retry_failures: bool = False
+    start_with_passing: bool = False  # endpoints the preflight refuses are held out; they join once they pass
 
 
 # --- the prompt set ------------------------------------------------------------------------------
@@ -222,7 +223,7 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: St
     # a new run reads its sources before it writes anything: a source that fails leaves no run directory
     staged = None if run_dir.exists() else stage_prompt_set(cfg)
     if opts.new_run and run_dir.exists():
-        check_fleet_first(cfg, run_dir)
+        check_fleet_first(cfg, run_dir, opts.start_with_passing)
     with RunLock(run_dir) as lock:
         setup_logging(run_dir)
         manifest = open_run(cfg, opts, run_dir)
@@ -264,7 +265,7 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     if not pending and not (opts.new_run and manifest.get("weight_version") is not None):
         return report_complete(run_dir, progress())
     with local_fleet(cfg.local_fleet, run_dir.local_logs()):
-        fleet = fleet_preflight(cfg, run_dir)
+        fleet = fleet_preflight(cfg, run_dir, opts.start_with_passing)
         if not pending:
             return report_complete(run_dir, progress())
         log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed),
@@ -371,7 +372,7 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
                             make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines, fleet.run_engines),
                                                cfg.api_key),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
-                            unreachable=fleet.unreachable)
+                            unreachable=fleet.unreachable, refused=fleet.refused)
     metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
     if metrics is not None:
         progress.extra["metrics_url"] = metrics.url
@@ -379,10 +380,14 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
         dispatcher.run()
     finally:
         dispatcher.shutdown()
+        progress.endpoints = dispatcher.fleet_status()  # as the actors were ended: nothing in flight
         progress.stopped()
         if metrics is not None:
             metrics.close()
+    if dispatcher.refused:
+        log.warning("endpoints held out by the preflight never passed it this session, so the run went on without "
+                    "them: %s", "; ".join(f"{label}: {why}" for label, why in dispatcher.refused.items()))
     progress.extra = {"requeued": dispatcher.requeued, "actor_restarts": dispatcher.actor_restarts,
                       "hedged": len(dispatcher.hedged), "dropped_duplicates": committer.dropped_duplicates,
-                      "fleet_changes": dispatcher.fleet_changes}
+                      "fleet_changes": dispatcher.fleet_changes, "held_out": sorted(dispatcher.refused)}
     return "interrupted" if stop() else "complete"
