@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Callable, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, SecretMissing
+from .paths import resolve_config_paths, resolve_tokenizer
 from .identity import current_identity, flat_diff, identity_fingerprint  # noqa: F401 (flat_diff: its readers)
 from .uri import check_uri
 
@@ -97,7 +98,8 @@ class Sampling(_Strict):
 
 
 class SourceRef(_Strict):
-    spec: str  # path of a source definition under prompts_sources/
+    spec: str = Field(description="path of a source spec (YAML); a relative path resolves against the run config "
+                                  "file's folder")
     limit: int | None = Field(None, ge=1)
 
 
@@ -115,7 +117,8 @@ class RayOptions(_Strict):
 
 class RunConfig(_Strict):
     run_name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
-    output_dir: str = "outputs"
+    output_dir: str = Field("outputs", description="where run directories go: a folder (a relative one resolves "
+                                                   "against the config file's folder) or an s3:// / gs:// URI")
     model: str
     mode: Literal["last_turn", "all_turns"] = "last_turn"
     # Explicit thinking mode: sent as chat_template_kwargs {"thinking": ...} (Kimi's switch). None: server default.
@@ -127,7 +130,8 @@ class RunConfig(_Strict):
     endpoints: list[Endpoint] = Field(default_factory=list)
     # A file of endpoints (one URL a line, optional concurrency), re-read during the run: new endpoints join
     # after passing the preflight, removed ones drain.
-    endpoints_file: str | None = None
+    endpoints_file: str | None = Field(None, description="a file of endpoints, re-read during the run; a relative "
+                                                         "path resolves against the config file's folder")
     endpoints_file_interval_s: float = Field(10.0, gt=0.0)
     endpoints_file_concurrency: int = Field(64, ge=1)
     endpoints_file_api_key_env: str | None = None
@@ -150,7 +154,11 @@ class RunConfig(_Strict):
     # Prompts longer than this (the chat template applied, counted with `tokenizer`, default: the model's) are
     # rejected before sending; without a loadable tokenizer the server's 400 makes them terminal failures.
     max_prompt_tokens: int | None = Field(None, ge=1)
-    tokenizer: str | None = None
+    tokenizer: str | None = Field(None, description="the tokenizer that counts prompt tokens (default: the model's): "
+                                                   "a folder (a relative one resolves against the config file's "
+                                                   "folder) or a hub id")
+    # the config file's folder, against which relative paths resolve (None: built in code, the working directory)
+    _config_dir: Path | None = PrivateAttr(None)
     # Retries and deadlines.
     max_attempts: int = Field(4, ge=1)  # HTTP attempts per prompt across all endpoints
     attempts_per_endpoint: int = Field(2, ge=1)
@@ -196,6 +204,14 @@ class RunConfig(_Strict):
                                          self.endpoints_file_api_key_env):
                 fleet.setdefault(e.label, e)
         return list(fleet.values())
+
+    def tokenizer_path(self) -> str:
+        """What loads the tokenizer: `tokenizer` as a folder relative to the config file's folder if there is one,
+        else as written (a hub id, or an absolute path); without it, the model's name. The identity records
+        `tokenizer` as written."""
+        if not self.tokenizer:
+            return self.model
+        return resolve_tokenizer(self.tokenizer, self._config_dir)
 
     def request_timeout(self) -> float:
         """The deadline of one non-streamed request: past it the request made no progress."""
@@ -323,8 +339,10 @@ def _describe(error: ValidationError, path: Path) -> str:
 _M = TypeVar("_M", bound=BaseModel)
 
 
-def load_yaml_model(path: str | Path, model: type[_M], what: str = "config") -> _M:
-    """A YAML file validated into `model`; every problem is a ConfigError naming the file (and the key)."""
+def load_yaml_model(path: str | Path, model: type[_M], what: str = "config",
+                    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> _M:
+    """A YAML file validated into `model`; every problem is a ConfigError naming the file (and the key).
+    `prepare` rewrites the raw mapping first (a run config resolves its paths)."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -334,6 +352,8 @@ def load_yaml_model(path: str | Path, model: type[_M], what: str = "config") -> 
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the {what} must be a mapping of keys")
+    if prepare is not None:
+        raw = prepare(raw)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -341,4 +361,10 @@ def load_yaml_model(path: str | Path, model: type[_M], what: str = "config") -> 
 
 
 def load_config(path: str | Path) -> RunConfig:
-    return load_yaml_model(path, RunConfig)
+    """A run config file; its relative paths resolve against its folder (docs/resume-and-drift.md)."""
+    path = Path(path)
+    cfg = load_yaml_model(path, RunConfig, prepare=lambda raw: resolve_config_paths(raw, path))
+    cfg._config_dir = path.resolve().parent
+    if cfg.tokenizer:
+        cfg.tokenizer_path()  # a tokenizer written as a path must exist
+    return cfg
