@@ -20,7 +20,7 @@ from ..core.errors import ConfigError, DriftError
 from ..core.identity import IDENTITY_VERSION, StoredRecords, check_identity, flat_diff
 from .promptset import check_source_files
 from .records import stored_records
-from .rundir import RunDir, _numbered_runs, resolve_run_dir
+from .rundir import RunDir, _numbered_runs, resolve_run_dir, successor_run_dir
 
 log = logging.getLogger("regen")
 
@@ -75,29 +75,28 @@ def choose_run(cfg: RunConfig, *, new_run: bool, refresh_prompts: bool, run_dir:
             raise ConfigError(f"--run-dir {run_dir}: no run there (it has no run.json); without --run-dir "
                               f"regen picks the run of {cfg.run_name!r} in {cfg.output_dir}")
         return ChosenRun(named)
-    if new_run:  # resume the newest run only if it matches (or has committed nothing), else a successor
-        return ChosenRun(resolve_run_dir(cfg.output_dir, cfg.run_name, True, lambda run: committed_nothing(run)
-                                         or not identity_drift(cfg, run, refresh_prompts)))
     runs = _numbered_runs(cfg.output_dir, cfg.run_name)
     started = [RunDir(runs[n]) for n in sorted(runs, reverse=True) if (runs[n] / "run.json").exists()]
     if not started:
         return ChosenRun(resolve_run_dir(cfg.output_dir, cfg.run_name, False))
-    newest, diffs = started[0], {}
+    newest, diffs = started[0], []
     for run in started:
-        diffs[run] = identity_drift(cfg, run, refresh_prompts)
-        if not diffs[run]:
+        diffs.append(identity_drift(cfg, run, refresh_prompts))
+        if not diffs[-1]:
             if run is newest:
                 return ChosenRun(run)
             return ChosenRun(run, f"resuming {run.path}, NOT the newest run of {cfg.run_name!r} ({newest.path}): "
                                   f"{run.path} is the newest whose identity matches this config (name it with "
-                                  "--run-dir to say so; --new-run starts a new run)")
+                                  "--run-dir to say so; --new-run starts a new run only when none matches)")
     if committed_nothing(newest):
         return ChosenRun(newest)  # open_run takes the config, and logs the difference
+    if new_run:
+        return ChosenRun(successor_run_dir(cfg.output_dir, cfg.run_name))
     if len(started) == 1:
-        raise DriftError(str(newest.path), diffs[newest])
+        raise DriftError(str(newest.path), diffs[0])
     lines = []
-    for run in started:
-        lines += [f"{run.path}{' (newest)' if run is newest else ''}:"] + [f"  {line}" for line in diffs[run]]
+    for run, diff in zip(started, diffs):
+        lines += [f"{run.path}{' (newest)' if run is newest else ''}:"] + [f"  {line}" for line in diff]
     raise DriftError(f"no run of {cfg.run_name!r} in {cfg.output_dir} matches this config: each", lines,
                      "Restore the values of the run to resume, name one with --run-dir (the drift guard still "
                      "applies), or pass --new-run to start a new run directory with this config.")
