@@ -17,7 +17,7 @@ from typing import Any
 
 from ..core.config import RunConfig
 from ..core.errors import ConfigError, DriftError
-from ..core.identity import IDENTITY_VERSION, StoredRecords, check_identity, flat_diff
+from ..core.identity import IDENTITY_VERSION, StoredRecords, check_identity, flat_diff, spec_renames, with_spec_keys
 from .promptset import check_source_files
 from .records import stored_records
 from .rundir import RunDir, _numbered_runs, resolve_run_dir, successor_run_dir
@@ -120,7 +120,9 @@ def rebind(cfg: RunConfig, run_dir: RunDir, manifest: dict[str, Any], fresh: dic
     were; otherwise it is read again, and run.json keeps the old `prompts` until the new set is committed (so a
     kill in between reads it again)."""
     identity = {key: fresh[key] for key in ("generation", "prompts")}
-    diff = flat_diff({key: manifest.get(key) or {} for key in identity}, identity)
+    stored = {key: manifest.get(key) or {} for key in identity}
+    stored["prompts"] = with_spec_keys(stored["prompts"], spec_renames(stored["prompts"], identity["prompts"]))
+    diff = flat_diff(stored, identity)
     stored_check = check_identity(manifest, fresh, refresh_prompts=False)
     prompts_changed = any(line.startswith("prompts") for line in stored_check.drift) or "prompts" not in manifest
     files = None if prompts_changed or "source_files" not in manifest else check_source_files(cfg, manifest)
