@@ -18,7 +18,7 @@ def _generate(args: argparse.Namespace) -> int:
     from .run import GenerateOptions, generate
 
     return generate(GenerateOptions(args.config, args.new_run, args.refresh_prompts, args.retry_failures,
-                                    start_with_passing=args.start_with_passing))
+                                    start_with_passing=args.start_with_passing, run_dir=args.run_dir))
 
 
 def _capture(args: argparse.Namespace) -> int:
@@ -78,9 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="run (or resume) a regeneration", description=(
         "Run the config's prompts through its endpoints into a run directory. Running it again resumes."))
     gen.add_argument("--config", default=os.environ.get("CONFIG", "configs/local.yaml"), help="run config (YAML)")
-    gen.add_argument("--new-run", action="store_true",
-                     help="resume the newest run of this name only if nothing of its identity changed (generation "
-                          "and prompt-set config, the weights the fleet serves); else start a successor <run>-rN")
+    which = gen.add_mutually_exclusive_group()
+    which.add_argument("--new-run", action="store_true",
+                       help="resume the newest run of this name only if nothing of its identity changed (generation "
+                            "and prompt-set config, the weights the fleet serves); else start a successor <run>-rN")
+    which.add_argument("--run-dir", metavar="DIR",
+                       help="the run directory to resume (default: the newest run of the config's run_name whose "
+                            "identity matches the config); the drift guard still applies")
     gen.add_argument("--refresh-prompts", action="store_true",
                      help="re-read the sources: new prompts are added, done ones never sent again")
     gen.add_argument("--retry-failures", action="store_true", help="send terminal failures again")

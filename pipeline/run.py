@@ -18,7 +18,7 @@ from .store import schema
 from .core import exits
 from .core.config import RunConfig, load_config
 from .core.errors import DriftError, LeaseLost, RegenError, StorageError
-from .core.identity import IDENTITY_VERSION, StoredRecords, check_identity, resumed_manifest
+from .core.identity import IDENTITY_VERSION, check_identity, resumed_manifest
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
 from .prompts.tokens import load_length_check
@@ -27,10 +27,11 @@ from .store.promptset import (StagedPromptSet, check_schema_takes_tools, check_s
 from .store.committer import Committer
 from .store.progress import duration
 from .store.status import counts_line
-from .store.rundir import RunDir, RunLock, now_utc, resolve_run_dir, successor_run_dir
+from .store.resume import ChosenRun, choose_run, committed_nothing, rebind, records_of_older, with_prompt_advice
+from .store.rundir import RunDir, RunLock, now_utc, successor_run_dir
 from .dispatch.cluster import EndpointsFileWatch, init_ray
 from .dispatch.fleet import FleetDrift, FleetFacts, check_fleet_first, fleet_preflight
-from .store.records import RecordBuilder, stored_records
+from .store.records import RecordBuilder
 from .core.work import DONE, Outcome
 
 log = logging.getLogger("regen")
@@ -45,13 +46,14 @@ class GenerateOptions:
     refresh_prompts: bool = False
     retry_failures: bool = False
     start_with_passing: bool = False  # endpoints the preflight refuses are held out; they join once they pass
+    run_dir: str | None = None  # --run-dir: the run to resume (the drift guard still applies)
 
 
 # --- the prompt set ------------------------------------------------------------------------------
 def build_prompts(cfg: RunConfig) -> PromptSet:
     """The whole prompt set in memory (regen simulate); a run streams it through stage_prompt_set."""
     specs = list(source_specs(cfg).values())
-    check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer or cfg.model)
+    check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path())
     return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed, length_check=check)
 
 
@@ -105,32 +107,31 @@ def manifest_for(cfg: RunConfig, config_path: str) -> dict[str, Any]:
     }
 
 
-def records_of_older(run_dir: RunDir, manifest: dict[str, Any]) -> StoredRecords:
-    """What the records of a run started by older regen show (its run.json did not record how they were made)."""
-    if manifest.get("identity_version", 1) >= IDENTITY_VERSION:
-        return StoredRecords()
-    return stored_records(run_dir)
+@dataclass
+class OpenedRun:
+    manifest: dict[str, Any]
+    restage: bool = False  # the prompt set is read again (a run that has committed nothing, whose sources changed)
 
 
-def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> dict[str, Any]:
-    """Create the run directory, or check that the config may resume it (the drift guard). Returns run.json."""
+def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> OpenedRun:
+    """Create the run directory, or check that the config may resume it (the drift guard). A run that has
+    committed nothing takes the config instead (its identity binds at its first commit)."""
     run_dir.create()
     for tmp in run_dir.cleanup_temp():
         log.info("removed uncommitted temporary file %s", tmp.name)
     if not run_dir.exists():
         manifest = manifest_for(cfg, opts.config)
         run_dir.write_manifest(manifest)
-        return manifest
+        return OpenedRun(manifest)
     manifest = run_dir.read_manifest()
+    if committed_nothing(run_dir):
+        return rebind_unbound(cfg, opts, run_dir, manifest)
     identity = cfg.identity()
     check = check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts,
                            records=records_of_older(run_dir, manifest))
     # the source files: a changed size or mtime is drift only if the digest differs too (a copy is not drift)
     files = None if opts.refresh_prompts else check_source_files(cfg, manifest)
-    drift = check.drift + (files.drift if files else [])
-    if (files and files.drift) or any(line.startswith("prompts.") for line in check.drift):
-        drift.append("the prompt set changed: --refresh-prompts re-reads the sources into this run (done prompts "
-                     "are kept), --new-run starts a new run")
+    drift = with_prompt_advice(check.drift + (files.drift if files else []), bool(files and files.drift))
     if drift:
         raise DriftError(str(run_dir.path), drift)
     updated = resumed_manifest(manifest, identity, check)
@@ -146,7 +147,26 @@ def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> dict[str
                     ", ".join(f"{key} = {value!r}" for key, value in check.adopted.items()))
     if updated != manifest:
         run_dir.write_manifest(updated)
-    return updated
+    return OpenedRun(updated)
+
+
+def rebind_unbound(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any]) -> OpenedRun:
+    """A run with no record and no failure has no data to protect: it takes this config (logging the
+    difference), forgets what the preflight pinned, and reads its prompt set again if that changed."""
+    rebound = rebind(cfg, run_dir, manifest, manifest_for(cfg, opts.config), opts.refresh_prompts,
+                     now_utc().isoformat(timespec="seconds"))
+    if rebound.diff:
+        log.warning("%s has committed nothing yet, so it takes this config (a run's identity binds at its first "
+                    "commit); changed since its last start:", run_dir.path)
+        for line in rebound.diff:
+            log.warning("  %s", line)
+    if rebound.reset:
+        log.info("forgot what the earlier preflight pinned (%s): this session's preflight pins them again",
+                 ", ".join(f"{key} = {value!r}" for key, value in rebound.reset.items()))
+    if rebound.restage and manifest.get("prompts") is not None:
+        log.info("the prompt set is read again from the sources")
+    run_dir.write_manifest(rebound.manifest)
+    return OpenedRun(rebound.manifest, rebound.restage)
 
 
 def setup_logging(run_dir: RunDir) -> None:
@@ -197,42 +217,42 @@ def generate(opts: GenerateOptions) -> int:
     cfg.check_secrets()
     stop = StopFlag()
     stop.install()
-    identity = cfg.identity()
-
-    def resumable(run: RunDir) -> bool:
-        manifest = run.read_manifest()
-        if not check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts,
-                              records=records_of_older(run, manifest)).resumable:
-            return False
-        return opts.refresh_prompts or not check_source_files(cfg, manifest).drift
-
-    # --new-run resumes the newest run only if nothing of its identity changed, else starts a successor
-    run_dir = resolve_run_dir(cfg.output_dir, cfg.run_name, opts.new_run, resumable)
+    chosen = choose_run(cfg, new_run=opts.new_run, refresh_prompts=opts.refresh_prompts, run_dir=opts.run_dir)
     try:
-        return generate_in(cfg, opts, run_dir, stop)
+        return generate_in(cfg, opts, chosen, stop)
     except FleetDrift as drift:
         if not opts.new_run:
             raise
         run_dir = successor_run_dir(cfg.output_dir, cfg.run_name)
         log.warning("%s was made by another fleet (%s); --new-run: starting %s", drift.run_dir,
                     "; ".join(drift.diff), run_dir.path)
-        return generate_in(cfg, opts, run_dir, stop)
+        return generate_in(cfg, opts, ChosenRun(run_dir), stop)
 
 
-def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: StopFlag) -> int:
-    # a new run reads its sources before it writes anything: a source that fails leaves no run directory
-    staged = None if run_dir.exists() else stage_prompt_set(cfg)
-    if opts.new_run and run_dir.exists():
+def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: StopFlag) -> int:
+    run_dir = chosen.run_dir
+    if opts.new_run and run_dir.exists() and not committed_nothing(run_dir):
         check_fleet_first(cfg, run_dir, opts.start_with_passing)
+    created = not run_dir.path.exists()
+    # the lock first: a second driver is refused at once, before it reads any source
     with RunLock(run_dir) as lock:
+        # a new run reads its sources before it writes anything: a source that fails leaves no run directory
+        try:
+            staged = None if run_dir.exists() else stage_prompt_set(cfg)
+        except BaseException:
+            if created:
+                lock.remove_folder_on_release = True
+            raise
         setup_logging(run_dir)
-        manifest = open_run(cfg, opts, run_dir)
+        if chosen.notice:
+            log.warning("%s", chosen.notice)
+        opened = open_run(cfg, opts, run_dir)
         if lock.previous_holder:
             log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
         log.info("run directory %s", run_dir.path)
         try:
-            prompts = materialise(cfg, run_dir, opts.refresh_prompts, staged)
-            return dispatch_pending(cfg, opts, run_dir, manifest, prompts, stop, lock)
+            prompts = materialise(cfg, run_dir, opts.refresh_prompts or opened.restage, staged)
+            return dispatch_pending(cfg, opts, run_dir, opened.manifest, prompts, stop, lock)
         except BaseException as exc:
             log_the_end(run_dir, exc)
             raise

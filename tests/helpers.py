@@ -146,3 +146,20 @@ def require_installed(what: str) -> None:
     if os.environ.get("REGEN_VLLM_PYTHON"):
         pytest.fail(f"{what} is missing although `make test` installed it")
     pytest.skip(f"{what} is missing: run `make vllm`")
+
+
+def commit_a_failure(run: Path | str) -> None:
+    """Bind a run's identity as its first commit does: one terminal failure, committed as the run commits it (a
+    run that has committed nothing takes whatever config reruns it: docs/resume-and-drift.md)."""
+    import pyarrow as pa
+
+    from pipeline.store import schema
+    from pipeline.store.rundir import RunDir, now_utc
+
+    run_dir = RunDir(str(run))
+    prompts = run_dir.load_prompt_set()
+    prompt_id = prompts.column("prompt_id")[0].as_py() if prompts is not None and prompts.num_rows else "p0"
+    row = {"prompt_id": prompt_id, "source": "test", "error_class": "TerminalForPrompt", "status": 400,
+           "message": "committed by the test", "endpoint": "test", "attempts": 1, "config_fingerprint": None,
+           "created_at": now_utc()}
+    run_dir.write_part(run_dir.failures, pa.Table.from_pylist([row], schema=schema.FAILURES))

@@ -18,7 +18,7 @@ from pipeline.core.config import load_config
 from pipeline.core.errors import DriftError
 from pipeline.run import GenerateOptions, materialise, open_run
 from pipeline.store.rundir import RunDir
-from tests.helpers import run_regen
+from tests.helpers import commit_a_failure, run_regen
 
 DEAD_ENDPOINT = [{"url": "http://127.0.0.1:9", "concurrency": 1}]  # never contacted: these runs stop before
 
@@ -185,6 +185,7 @@ def test_a_changed_spec_is_drift_with_a_diff_and_refresh_takes_it(tmp_path):
     # Regression: the spec's content was not in the identity, so a fixed spec reused the stored (empty) set.
     config, spec, _ = setup_run(tmp_path, jsonl(rows(6)))
     run, prompts = start(config)
+    commit_a_failure(run.path)  # bound: a run that has committed nothing takes the changed spec
     assert prompts.num_rows == 6
     spec.write_text(spec.read_text() + "limit: 2\n")
     result = run_regen("generate", "--config", str(config), timeout=120)
@@ -199,6 +200,7 @@ def test_a_changed_spec_is_drift_with_a_diff_and_refresh_takes_it(tmp_path):
 def test_a_copied_dataset_is_not_drift_and_a_changed_one_is(tmp_path):
     config, _, data = setup_run(tmp_path, jsonl(rows(6)))
     run, _ = start(config)
+    commit_a_failure(run.path)
     recorded = manifest(run)["source_files"]
     entry = recorded[str(tmp_path / "sharegpt.yaml")]["data/sharegpt.jsonl"]
     assert (entry["size"], len(entry["sha256"])) == (data.stat().st_size, 64)
@@ -227,6 +229,7 @@ def test_a_copied_dataset_is_not_drift_and_a_changed_one_is(tmp_path):
 def test_a_run_json_written_before_these_keys_still_resumes(tmp_path):
     config, _, _ = setup_run(tmp_path, jsonl(rows(4)))
     run, _ = start(config)
+    commit_a_failure(run.path)
     old = manifest(run)
     for key in ("source_files", "prompt_report"):
         del old[key]
@@ -241,6 +244,7 @@ def test_a_run_json_written_before_these_keys_still_resumes(tmp_path):
 def test_a_refresh_that_fails_writes_nothing(tmp_path):
     config, _, data = setup_run(tmp_path, jsonl(rows(4)))
     run, _ = start(config)
+    commit_a_failure(run.path)
     before = manifest(run)
     data.write_bytes(jsonl(rows(5))[:-30])  # cut short
     with pytest.raises(Exception, match="ends in the middle of a record"):

@@ -7,12 +7,13 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Callable, Literal, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, SecretMissing
+from .paths import resolve_config_paths, resolve_tokenizer
 from .identity import current_identity, flat_diff, identity_fingerprint  # noqa: F401 (flat_diff: its readers)
 from .uri import check_uri
 
@@ -111,7 +112,9 @@ class Sampling(_Strict):
 
 
 class SourceRef(_Strict):
-    spec: str = Field(description="Path of a source spec file (a YAML file such as prompts_sources/x.yaml).")
+    spec: str = Field(description=(
+        "Path of a source spec file (a YAML file such as prompts_sources/x.yaml); a relative path resolves against "
+        "the run config file's folder."))
     limit: int | None = Field(None, ge=1, description=(
         "Keep at most this many prompts of the source (wins over the spec file's own `limit`)."))
 
@@ -145,8 +148,9 @@ class RunConfig(_Strict):
     run_name: str = Field(pattern=r"^[A-Za-z0-9._-]+$", description=(
         "The run's name: its directory is output_dir/run_name (letters, digits, `.`, `_`, `-`)."))
     output_dir: str = Field("outputs", description=(
-        "Where run directories go: a local or shared path, or an object-store URI (s3://bucket/prefix, gs://...; "
-        "backend options in the query string, never credentials)."))
+        "Where run directories go: a local or shared path (a relative one resolves against the config file's "
+        "folder), or an object-store URI (s3://bucket/prefix, gs://...; backend options in the query string, never "
+        "credentials)."))
     model: str = Field(description="The served model name every endpoint must serve (checked by the preflight).")
     mode: Literal["last_turn", "all_turns"] = Field("last_turn", description=(
         "`last_turn`: regenerate the final assistant turn given the source's context; `all_turns`: regenerate every "
@@ -164,7 +168,8 @@ class RunConfig(_Strict):
     endpoints: list[Endpoint] = Field(default_factory=list, description="The endpoints of the fleet.")
     endpoints_file: str | None = Field(None, description=(
         "A file of endpoints (`URL [concurrency]` a line, `#` comments), re-read during the run: new endpoints join "
-        "after passing the preflight, removed ones drain."))
+        "after passing the preflight, removed ones drain. A relative path resolves against the config file's "
+        "folder."))
     endpoints_file_interval_s: float = Field(10.0, gt=0.0, description=(
         "How often the endpoints file is re-read; a change applies once two reads in a row agree."))
     endpoints_file_concurrency: int = Field(64, ge=1, description=(
@@ -197,7 +202,10 @@ class RunConfig(_Strict):
         "Prompts longer than this (the chat template applied, counted with `tokenizer`) are rejected before "
         "sending; without a loadable tokenizer the server's 400 makes them terminal failures."))
     tokenizer: str | None = Field(None, description=(
-        "The tokenizer max_prompt_tokens counts with (default: the model's)."))
+        "The tokenizer max_prompt_tokens counts with (default: the model's): a folder (a relative one resolves "
+        "against the config file's folder) or a hub id."))
+    # the config file's folder, against which relative paths resolve (None: built in code, the working directory)
+    _config_dir: Path | None = PrivateAttr(None)
     # Retries and deadlines.
     max_attempts: int = Field(4, ge=1, description="HTTP attempts per prompt across all endpoints.")
     attempts_per_endpoint: int = Field(2, ge=1, description="Attempts on one endpoint before the prompt moves on.")
@@ -257,6 +265,14 @@ class RunConfig(_Strict):
                                          self.endpoints_file_api_key_env):
                 fleet.setdefault(e.label, e)
         return list(fleet.values())
+
+    def tokenizer_path(self) -> str:
+        """What loads the tokenizer: `tokenizer` as a folder relative to the config file's folder if there is one,
+        else as written (a hub id, or an absolute path); without it, the model's name. The identity records
+        `tokenizer` as written."""
+        if not self.tokenizer:
+            return self.model
+        return resolve_tokenizer(self.tokenizer, self._config_dir)
 
     def request_timeout(self) -> float:
         """The deadline of one non-streamed request: past it the request made no progress."""
@@ -417,8 +433,10 @@ def _describe(error: ValidationError, path: Path, model: type[BaseModel] | None 
 _M = TypeVar("_M", bound=BaseModel)
 
 
-def load_yaml_model(path: str | Path, model: type[_M], what: str = "config") -> _M:
-    """A YAML file validated into `model`; every problem is a ConfigError naming the file (and the key)."""
+def load_yaml_model(path: str | Path, model: type[_M], what: str = "config",
+                    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> _M:
+    """A YAML file validated into `model`; every problem is a ConfigError naming the file (and the key).
+    `prepare` rewrites the raw mapping first (a run config resolves its paths)."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -428,6 +446,8 @@ def load_yaml_model(path: str | Path, model: type[_M], what: str = "config") -> 
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the {what} must be a mapping of keys")
+    if prepare is not None:
+        raw = prepare(raw)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -435,4 +455,10 @@ def load_yaml_model(path: str | Path, model: type[_M], what: str = "config") -> 
 
 
 def load_config(path: str | Path) -> RunConfig:
-    return load_yaml_model(path, RunConfig)
+    """A run config file; its relative paths resolve against its folder (docs/resume-and-drift.md)."""
+    path = Path(path)
+    cfg = load_yaml_model(path, RunConfig, prepare=lambda raw: resolve_config_paths(raw, path))
+    cfg._config_dir = path.resolve().parent
+    if cfg.tokenizer:
+        cfg.tokenizer_path()  # a tokenizer written as a path must exist
+    return cfg

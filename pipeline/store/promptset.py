@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from ..core.config import RunConfig
 from ..core.errors import ConfigError
+from ..core.identity import spec_renames
 from ..prompts.errors import SourceError
 from ..prompts.fileid import FilesCheck, compare_files, file_identity
 from ..prompts.prompt_set import BuildResult, Prompt, Reject, build_into
@@ -139,7 +140,7 @@ def stage_prompt_set(cfg: RunConfig) -> StagedPromptSet:
     staged = StagedPromptSet()
     try:
         staged.files = file_identity({key: spec for key, (spec, _) in specs.items()})
-        check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer or cfg.model)
+        check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path())
         staged.result = build_into(staged, list(specs.values()), mode=cfg.mode, seed=cfg.selection_seed,
                                    length_check=check)
         _check_every_listed_file_was_read(specs, staged)
@@ -173,7 +174,9 @@ def check_source_files(cfg: RunConfig, manifest: dict[str, Any]) -> FilesCheck:
     if stored is None:
         return FilesCheck(recorded=file_identity(specs),
                           notes=["run.json recorded no source files (written by older regen): recorded them now"])
-    return compare_files(stored, specs)
+    # recorded under the spec paths run.json names: compared with the config's spec in the same place
+    renames = spec_renames(manifest.get("prompts") or {}, cfg.prompt_identity())
+    return compare_files({renames.get(key, key): files for key, files in stored.items()}, specs)
 
 
 def report_document(staged: StagedPromptSet) -> dict[str, Any]:

@@ -74,6 +74,8 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
                 raw.pop(key, None)
             raw.update(output_dir=str(work / "out"), run_name="simulated", sources=[{"spec": str(spec)}],
                        endpoints=[{"url": s.url, "concurrency": per_endpoint} for s in servers])
+            if raw.get("tokenizer"):  # the copy lives elsewhere: a tokenizer folder is named whole
+                raw["tokenizer"] = cfg.tokenizer_path()
             sim_cfg = work / "config.yaml"
             sim_cfg.write_text(yaml.safe_dump(raw))
             started = time.monotonic()
