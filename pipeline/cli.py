@@ -66,9 +66,9 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"regen: error: {args.config}: {unreadable} of {len(cfg.sources)} sources cannot be read or hold no "
               "valid prompt",
               file=sys.stderr)
-        return 2
+        return exits.CONFIG.code
     print(f"{args.config} is valid: model {cfg.model}, fingerprint {cfg.fingerprint()}")
-    return 0
+    return exits.OK.code
 
 
 def _card(args: argparse.Namespace) -> int:
