@@ -66,3 +66,27 @@ def test_every_test_the_docs_cite_exists():
             elif name and name not in defined_tests(path):
                 missing.append(f"{doc.relative_to(REPO)}: tests/{module}::{name} does not exist")
     assert not missing, "\n".join(missing)
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors MkDocs gives a page's headings (its toc slugify: lowercase, punctuation dropped, spaces to -)."""
+    anchors = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            title = re.sub(r"[`*]", "", line.lstrip("#").strip()).lower()
+            anchors.add(re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", title)).strip("-"))
+    return anchors
+
+
+def test_every_link_of_the_readme_reaches_a_file_and_its_heading():
+    """README.md is outside the site, so `mkdocs build --strict` does not see its links."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", (REPO / "README.md").read_text(encoding="utf-8")):
+        if "://" in target:
+            continue
+        path, _, anchor = target.partition("#")
+        if not (REPO / path).exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and anchor not in heading_anchors(REPO / path):
+            broken.append(f"{target}: no heading with that anchor")
+    assert not broken, "\n".join(broken)

@@ -132,7 +132,8 @@ class RayOptions(_Strict):
         "None (and no RAY_ADDRESS), or `local`: start an embedded cluster on 127.0.0.1 without a dashboard; "
         "`auto`: join the running cluster (`ray start`); or a cluster address."))
     actor_num_cpus: float = Field(0.0, ge=0.0, description=(
-        "CPUs Ray reserves for each endpoint actor of `regen generate`."))
+        "CPUs Ray reserves for each endpoint actor of `regen generate`. A capture config ignores it: its actors "
+        "take the top-level `actor_num_cpus`."))
 
 
 class MetricsServer(_Strict):

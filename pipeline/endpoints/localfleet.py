@@ -346,10 +346,11 @@ def local_fleet(fleet: LocalFleet | None, log_dir: Path):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="regen serve-local", description=__doc__)
-    parser.add_argument("--port", type=int, default=18181)
+    parser.add_argument("--port", type=int, default=18181, help="port on 127.0.0.1 (default 18181)")
     parser.add_argument("--slots", type=int, default=4, help="parallel sequences (n_parallel)")
     parser.add_argument("--ctx-per-slot", type=int, default=1024, help="context tokens per slot")
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="CPU threads (default: half of this machine's cores)")
     parser.add_argument("--alias", default="SmolLM2-135M-Instruct", help="model name the server reports")
     parser.add_argument("--lifeline-fd", type=int, default=None,
                         help="stop when this pipe closes (set by regen: the server dies with its driver)")
