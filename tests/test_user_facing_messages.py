@@ -3,6 +3,8 @@ as a typo in a spec file does; every passthrough command shows its usage as `reg
 each fleet note once."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -10,6 +12,8 @@ from pipeline import cli
 from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError
 from tests.helpers import emulators, run_regen
+
+REPO = Path(__file__).resolve().parent.parent  # the config is written elsewhere: its spec path is absolute
 
 
 @pytest.mark.parametrize("section, typo, fix", [
@@ -53,7 +57,7 @@ def test_preflight_prints_each_fleet_note_once(tmp_path):
     with emulators(1, preset="kimi") as (server,):
         config = tmp_path / "config.yaml"
         config.write_text(yaml.safe_dump({"run_name": "pf", "model": "moonshotai/Kimi-K2.5", "thinking": True,
-                                          "sources": [{"spec": "prompts_sources/sample_prompts.yaml"}],
+                                          "sources": [{"spec": str(REPO / "prompts_sources/sample_prompts.yaml")}],
                                           "endpoints": [{"url": server.url}]}))
         out = run_regen("preflight", str(config), timeout=60)
     assert out.returncode == 0, out.stderr

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, SecretMissing
-from .paths import resolve_config_paths, resolve_tokenizer
+from .paths import check_config_paths, resolve_config_paths, resolve_tokenizer
 from .identity import current_identity, flat_diff, identity_fingerprint  # noqa: F401 (flat_diff: its readers)
 from .uri import check_uri
 
@@ -458,7 +458,14 @@ def load_yaml_model(path: str | Path, model: type[_M], what: str = "config",
 def load_config(path: str | Path) -> RunConfig:
     """A run config file; its relative paths resolve against its folder (docs/resume-and-drift.md)."""
     path = Path(path)
-    cfg = load_yaml_model(path, RunConfig, prepare=lambda raw: resolve_config_paths(raw, path))
+    written: dict[str, Any] = {}
+
+    def prepare(raw: dict[str, Any]) -> dict[str, Any]:
+        written.update(raw)
+        return resolve_config_paths(raw, path)
+
+    cfg = load_yaml_model(path, RunConfig, prepare=prepare)
+    check_config_paths(written, path)
     cfg._config_dir = path.resolve().parent
     if cfg.tokenizer:
         cfg.tokenizer_path()  # a tokenizer written as a path must exist

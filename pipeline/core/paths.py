@@ -35,19 +35,30 @@ def resolve_tokenizer(written: str, base: Path | None) -> str:
 
 
 def resolve_config_paths(raw: dict[str, Any], config_file: Path) -> dict[str, Any]:
-    """The raw config with its paths resolved against the config file's folder; a source spec or endpoints file
-    that does not exist is an error naming the path as written and the one resolved."""
+    """The raw config with its paths resolved against the config file's folder (checked by `check_config_paths`
+    once the keys are known to be right, so a typo in a key is reported first)."""
     base = config_file.resolve().parent
     raw = dict(raw)
     if isinstance(raw.get("output_dir"), str) and "://" not in raw["output_dir"]:
         raw["output_dir"] = resolve_against(base, raw["output_dir"])
     if isinstance(raw.get("endpoints_file"), str):
-        raw["endpoints_file"] = _existing(config_file, "endpoints_file", raw["endpoints_file"], base)
+        raw["endpoints_file"] = resolve_against(base, raw["endpoints_file"])
     if isinstance(raw.get("sources"), list):
-        raw["sources"] = [{**ref, "spec": _existing(config_file, f"sources[{i}].spec", ref["spec"], base)}
+        raw["sources"] = [{**ref, "spec": resolve_against(base, ref["spec"])}
                           if isinstance(ref, dict) and isinstance(ref.get("spec"), str) else ref
-                          for i, ref in enumerate(raw["sources"])]
+                          for ref in raw["sources"]]
     return raw
+
+
+def check_config_paths(raw: dict[str, Any], config_file: Path) -> None:
+    """A source spec or endpoints file that does not exist is an error naming the path as written and the one
+    resolved."""
+    base = config_file.resolve().parent
+    if isinstance(raw.get("endpoints_file"), str):
+        _existing(config_file, "endpoints_file", raw["endpoints_file"], base)
+    for i, ref in enumerate(raw.get("sources") or []):
+        if isinstance(ref, dict) and isinstance(ref.get("spec"), str):
+            _existing(config_file, f"sources[{i}].spec", ref["spec"], base)
 
 
 def _existing(config_file: Path, key: str, written: str, base: Path) -> str:
