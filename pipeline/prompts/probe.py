@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .adapters import to_messages
+from .presets import Preset, recognise
 from .prompt_set import normalise
 from .errors import NoValidPrompts, SourceError
 from .records import InvalidRecord, RawRecord, Reject
@@ -27,6 +28,7 @@ class Probe:
     keys: Counter = field(default_factory=Counter)  # top-level keys of the records
     containers: dict[str, str] = field(default_factory=dict)
     looks_like: tuple[str, str] | None = None  # (format, conversation field) the records seem to be
+    presets: Counter = field(default_factory=Counter)  # the preset each of the first records looks like
     warnings: list[str] = field(default_factory=list)
     # the first records all rejected: the rest was read, and none is valid (as `regen generate` refuses it)
     no_valid: NoValidPrompts | None = None
@@ -79,6 +81,9 @@ def _valid(spec: SourceSpec, rec: Reject | RawRecord, report: SourceReport, prob
         if probe is not None and isinstance(rec.data, dict):
             probe.keys.update(rec.data.keys())
             probe.looks_like = probe.looks_like or guess_format(rec.data)
+            preset = recognise(rec.data)
+            if preset is not None:
+                probe.presets[preset] += 1
         try:
             normalise(to_messages(spec, rec.data))
             return True
@@ -91,6 +96,12 @@ def _valid(spec: SourceSpec, rec: Reject | RawRecord, report: SourceReport, prob
 
 
 def guess_format(data: dict[str, Any]) -> tuple[str, str] | None:
+    if isinstance(data.get("question"), str) and isinstance(data.get("answer"), str):
+        return "question_answer", "question"
+    for key, value in data.items():
+        if isinstance(data.get("output"), str) and isinstance(value, list) and value and isinstance(value[0], dict) \
+                and "role" in value[0] and "content" in value[0]:
+            return "input_output", key
     for key, value in data.items():
         if isinstance(value, list) and value and isinstance(value[0], dict):
             if "from" in value[0] and "value" in value[0]:
@@ -112,6 +123,12 @@ def _check(probe: Probe) -> None:
         if (fmt, key) != (spec.format, spec.conversation_field):
             probe.warnings.append(f"the spec says format {spec.format} with field {spec.conversation_field!r}; "
                                   f"the records look like {fmt} under {key!r}")
+    if probe.presets:
+        preset: Preset = probe.presets.most_common(1)[0][0]
+        if (preset.format, preset.field) != (spec.format, spec.conversation_field):
+            probe.warnings.append(f"these records look like {preset.name} ({preset.spec_file}): format "
+                                  f"{preset.format}, field {preset.field!r}; the spec says format {spec.format} "
+                                  f"with field {spec.conversation_field!r}")
     if probe.keys and spec.conversation_field not in probe.keys:
         probe.warnings.append(f"no record has the field {spec.conversation_field!r} (set `field`)")
     if spec.kind == "json":
