@@ -31,8 +31,10 @@ SAMPLE = {"sharegpt": "sharegpt_vicuna.json", "ultrachat": "ultrachat_200k.jsonl
           "magpie_llama31_pro_300k": "magpie_llama31_pro_300k.jsonl", "magpie_qwen25_pro_1m": "magpie_qwen25_pro_1m.jsonl",
           "open_perfectblend": "open_perfectblend.jsonl", "nemotron_chat": "nemotron_chat.jsonl", "gsm8k": "gsm8k.jsonl",
           "hermes_function_calling": "hermes_function_calling.json"}
-# the presets whose hub files are Parquet (the others are JSON or JSON Lines on the hub)
-PARQUET_ON_HUB = ("ultrachat", "magpie_llama31_pro_300k", "magpie_qwen25_pro_1m", "open_perfectblend", "gsm8k")
+# the presets whose hub files are Parquet (the others are JSON or JSON Lines), and where the split's files are
+PARQUET_ON_HUB = {"ultrachat": "data/train_sft-*.parquet", "magpie_llama31_pro_300k": "data/train-*.parquet",
+                  "magpie_qwen25_pro_1m": "data/train-*.parquet", "open_perfectblend": "data/train-*.parquet",
+                  "gsm8k": "main/train-*.parquet"}
 # speculators' DATASET_CONFIGS key of each preset (speculators/data_generation/configs.py)
 SPECULATORS = {"sharegpt": "sharegpt", "ultrachat": "ultrachat", "magpie_llama31_pro_300k": "magpie",
                "open_perfectblend": "open-perfectblend", "nemotron_chat": "nemotron", "gsm8k": "gsm8k",
@@ -164,12 +166,18 @@ def test_the_hermes_preset_keeps_every_call_result_and_tool_schema():
     assert "<tools>\n[" not in camera.messages[0]["content"], "the schema left the system text for `tools`"
 
 
-@pytest.mark.parametrize("name", PARQUET_ON_HUB)
-def test_a_parquet_download_reads_into_the_same_prompts_as_the_sample(tmp_path, name):
-    """The hub stores these as Parquet: Arrow unifies the rows' structs, and the prompts do not change."""
-    file = tmp_path / "train-00000-of-00001.parquet"
-    pq.write_table(pa.Table.from_pylist(sample_records(name)), file)
-    from_parquet, report = read(preset(name, file))
+@pytest.mark.parametrize("name", sorted(PARQUET_ON_HUB))
+def test_a_downloaded_parquet_repository_reads_into_the_same_prompts_as_the_sample(tmp_path, name):
+    """The hub stores these as Parquet files of a repository: `data_files` picks the split's files (as
+    docs/dataset-presets.md says), Arrow unifies the rows' structs, and the prompts do not change."""
+    pattern = PARQUET_ON_HUB[name]
+    for split, records in ((pattern, sample_records(name)), (pattern.replace("train", "test"), [])):
+        file = tmp_path / split.replace("*", "00000-of-00001")
+        file.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(records or sample_records(name)[:1]), file)  # a test split beside it
+    spec = dataclasses.replace(preset(name, tmp_path), data_files=(pattern,))
+    from_parquet, report = read(spec)
+    assert report.read == len(sample_records(name)), "the test split's file is not read"
     from_sample, _ = read(preset(name))
     assert [(p.prompt_id, p.reference) for p in from_parquet.prompts] == \
         [(p.prompt_id, p.reference) for p in from_sample.prompts]
@@ -256,8 +264,8 @@ def test_validate_names_the_preset_when_format_or_field_do_not_match(name, wrong
     spec = dataclasses.replace(preset(name), **wrong)
     probe = probe_source(spec)
     p = next(p for p in PRESETS if p.name == name)
-    warning = (f"these records look like {name} (prompts_sources/{name}.yaml): format {p.format}, field "
-               f"{p.field!r}; the spec says format {spec.format} with field {spec.conversation_field!r}")
+    warning = (f"the spec says format {spec.format} with field {spec.conversation_field!r}; these records look "
+               f"like {name} (prompts_sources/{name}.yaml): format {p.format}, field {p.field!r}")
     assert warning in probe.warnings, probe.warnings
     assert not any("look like" in w and "prompts_sources" in w for w in probe_source(preset(name)).warnings), \
         "its own preset is not named"
@@ -275,5 +283,6 @@ def test_regen_validate_says_a_gsm8k_file_under_a_sharegpt_spec_looks_like_gsm8k
     assert main(["validate", str(config)]) == 2  # no record is a ShareGPT conversation
     out = capsys.readouterr().out
     assert "they look like question_answer (field 'question')" in out
-    assert ("  warning: these records look like gsm8k (prompts_sources/gsm8k.yaml): format question_answer, field "
-            "'question'; the spec says format sharegpt with field 'conversations'") in out
+    assert ("  warning: the spec says format sharegpt with field 'conversations'; these records look like gsm8k "
+            "(prompts_sources/gsm8k.yaml): format question_answer, field 'question'") in out
+    assert "under 'question'" not in out, "one warning says it"

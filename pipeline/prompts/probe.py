@@ -118,17 +118,15 @@ def _check(probe: Probe) -> None:
     spec = probe.spec
     if probe.read == 0:
         probe.warnings.append("no records at all")
-    if probe.looks_like and probe.valid < probe.read:
+    said = f"the spec says format {spec.format} with field {spec.conversation_field!r}"
+    preset: Preset | None = probe.presets.most_common(1)[0][0] if probe.presets else None
+    if preset is not None and (preset.format, preset.field) != (spec.format, spec.conversation_field):
+        probe.warnings.append(f"{said}; these records look like {preset.name} ({preset.spec_file}): format "
+                              f"{preset.format}, field {preset.field!r}")
+    elif probe.looks_like and probe.valid < probe.read:
         fmt, key = probe.looks_like
         if (fmt, key) != (spec.format, spec.conversation_field):
-            probe.warnings.append(f"the spec says format {spec.format} with field {spec.conversation_field!r}; "
-                                  f"the records look like {fmt} under {key!r}")
-    if probe.presets:
-        preset: Preset = probe.presets.most_common(1)[0][0]
-        if (preset.format, preset.field) != (spec.format, spec.conversation_field):
-            probe.warnings.append(f"these records look like {preset.name} ({preset.spec_file}): format "
-                                  f"{preset.format}, field {preset.field!r}; the spec says format {spec.format} "
-                                  f"with field {spec.conversation_field!r}")
+            probe.warnings.append(f"{said}; the records look like {fmt} under {key!r}")
     if probe.keys and spec.conversation_field not in probe.keys:
         probe.warnings.append(f"no record has the field {spec.conversation_field!r} (set `field`)")
     if spec.kind == "json":
