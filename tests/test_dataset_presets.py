@@ -29,8 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ROOT / "prompts_sources"
 DATA = Path(__file__).parent / "data" / "presets"
 SAMPLE = {"sharegpt": "sharegpt_vicuna.json", "ultrachat": "ultrachat_200k.jsonl",
-          "magpie_llama31_pro_300k": "magpie_llama31_pro_300k.jsonl", "magpie_qwen25_pro_1m": "magpie_qwen25_pro_1m.jsonl",
-          "open_perfectblend": "open_perfectblend.jsonl", "nemotron_chat": "nemotron_chat.jsonl", "gsm8k": "gsm8k.jsonl",
+          "magpie_llama31_pro_300k": "magpie_llama31_pro_300k.jsonl",
+          "magpie_qwen25_pro_1m": "magpie_qwen25_pro_1m.jsonl", "open_perfectblend": "open_perfectblend.jsonl",
+          "nemotron_chat": "nemotron_chat.jsonl", "gsm8k": "gsm8k.jsonl",
           "hermes_function_calling": "hermes_function_calling.json"}
 # the presets whose hub files are Parquet (the others are JSON or JSON Lines), and where the split's files are
 PARQUET_ON_HUB = {"ultrachat": "data/train_sft-*.parquet", "magpie_llama31_pro_300k": "data/train-*.parquet",
