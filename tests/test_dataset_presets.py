@@ -41,8 +41,8 @@ PARQUET_ON_HUB = {"ultrachat": "data/train_sft-*.parquet", "magpie_llama31_pro_3
 SPECULATORS = {"sharegpt": "sharegpt", "ultrachat": "ultrachat", "magpie_llama31_pro_300k": "magpie",
                "open_perfectblend": "open-perfectblend", "nemotron_chat": "nemotron", "gsm8k": "gsm8k",
                "hermes_function_calling": "hermes-fc"}
-# SpecForge's scripts/prepare_data.py (sgl-project/SpecForge, load_dataset_preset): preset -> (hub path, subset,
-# split). The script is not in SpecForge's wheel, so its registry is written down here.
+# SpecForge's scripts/prepare_data.py (sgl-project/SpecForge at 9f1b1d6, load_dataset_preset): preset -> (its name
+# there, hub path, subset, split). The script is not in SpecForge's wheel, so its registry is written down here.
 SPECFORGE = {"sharegpt": ("sharegpt", "Aeala/ShareGPT_Vicuna_unfiltered", None, "train"),
              "ultrachat": ("ultrachat", "HuggingFaceH4/ultrachat_200k", None, "train_sft"),
              "magpie_qwen25_pro_1m": ("magpie-qwen2.5-pro-1m-v0.1", "Magpie-Align/Magpie-Qwen2.5-Pro-1M-v0.1", None,
