@@ -267,7 +267,10 @@ EXTRA_MESSAGE_KEY = {"sharegpt": ("from", "value"), "openai": ("role", "content"
 def every_shape() -> list[tuple[str, dict]]:
     """One record of every adapter and every tool-calling shape, from the project's samples and the plain ones."""
     shapes = [("alpaca", {"id": "a", "instruction": "Name a colour.", "input": "", "output": "Red."}),
-              ("prompt", {"id": "p", "prompt": "Name a colour.", "system": "Be brief."})]
+              ("prompt", {"id": "p", "prompt": "Name a colour.", "system": "Be brief."}),
+              ("question_answer", {"id": "q", "question": "What is 2 + 3?", "answer": "2 + 3 = <<2+3=5>>5\n#### 5"}),
+              ("input_output", {"id": "n", "input": [{"role": "user", "content": "Name a colour."}], "output": "Red.",
+                                "system_prompt": "detailed thinking off"})]
     for name, fmt in (("sample_sharegpt", "sharegpt"), ("sample_messages", "openai"),
                       ("sample_tools", "openai"), ("sample_tools_sharegpt", "sharegpt")):
         path = load_source_spec(SAMPLES / f"{name}.yaml").local_path()

@@ -26,6 +26,8 @@ def _invalid(code: str, reason: str) -> InvalidRecord:
 TOOLS_KEYS = ("tools", "functions")  # top-level keys holding the tools list (OpenAI's current and older names)
 MESSAGE_TOOL_KEYS = ("tool_calls", "function_call", "tool_call_id")
 ARROW_KINDS = ("parquet", "hf")  # records come from Arrow tables, whose structs are unified across rows
+OUTPUT_KEY = "output"  # input_output: the reply to the `input` messages (Nemotron post-training)
+ANSWER_KEY = "answer"  # question_answer: the reply to the question (GSM8K)
 PLAIN_ROLES = frozenset({"human", "gpt", "user", "assistant", "system"})  # spelled as they are most often
 
 
@@ -45,6 +47,10 @@ def to_conversation(spec: "SourceSpec", data: Any, tally: Tally) -> tuple[list[d
         messages, tools = _alpaca(data, field), []
     elif spec.format == "prompt":
         messages, tools = _prompt(data, field), []
+    elif spec.format == "input_output":
+        messages, tools = _input_output(data, field, tally, arrow=spec.kind in ARROW_KINDS)
+    elif spec.format == "question_answer":
+        messages, tools = _question_answer(data, field), []
     else:
         raise ConfigError(f"source {spec.name!r}: unknown format {spec.format!r}")
     carried = carried_keys(spec)
@@ -61,6 +67,10 @@ def carried_keys(spec: "SourceSpec") -> frozenset[str]:
     keys = {spec.conversation_field} | ({spec.id_field} if spec.id_field else set())
     if spec.format in ("sharegpt", "openai"):
         return frozenset(keys | set(TOOLS_KEYS))
+    if spec.format == "input_output":
+        return frozenset(keys | set(TOOLS_KEYS) | {OUTPUT_KEY})
+    if spec.format == "question_answer":
+        return frozenset(keys | {ANSWER_KEY})
     if spec.format == "alpaca":
         return frozenset(keys | {"input", "output"})
     return frozenset(keys | {"system"})
@@ -168,6 +178,33 @@ def _alpaca(data: dict, field: str) -> list[dict[str, Any]]:
     if output and output.strip():
         msgs.append({"role": "assistant", "content": output})
     return msgs
+
+
+def _input_output(data: dict, field: str, tally: Tally,
+                  arrow: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """`input`: the conversation so far as `role`/`content` messages; `output`: the assistant's reply to it (as
+    speculators' `_normalize_nemotron` joins them)."""
+    messages, tools = _conversation(data, field, "openai", tally, arrow)
+    reply = _reply(data, OUTPUT_KEY)
+    return (messages + [reply] if reply else messages), tools
+
+
+def _question_answer(data: dict, field: str) -> list[dict[str, Any]]:
+    """A question as the user turn, its answer as the reference reply (as both libraries' GSM8K loaders do)."""
+    if field not in data or data[field] is None:
+        raise _invalid("missing_field", f"the record has no question field {field!r}")
+    if not isinstance(data[field], str):
+        raise _invalid("non_string_content", f"the field {field!r} is a {json_type(data[field])}, not a string")
+    reply = _reply(data, ANSWER_KEY)
+    return [{"role": "user", "content": data[field]}] + ([reply] if reply else [])
+
+
+def _reply(data: dict, key: str) -> dict[str, Any] | None:
+    """The assistant message of a reply field; None when the field is absent or blank (no reference)."""
+    value = data.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _invalid("non_string_content", f"the field {key!r} is a {json_type(value)}, not a string")
+    return {"role": "assistant", "content": value} if value and value.strip() else None
 
 
 def _prompt(data: dict, field: str) -> list[dict[str, Any]]:

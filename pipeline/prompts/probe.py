@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from .adapters import to_messages
+from .presets import Preset, recognise
 from .prompt_set import normalise
 from .errors import NoValidPrompts, SourceError, TruncatedSource
 from .records import InvalidRecord, RawRecord, Reject
@@ -29,6 +30,7 @@ class Probe:
     keys: Counter = field(default_factory=Counter)  # top-level keys of the records
     containers: dict[str, str] = field(default_factory=dict)
     looks_like: tuple[str, str] | None = None  # (format, conversation field) the records seem to be
+    presets: Counter = field(default_factory=Counter)  # the preset each of the first records looks like
     warnings: list[str] = field(default_factory=list)
     # the first records all rejected: the rest was read, and none is valid (as `regen generate` refuses it)
     no_valid: NoValidPrompts | None = None
@@ -83,6 +85,9 @@ def _valid(spec: SourceSpec, rec: Reject | RawRecord, report: SourceReport, prob
         if probe is not None and isinstance(rec.data, dict):
             probe.keys.update(rec.data.keys())
             probe.looks_like = probe.looks_like or guess_format(rec.data)
+            preset = recognise(rec.data)
+            if preset is not None:
+                probe.presets[preset] += 1
         try:
             normalise(to_messages(spec, rec.data))
             return True
@@ -95,6 +100,12 @@ def _valid(spec: SourceSpec, rec: Reject | RawRecord, report: SourceReport, prob
 
 
 def guess_format(data: dict[str, Any]) -> tuple[str, str] | None:
+    if isinstance(data.get("question"), str) and isinstance(data.get("answer"), str):
+        return "question_answer", "question"
+    for key, value in data.items():
+        if isinstance(data.get("output"), str) and isinstance(value, list) and value and isinstance(value[0], dict) \
+                and "role" in value[0] and "content" in value[0]:
+            return "input_output", key
     for key, value in data.items():
         if isinstance(value, list) and value and isinstance(value[0], dict):
             if "from" in value[0] and "value" in value[0]:
@@ -111,11 +122,15 @@ def _check(probe: Probe) -> None:
     spec = probe.spec
     if probe.read == 0:
         probe.warnings.append("no records at all")
-    if probe.looks_like and probe.valid < probe.read:
+    said = f"the spec says format {spec.format} with field {spec.conversation_field!r}"
+    preset: Preset | None = probe.presets.most_common(1)[0][0] if probe.presets else None
+    if preset is not None and (preset.format, preset.field) != (spec.format, spec.conversation_field):
+        probe.warnings.append(f"{said}; these records look like {preset.name} ({preset.spec_file}): format "
+                              f"{preset.format}, field {preset.field!r}")
+    elif probe.looks_like and probe.valid < probe.read:
         fmt, key = probe.looks_like
         if (fmt, key) != (spec.format, spec.conversation_field):
-            probe.warnings.append(f"the spec says format {spec.format} with field {spec.conversation_field!r}; "
-                                  f"the records look like {fmt} under {key!r}")
+            probe.warnings.append(f"{said}; the records look like {fmt} under {key!r}")
     if probe.keys and spec.conversation_field not in probe.keys:
         probe.warnings.append(f"no record has the field {spec.conversation_field!r} (set `field`)")
     for file, kind in _json_files(spec):

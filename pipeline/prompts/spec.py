@@ -16,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from ..core.errors import ConfigError
 
 KINDS = ("jsonl", "json", "parquet", "hf")
-FORMATS = ("sharegpt", "openai", "alpaca", "prompt")
-DEFAULT_FIELD = {"sharegpt": "conversations", "openai": "messages", "alpaca": "instruction", "prompt": "prompt"}
+FORMATS = ("sharegpt", "openai", "alpaca", "prompt", "input_output", "question_answer")
+DEFAULT_FIELD = {"sharegpt": "conversations", "openai": "messages", "alpaca": "instruction", "prompt": "prompt",
+                 "input_output": "input", "question_answer": "question"}
 
 
 @dataclass(frozen=True)
@@ -73,14 +74,16 @@ class SourceSpecFile(BaseModel):
                     "batches) or `hf` (a hub dataset, a `save_to_disk` folder, a local data file or folder).")
     path: str = Field(description="The file, glob, folder or hub dataset name. A relative path is read from the "
                                   "spec file's folder.")
-    format: Literal["sharegpt", "openai", "alpaca", "prompt"] = Field(
+    format: Literal["sharegpt", "openai", "alpaca", "prompt", "input_output", "question_answer"] = Field(
         description="The record format: `sharegpt` (`from`/`value` turns), `openai` (`role`/`content` messages), "
-                    "`alpaca` (`instruction`, optional `input` and `output`) or `prompt` (one user message, optional "
-                    "`system`).")
+                    "`alpaca` (`instruction`, optional `input` and `output`), `prompt` (one user message, optional "
+                    "`system`), `input_output` (a list of `role`/`content` messages under `input`, the reply in "
+                    "`output`: Nemotron post-training) or `question_answer` (`question` and its `answer`: GSM8K).")
     split: str = Field("train", description="kind hf: the split to read.")
     subset: str | None = Field(None, description="kind hf: the dataset's configuration (subset) name.")
     field: str | None = Field(None, description="The record's conversation field (default by format: "
-                                                "`conversations`, `messages`, `instruction`, `prompt`).")
+                                                "`conversations`, `messages`, `instruction`, `prompt`, `input`, "
+                                                "`question`).")
     id_field: str | None = Field(None, description="A field holding the record's own id, kept on each record as its "
                                                    "`source_ref` (for tracing only: it is not the prompt id).")
     limit: int | None = Field(None, ge=1, description="Keep at most this many prompts of the source: of those earlier "
