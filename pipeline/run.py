@@ -44,6 +44,11 @@ class GenerateOptions:
 
 
 # --- the prompt set ------------------------------------------------------------------------------
+def has_tools(prompts: pa.Table) -> bool:
+    """Some prompt is sent with tools (the preflight then checks that the fleet returns tool_calls)."""
+    return "tools" in prompts.column_names and prompts.column("tools").null_count < prompts.num_rows
+
+
 def build_prompts(cfg: RunConfig) -> PromptSet:
     """The whole prompt set in memory (regen simulate); a run streams it through stage_prompt_set."""
     specs = list(source_specs(cfg).values())
@@ -255,7 +260,7 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     if not pending and not (opts.new_run and manifest.get("weight_version") is not None):
         return report_complete(run_dir, progress())
     with local_fleet(cfg.local_fleet, run_dir.local_logs()):
-        fleet = fleet_preflight(cfg, run_dir)
+        fleet = fleet_preflight(cfg, run_dir, tools=has_tools(prompts))
         if not pending:
             return report_complete(run_dir, progress())
         log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed),

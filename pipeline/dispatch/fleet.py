@@ -39,13 +39,13 @@ class FleetFacts:
     run_engines: list = field(default_factory=list)  # run.json's known engines: a readmission must run one
 
 
-def fleet_preflight(cfg: RunConfig, run_dir: RunDir) -> FleetFacts:
+def fleet_preflight(cfg: RunConfig, run_dir: RunDir, tools: bool = False) -> FleetFacts:
     """Probe the fleet before any prompt; pin the run to the weight version it reports (or check it) and
-    record whether it is deterministic."""
+    record whether it is deterministic. `tools`: the prompt set has tools (the fleet must return tool_calls)."""
     from ..endpoints.preflight import preflight
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
-    reports = preflight(cfg, api_keys)
+    reports = preflight(cfg, api_keys, tools=tools)
     check_engines(run_dir, reports)
     weight_version = pin_weight_version(run_dir, reports)
     record_determinism(run_dir, reports)

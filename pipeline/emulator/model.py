@@ -281,9 +281,11 @@ def chat_generation(req: dict, context_length: int, default_budget: int = 512, t
     if max_tokens is None:
         max_tokens = max(1, context_length - len(prompt_ids))
         budget = min(default_budget, max_tokens // 2 or 1)
+    plan = plan_calls(req, tools)
+    if plan:  # the reasoning before a call is short enough to leave the call room (a quarter of the budget)
+        budget = max(1, min(budget or max_tokens, max_tokens // 4))
     gen = generate(prompt_text.encode(), prompt_ids, max_tokens, float(req.get("temperature") or 0.0),
                    req.get("seed"), thinking, bool(req.get("ignore_eos")), budget)
-    plan = plan_calls(req, tools)
     if plan:
         history = history_calls(req["messages"])
         kimi = tool_parser in KIMI_PARSERS

@@ -125,6 +125,8 @@ def vllm_environment(fleet: LocalFleet, index: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
     if fleet.hidden_states_dir:  # only the connector's folder: vLLM imports nothing else of regen
         env["PYTHONPATH"] = str(VLLM_PLUGINS)
+    if fleet.tool_call_parser:  # "required" met by a structural tag in the parser's format (vLLM's default, pinned)
+        env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "1"
     return {**env, **VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(fleet.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
 

@@ -13,6 +13,7 @@ import logging
 import random
 import sys
 import time
+from typing import Any
 
 from ..core.config import RunConfig
 from .client import ClientSettings, EndpointClient
@@ -139,7 +140,7 @@ def _settings(cfg: RunConfig) -> ClientSettings:
                           tool_choice=cfg.tool_choice, **cfg.sampling.explicit())
 
 
-async def probe_fleet(cfg: RunConfig, api_keys: dict[str, str | None], **options) -> list[EndpointReport]:
+async def probe_fleet(cfg: RunConfig, api_keys: dict[str, str | None], **options: Any) -> list[EndpointReport]:
     """One round: every endpoint checked concurrently. `options`: check_endpoint's keywords."""
     settings = _settings(cfg)
     clients = [EndpointClient(e.url, e.label, settings, api_keys.get(e.label)) for e in cfg.all_endpoints()]
@@ -155,7 +156,7 @@ def _refuse(message: str, reports: list[EndpointReport], fleet: list[str]) -> Pr
     return error
 
 
-async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], **timeouts: float) -> list[EndpointReport]:
+async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], **timeouts: Any) -> list[EndpointReport]:
     """`preflight` for callers already inside an event loop."""
     deadline = time.monotonic() + cfg.dead_fleet_deadline_s
     delay = 1.0
@@ -187,12 +188,13 @@ async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], **tim
         delay = min(delay * 2, 30.0)
 
 
-def preflight(cfg: RunConfig, api_keys: dict[str, str | None], **timeouts: float) -> list[EndpointReport]:
+def preflight(cfg: RunConfig, api_keys: dict[str, str | None], **timeouts: Any) -> list[EndpointReport]:
     """Check the fleet before any prompt is sent.
 
     Raises PreflightError naming each endpoint and mismatch; waits with backoff up to
     cfg.dead_fleet_deadline_s while no endpoint answers. Unreachable endpoints among working ones are
-    warnings (logged, and in the reports). `timeouts`: info_timeout_s, probe_timeout_s."""
+    warnings (logged, and in the reports). `timeouts`: info_timeout_s, probe_timeout_s, and `tools=True` for a
+    prompt set with tools (check_endpoint's keywords)."""
     return asyncio.run(preflight_async(cfg, api_keys, **timeouts))
 
 
