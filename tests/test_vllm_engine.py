@@ -161,11 +161,12 @@ def test_bench_endpoints_reads_vllm_metrics(tmp_path, vllm_fleet):
 
 # --- tool calls: the fleet serves configs/templates/smollm2_tools.jinja with --tool-call-parser hermes -------------
 # strict: vLLM pins the arguments to the schema (its structural tag, VLLM_ENFORCE_STRICT_TOOL_CALLING); the enum makes
-# the forced call's arguments one of two known values.
+# the forced call's arguments one of two known values. vLLM renders a tool as its FunctionDefinition dumps it
+# (name, description, parameters, strict: that key order), so the tool is written in that order here.
 WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather of a city.", "strict": True,
+    "name": "get_weather", "description": "The weather of a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Berlin"]}},
-                   "required": ["city"], "additionalProperties": False}}}
+                   "required": ["city"], "additionalProperties": False}, "strict": True}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -209,7 +210,9 @@ def test_a_forced_tool_call_round_trip_on_the_cpu_build(vllm_fleet, tokenizer):
     assert "<tool_call>" in output and "get_weather" in output, f"the call's tokens are in the output ids: {output!r}"
     assert called.finish_reason in ("tool_calls", "stop") and called.content == "", called
     streamed = asyncio.run(ask(tool_client(vllm_fleet, tool_choice="required", stream=True), ASK, [WEATHER_TOOL]))
-    assert [c["function"] for c in streamed.tool_calls] == [call["function"]], "stream fragments join to the call"
+    # vLLM re-serialises the arguments of an unstreamed call; a stream carries them as the model wrote them
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed.tool_calls] == \
+        [("get_weather", json.loads(call["function"]["arguments"]))], "the stream's fragments join to the call"
     assert streamed.output_token_ids == called.output_token_ids
 
     result = {"role": "tool", "tool_call_id": call["id"], "name": "get_weather", "content": "Sunny, 21 C."}
