@@ -342,8 +342,8 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
         progress.tick(endpoints)
 
     dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
-                            make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines, fleet.run_engines),
-                                               cfg.api_key),
+                            make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines,
+                                                                    fleet.run_engines, fleet.tools), cfg.api_key),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
                             unreachable=fleet.unreachable)
     try:

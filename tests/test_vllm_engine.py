@@ -220,7 +220,9 @@ def test_a_forced_tool_call_round_trip_on_the_cpu_build(vllm_fleet, tokenizer):
     step = asyncio.run(ask(tool_client(vllm_fleet, tool_choice="none"), follow_up, [WEATHER_TOOL]))
     assert step.prompt_token_ids == template_ids(tokenizer, follow_up, [WEATHER_TOOL])
     prompt = tokenizer.decode(step.prompt_token_ids)
-    assert "<tool_response>\nSunny, 21 C.\n</tool_response>" in prompt and prompt.count("<tool_call>") == 2
+    arguments = json.dumps(json.loads(call["function"]["arguments"]))
+    assert f'<|im_start|>assistant\n<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>' \
+        f"<|im_end|>\n<|im_start|>user\n<tool_response>\nSunny, 21 C.\n</tool_response><|im_end|>" in prompt
     assert step.tool_calls is None and step.content, "tool_choice none: the next step is text"
     assert tokenizer.decode(step.output_token_ids, skip_special_tokens=True) == step.content
 

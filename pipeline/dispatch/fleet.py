@@ -37,6 +37,7 @@ class FleetFacts:
     engines: dict  # each endpoint's engine adapter, by label
     unreachable: set[str]  # endpoints that did not answer: they start with their circuit open
     run_engines: list = field(default_factory=list)  # run.json's known engines: a readmission must run one
+    tools: bool = False  # the prompt set has tools: a readmitted endpoint must return tool_calls too
 
 
 def fleet_preflight(cfg: RunConfig, run_dir: RunDir, tools: bool = False) -> FleetFacts:
@@ -51,7 +52,7 @@ def fleet_preflight(cfg: RunConfig, run_dir: RunDir, tools: bool = False) -> Fle
     record_determinism(run_dir, reports)
     engines = record_engines(run_dir, reports)
     return FleetFacts(weight_version, {r.label: r.engine for r in reports if r.engine is not None},
-                      {r.label for r in reports if not r.reachable}, [e for e in engines if e.get("engine")])
+                      {r.label for r in reports if not r.reachable}, [e for e in engines if e.get("engine")], tools)
 
 
 def check_fleet_first(cfg: RunConfig, run_dir: RunDir) -> None:

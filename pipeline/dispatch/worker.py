@@ -279,7 +279,7 @@ class EndpointWorker:
             return True
         from ..endpoints.preflight import check_endpoint, engine_refusal, fleet_problems
 
-        report = await check_endpoint(self.client, self.readmission)
+        report = await check_endpoint(self.client, self.readmission, tools=self.client.settings.needs_tool_calls)
         expected = self.client.settings.expected_weight_version
         problems = report.problems + fleet_problems([report], self.readmission)
         if expected is not None and report.weight_version not in (None, expected):

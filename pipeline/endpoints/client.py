@@ -142,6 +142,8 @@ class ClientSettings:
     run_engines: tuple[tuple[str, str | None], ...] = ()
     # Sent beside `tools`, only on a request whose prompt has tools (config `tool_choice`).
     tool_choice: str = "auto"
+    # The run's prompt set has tools: an endpoint readmitted (or joining) must return tool_calls (the preflight's).
+    needs_tool_calls: bool = False
 
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty)
