@@ -29,6 +29,13 @@ from tests.helpers import require_installed
 
 WORKTREE = Path(__file__).resolve().parent.parent
 MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "Sunny."}]
 
 
 def vllm_env() -> SimpleNamespace:
@@ -98,6 +105,11 @@ async def drive_regen(url: str) -> SimpleNamespace:
             completions[stream] = await chat.chat(MESSAGES, seed=7)
         finally:
             await chat.close()
+    chat = EndpointClient(url, "e", ClientSettings(**base, tool_choice="required", engines={"e": report.engine}))
+    try:  # a conversation with a call and its result, sent with tools
+        await chat.chat(TOOL_CONVERSATION, None, [TOOL])
+    finally:
+        await chat.close()
     return SimpleNamespace(report=report, completions=completions)
 
 
@@ -156,11 +168,12 @@ def test_the_neutral_adapter_reads_vllm_answers_too(conformance):
 
 
 def test_every_body_regen_sends_is_declared_by_vllm(conformance):
-    assert len(conformance.bodies) == 3  # the preflight's chat probe, a chat answer, a stream
+    assert len(conformance.bodies) == 4  # the preflight's chat probe, a chat answer, a stream, one with tools
+    assert conformance.bodies[-1]["tools"] == [TOOL] and conformance.bodies[-1]["tool_choice"] == "required"
     assert all(body.get("return_token_ids") is True for body in conformance.bodies)
     assert all("request_id" in body and "rid" not in body for body in conformance.bodies)
     result = conformance.requests
-    assert result["ok"] and result["checked"] == 3, "\n".join(result["detail"])
+    assert result["ok"] and result["checked"] == 4, "\n".join(result["detail"])
 
 
 def test_every_vllm_error_text_is_classified(conformance):
