@@ -73,7 +73,7 @@ SGLANG_VERSIONS ?= 0.5.14 0.5.17 0.5.18 0.5.23
 SGLANG_CACHE    ?= $(HOME)/.cache/regen/sglang
 SGLANG_LIGHT_DEPS := msgspec pybase64 ipython partial_json_parser
 # Its tool-call detectors (0.5.17+) import xgrammar at the top; their parsing needs none of its compiled grammar
-# code, so xgrammar goes in without its dependencies (triton): tests/test_tool_sglang_conformance.py.
+# code, so xgrammar goes in without its dependencies (triton): tests/test_sglang_conformance.py.
 SGLANG_TOOL_DEPS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 
 sglang-wheels: $(VENV)/.sglang-deps $(foreach v,$(SGLANG_VERSIONS),$(SGLANG_CACHE)/$(v)/.installed)

@@ -1,7 +1,7 @@
 """Tool calls on the request side (issue 22): what a request carries, how the target's calls come back (answers
 and streams), the preflight's refusal of a fleet that cannot return them, and the settings that must not move
 today's runs (fingerprints, affinity keys). Against the SGLang emulator (Kimi preset, and one launched without a
-tool-call parser); SGLang's own detector checks the emulator in test_tool_sglang_conformance.py, vLLM's real
+tool-call parser); SGLang's own detector checks the emulator in test_sglang_conformance.py, vLLM's real
 server the client in test_vllm_engine.py."""
 from __future__ import annotations
 

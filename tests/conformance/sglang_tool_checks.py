@@ -1,26 +1,57 @@
-"""One SGLang version's tool-call checks, in a subprocess whose PYTHONPATH starts with that version's unpacked wheel:
+"""Tool calls in the SGLang conformance (tests/test_sglang_conformance.py, issue 22).
 
-    python -m tests.conformance.sglang_tool_checks --root DIR --bodies LOG --emulator URL --out RESULT.json
-
-- every tool request regen sent (the emulator's log) against the version's ChatCompletionRequest (messages with
-  calls and results, `tools`, `tool_choice`): refused or undeclared keys fail;
-- the emulator's answers to them, unstreamed and streamed, against ChatCompletionResponse /
-  ChatCompletionStreamResponse;
-- what the emulated model wrote (its raw text, recomputed) read by the version's own ReasoningParser("kimi_k2")
-  and FunctionCallParser(tools, "kimi_k2"), whole and piece by piece, with ids made by the version's own
-  `_process_tool_call_id` (its source, run on the detector's items): the emulator must answer exactly that.
-Writes {check: {"ok", "detail", "checked"}}.
+`drive_tools` (in the test process): regen's own client sends the version's emulator tool requests (a call,
+parallel calls after a call and its result, tool_choice required and none; streamed and not). The request and
+response checks of sglang_checks.py cover their bodies and answers; `ToolChecker.tool_answer` (in the version's
+subprocess) checks each answer's calls against what the version's own ReasoningParser("kimi_k2") and
+FunctionCallParser(tools, "kimi_k2") make of the text the emulated model wrote (recomputed), whole and piece by
+piece, with ids from the version's own `_process_tool_call_id` (compiled out of its source). Its detectors import
+xgrammar (`make sglang-wheels` installs it without its dependencies).
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import json
-import sys
-import warnings
 from pathlib import Path
 
 from tests.conformance.sglang_checks import Checker
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather of a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}, "days": {"type": "integer"}},
+                                                "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "Use get_weather: is it raining in Paris?"}]
+CALLED = ASK + [
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
+                                                          "function": {"name": "get_weather",
+                                                                       "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "functions.get_weather:0", "name": "get_weather", "content": "Rain."}]
+CASES = [  # (messages, tool_choice, thinking)
+    (ASK, "auto", True),
+    (CALLED + [{"role": "user", "content": "Now get_time, then get_weather for Berlin."}], "auto", True),
+    (CALLED, "required", False),
+    (CALLED, "auto", True),  # after a result: an answer in text
+    (ASK, "none", False),
+]
+
+
+async def drive_tools(url: str, version: str, model: str) -> None:
+    """Every case through regen's own client, unstreamed and streamed, as the run would send it to `version`."""
+    from pipeline.endpoints.client import ClientSettings, EndpointClient
+    from pipeline.endpoints.engines import SGLangAdapter
+
+    for messages, tool_choice, thinking in CASES:
+        for stream in (False, True):
+            settings = ClientSettings(model=model, temperature=0.0, top_p=1.0, max_tokens=96, stream=stream,
+                                      chat_template_kwargs={"thinking": thinking}, tool_choice=tool_choice,
+                                      engines={"e": SGLangAdapter(version=version)})
+            client = EndpointClient(url, "e", settings)
+            try:
+                await client.chat(messages, None, [WEATHER, TIME])
+            finally:
+                await client.close()
 
 
 def call_id_rule(root: Path):
@@ -128,27 +159,3 @@ class ToolChecker(Checker):
                 [(c["name"], json.loads(c["arguments"])) for c in theirs]:
             problems.append(f"{label}: streamed calls {streamed}, SGLang's streaming parser finds {theirs}")
         return problems
-
-
-def main(argv: list[str] | None = None) -> int:
-    warnings.simplefilter("ignore", DeprecationWarning)
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--root", type=Path, required=True)
-    parser.add_argument("--bodies", type=Path, required=True)
-    parser.add_argument("--emulator", required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
-    checker = ToolChecker(args.root, args.emulator)
-    for line in args.bodies.read_text().splitlines():
-        entry = json.loads(line)
-        body = entry.get("body")
-        if entry["route"] != "/v1/chat/completions" or not body or not body.get("tools") or body.get("stream"):
-            continue
-        checker.report("requests", checker.request(entry["route"], body), 1)
-        checker.report("answers", checker.tool_answer(body), 1)
-    args.out.write_text(json.dumps(checker.results, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
