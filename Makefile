@@ -74,12 +74,16 @@ $(VENV)/.verify: $(VENV)/.installed
 SGLANG_VERSIONS ?= 0.5.14 0.5.17 0.5.18 0.5.23
 SGLANG_CACHE    ?= $(HOME)/.cache/regen/sglang
 SGLANG_LIGHT_DEPS := msgspec pybase64 ipython partial_json_parser
+# Its tool-call detectors (0.5.17+) import xgrammar at the top; their parsing needs none of its compiled grammar
+# code, so xgrammar goes in without its dependencies (triton): tests/test_sglang_conformance.py.
+SGLANG_TOOL_DEPS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 
 sglang-wheels: $(VENV)/.sglang-deps $(foreach v,$(SGLANG_VERSIONS),$(SGLANG_CACHE)/$(v)/.installed)
 
 $(VENV)/.sglang-deps: $(VENV)/.verify  # after it: two pip runs must not install into one venv at once
 	$(PY) -c "import msgspec, pybase64, IPython, partial_json_parser" 2>/dev/null || \
 		$(PY) -m pip install -q $(SGLANG_LIGHT_DEPS)
+	$(PY) -c "import xgrammar" 2>/dev/null || $(PY) -m pip install -q --no-deps $(SGLANG_TOOL_DEPS)
 	touch $@
 
 $(SGLANG_CACHE)/%/.installed: | $(VENV)/.installed

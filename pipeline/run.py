@@ -50,6 +50,11 @@ class GenerateOptions:
 
 
 # --- the prompt set ------------------------------------------------------------------------------
+def has_tools(prompts: pa.Table) -> bool:
+    """Some prompt is sent with tools (the preflight then checks that the fleet returns tool_calls)."""
+    return "tools" in prompts.column_names and prompts.column("tools").null_count < prompts.num_rows
+
+
 def build_prompts(cfg: RunConfig) -> PromptSet:
     """The whole prompt set in memory (regen simulate); a run streams it through stage_prompt_set."""
     specs = list(source_specs(cfg).values())
@@ -285,7 +290,7 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     if not pending and not (opts.new_run and manifest.get("weight_version") is not None):
         return report_complete(run_dir, progress())
     with local_fleet(cfg.local_fleet, run_dir.local_logs()):
-        fleet = fleet_preflight(cfg, run_dir, opts.start_with_passing)
+        fleet = fleet_preflight(cfg, run_dir, opts.start_with_passing, tools=has_tools(prompts))
         if not pending:
             return report_complete(run_dir, progress())
         log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed),
@@ -389,8 +394,8 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
             metrics.status({**progress.status("running"), "requeued": dispatcher.requeued})
 
     dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
-                            make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines, fleet.run_engines),
-                                               cfg.api_key),
+                            make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines,
+                                                                    fleet.run_engines, fleet.tools), cfg.api_key),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
                             unreachable=fleet.unreachable, refused=fleet.refused)
     metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))

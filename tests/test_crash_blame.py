@@ -19,7 +19,7 @@ def test_a_server_crash_charges_only_the_prompt_that_caused_it(monkeypatch):
     real_chat = EndpointClient.chat
     crashes: dict[int, asyncio.Event] = {}
 
-    async def chat(self, messages, seed):
+    async def chat(self, messages, seed, tools=None):
         crash = crashes.setdefault(id(self), asyncio.Event())
         if "[crash-server]" in messages[-1]["content"]:
             await asyncio.sleep(0.05)  # the server dies a moment into the poison's request, and takes all with it
@@ -56,7 +56,7 @@ def test_suspects_run_alone_on_a_half_open_endpoint_after_a_crash(monkeypatch):
 
     real_chat = EndpointClient.chat
 
-    async def chat(self, messages, seed):
+    async def chat(self, messages, seed, tools=None):
         if "[crash-server]" in messages[-1]["content"]:
             raise ConnectionDropped("connection failed: server disconnected", endpoint=self.label)
         return await real_chat(self, messages, seed)

@@ -52,7 +52,7 @@ def test_an_endpoint_that_left_for_a_contract_error_stays_out_while_its_entry_is
     from pipeline.core.errors import ContractError, RunFatal
     from pipeline.endpoints.client import EndpointClient
 
-    async def chat(self, messages, seed):
+    async def chat(self, messages, seed, tools=None):
         raise ContractError("unknown field `sampling_seed`", endpoint=self.label)
 
     monkeypatch.setattr(EndpointClient, "chat", chat)
@@ -77,7 +77,7 @@ def test_an_endpoint_that_left_for_a_contract_error_rejoins_once_its_entry_chang
     real_chat = EndpointClient.chat
     refused: list[float] = []
 
-    async def chat(self, messages, seed):
+    async def chat(self, messages, seed, tools=None):
         if self.label == "fixed" and len(listed) == 1:
             refused.append(time.monotonic())
             raise ContractError("unknown field `sampling_seed`", endpoint=self.label)

@@ -77,9 +77,19 @@ class LocalFleet(_Strict):
     hidden_layer_ids: list[int] | None = Field(None, min_length=4, max_length=4, description=(
         "The layer ids the capture server writes: three aux layers, then num_hidden_layers (None: [2, L//2, L-3, L] "
         "of the model)."))
+    chat_template: str | None = Field(
+        None, description="vLLM only: a chat template file (Jinja) the servers are launched with (--chat-template) "
+        "in place of the model's own; a relative path resolves against the config file's folder. "
+        "configs/templates/smollm2_tools.jinja renders tools the Hermes way and tool-free chats as SmolLM2's own.")
+    tool_call_parser: str | None = Field(
+        None, description="vLLM only: launch with --enable-auto-tool-choice --tool-call-parser NAME, so the servers "
+        "return the model's calls in `tool_calls` (e.g. hermes for the template above). Needed by a prompt set "
+        "with tools: the preflight refuses such a run on a server without it.")
 
     @model_validator(mode="after")
     def _hidden_states_need_vllm(self) -> "LocalFleet":
+        if (self.chat_template or self.tool_call_parser) and self.engine != "vllm":
+            raise ValueError("local_fleet.chat_template / tool_call_parser need engine: vllm")
         if (self.hidden_states_dir or self.hidden_layer_ids) and self.engine != "vllm":
             raise ValueError("local_fleet.hidden_states_dir / hidden_layer_ids need engine: vllm")
         if self.hidden_layer_ids and not self.hidden_states_dir:
@@ -161,6 +171,10 @@ class RunConfig(_Strict):
         "server's default."))
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
         "Sent with every request (`thinking` is added to them when set)."))
+    tool_choice: Literal["auto", "required", "none"] = Field(
+        "auto", description="Sent as `tool_choice` with every request whose prompt has tools (never on a tool-free "
+        "one): auto lets the target choose between a call and an answer, required forces a call, none forbids one. "
+        "In the run's identity only when not auto.")
     sampling: Sampling = Field(Sampling(), description="Sampling parameters (the `sampling:` section).")
     selection_seed: int = Field(0, description=(
         "Seed of the per-source `limit` selection (the prompts of lowest sha256(seed:prompt_id) are kept)."))
@@ -312,6 +326,8 @@ class RunConfig(_Strict):
             "hidden_states": None,
             "return_token_ids": self.return_token_ids,  # rows with and without token ids never mix in a run
             "stream": self.stream,
+            # keys added later enter only when they differ from their default: older runs keep their fingerprint
+            **({"tool_choice": self.tool_choice} if self.tool_choice != "auto" else {}),
         }
 
     def prompt_identity(self) -> dict[str, Any]:

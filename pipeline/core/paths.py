@@ -1,7 +1,7 @@
 """Where the paths of a run config point: relative ones resolve against the config file's folder, so the same
 config gives the same run from any working directory (docs/resume-and-drift.md, "Paths").
 
-`sources[].spec`, `output_dir` (unless a URI) and `endpoints_file` are resolved when the config is loaded;
+`sources[].spec`, `output_dir` (unless a URI), `endpoints_file` and `local_fleet.chat_template` are resolved when the config is loaded;
 `tokenizer` is resolved when it is loaded (the run identity records it as written). A source spec's own `path:`
 resolves against the spec's folder (prompts/sources.py).
 """
@@ -43,6 +43,9 @@ def resolve_config_paths(raw: dict[str, Any], config_file: Path) -> dict[str, An
         raw["output_dir"] = resolve_against(base, raw["output_dir"])
     if isinstance(raw.get("endpoints_file"), str):
         raw["endpoints_file"] = resolve_against(base, raw["endpoints_file"])
+    fleet = raw.get("local_fleet")
+    if isinstance(fleet, dict) and isinstance(fleet.get("chat_template"), str):
+        raw["local_fleet"] = {**fleet, "chat_template": resolve_against(base, fleet["chat_template"])}
     if isinstance(raw.get("sources"), list):
         raw["sources"] = [{**ref, "spec": resolve_against(base, ref["spec"])}
                           if isinstance(ref, dict) and isinstance(ref.get("spec"), str) else ref
@@ -56,6 +59,9 @@ def check_config_paths(raw: dict[str, Any], config_file: Path) -> None:
     base = config_file.resolve().parent
     if isinstance(raw.get("endpoints_file"), str):
         _existing(config_file, "endpoints_file", raw["endpoints_file"], base)
+    fleet = raw.get("local_fleet")
+    if isinstance(fleet, dict) and isinstance(fleet.get("chat_template"), str):
+        _existing(config_file, "local_fleet.chat_template", fleet["chat_template"], base)
     for i, ref in enumerate(raw.get("sources") or []):
         if isinstance(ref, dict) and isinstance(ref.get("spec"), str):
             _existing(config_file, f"sources[{i}].spec", ref["spec"], base)

@@ -16,7 +16,8 @@ ACTOR_NAMESPACE = "regen"
 
 
 def client_settings(cfg: RunConfig, weight_version: str | None = None,
-                    engines: dict | None = None, run_engines: list[dict] | None = None) -> ClientSettings:
+                    engines: dict | None = None, run_engines: list[dict] | None = None,
+                    tools: bool = False) -> ClientSettings:
     """`engines`: each endpoint's engine adapter by label, as the preflight identified it; `run_engines`: the
     run's engines ([{"engine", "version"}], run.json), which a readmitted endpoint must run."""
     return ClientSettings(
@@ -33,6 +34,8 @@ def client_settings(cfg: RunConfig, weight_version: str | None = None,
         **cfg.sampling.explicit(),
         engines=dict(engines or {}),
         run_engines=tuple((e["engine"], e.get("version")) for e in run_engines or [] if e.get("engine")),
+        tool_choice=cfg.tool_choice,
+        needs_tool_calls=tools,
     )
 
 

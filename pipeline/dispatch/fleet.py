@@ -40,17 +40,20 @@ class FleetFacts:
     # --start-with-passing: endpoints the preflight refused, with why; they start with their circuit open and join
     # once they pass the preflight again
     refused: dict[str, str] = field(default_factory=dict)
+    tools: bool = False  # the prompt set has tools: a readmitted endpoint must return tool_calls too
 
 
-def fleet_preflight(cfg: RunConfig, run_dir: RunDir, start_with_passing: bool = False) -> FleetFacts:
+def fleet_preflight(cfg: RunConfig, run_dir: RunDir, start_with_passing: bool = False,
+                    tools: bool = False) -> FleetFacts:
     """Probe the fleet before any prompt; pin the run to the weight version it reports (or check it) and
     record whether it is deterministic. `start_with_passing`: endpoints refused for problems of their own are
-    held out (FleetFacts.refused) instead of refusing the run; only the passing ones decide the pins."""
+    held out (FleetFacts.refused) instead of refusing the run; only the passing ones decide the pins. `tools`: the
+    prompt set has tools (the fleet must return tool_calls)."""
     from ..endpoints.preflight import preflight
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
     try:
-        reports = preflight(cfg, api_keys, start_with_passing=start_with_passing)
+        reports = preflight(cfg, api_keys, start_with_passing=start_with_passing, tools=tools)
     except PreflightError as refused:
         log_verdicts(getattr(refused, "reports", []), getattr(refused, "fleet_problems", []))
         raise
@@ -61,7 +64,8 @@ def fleet_preflight(cfg: RunConfig, run_dir: RunDir, start_with_passing: bool = 
     engines = record_engines(run_dir, reports)
     return FleetFacts(weight_version, {r.label: r.engine for r in reports if r.engine is not None},
                       {r.label for r in reports if not r.reachable}, [e for e in engines if e.get("engine")],
-                      {r.label: "; ".join(r.problems) for r in reports if r.problems})
+                      {r.label: "; ".join(r.problems) for r in reports if r.problems},
+                      tools)
 
 
 def log_verdicts(reports, fleet_problems: list[str]) -> None:

@@ -166,6 +166,7 @@ class EndpointWorker:
         completions: list[Completion] = []
         try:
             messages = orjson.loads(item.messages_json)
+            tools = orjson.loads(item.tools_json) if item.tools_json is not None else None
             if self.mode == "all_turns":
                 system, users = user_turns(messages)
                 for k in range(len(users)):
@@ -176,7 +177,7 @@ class EndpointWorker:
                     completions.append(completion)
             else:
                 turn = sum(m["role"] == "assistant" for m in messages)
-                completion, used = await self._request(item.prompt_id, turn, messages, item.seed)
+                completion, used = await self._request(item.prompt_id, turn, messages, item.seed, tools)
                 failed += used - 1
                 completions.append(completion)
         except _Failed as failure:
@@ -191,7 +192,7 @@ class EndpointWorker:
         return Outcome(item.prompt_id, DONE, self.label, failed + 1, completions=completions)
 
     async def _request(self, prompt_id: str, turn_index: int, messages: list[dict[str, str]],
-                       seed: int | None) -> tuple[Completion, int]:
+                       seed: int | None, tools: list[dict] | None = None) -> tuple[Completion, int]:
         """One turn, with backoff and jitter on retryable errors, up to attempts_per_endpoint.
         Returns the completion and the attempts it took; raises _Failed with the attempts that count."""
         attempts = 0
@@ -207,7 +208,7 @@ class EndpointWorker:
                 with attempt:
                     self.requests += 1
                     attempts += 1
-                    completion = await self._attempt(prompt_id, turn_index, messages, seed)
+                    completion = await self._attempt(prompt_id, turn_index, messages, seed, tools)
         except RequestError as error:
             # an unreachable endpoint, or a dropped connection, is not the prompt's attempt
             raise _Failed(error, attempts - isinstance(error, EndpointDown)) from None
@@ -215,10 +216,10 @@ class EndpointWorker:
         return completion, attempts
 
     async def _attempt(self, prompt_id: str, turn_index: int, messages: list[dict[str, str]],
-                       seed: int | None) -> Completion:
+                       seed: int | None, tools: list[dict] | None = None) -> Completion:
         """The client boundary: what comes out is a completion or an error of the taxonomy."""
         try:
-            return await self.client.chat(messages, seed)
+            return await self.client.chat(messages, seed, tools)
         except RequestError:
             raise
         except BaseException as exc:
@@ -278,7 +279,7 @@ class EndpointWorker:
             return True
         from ..endpoints.preflight import check_endpoint, engine_refusal, fleet_problems
 
-        report = await check_endpoint(self.client, self.readmission)
+        report = await check_endpoint(self.client, self.readmission, tools=self.client.settings.needs_tool_calls)
         expected = self.client.settings.expected_weight_version
         problems = report.problems + fleet_problems([report], self.readmission)
         if expected is not None and report.weight_version not in (None, expected):

@@ -13,6 +13,7 @@ import logging
 import random
 import sys
 import time
+from typing import Any
 
 from ..core import exits
 from ..core.config import RunConfig
@@ -137,10 +138,10 @@ def refusal_text(reports: list[EndpointReport], fleet: list[str]) -> str:
 def _settings(cfg: RunConfig) -> ClientSettings:
     return ClientSettings(model=cfg.model, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                           max_tokens=cfg.sampling.max_tokens, chat_template_kwargs=cfg.template_kwargs(),
-                          **cfg.sampling.explicit())
+                          tool_choice=cfg.tool_choice, **cfg.sampling.explicit())
 
 
-async def probe_fleet(cfg: RunConfig, api_keys: dict[str, str | None], **options) -> list[EndpointReport]:
+async def probe_fleet(cfg: RunConfig, api_keys: dict[str, str | None], **options: Any) -> list[EndpointReport]:
     """One round: every endpoint checked concurrently. `options`: check_endpoint's keywords."""
     settings = _settings(cfg)
     clients = [EndpointClient(e.url, e.label, settings, api_keys.get(e.label)) for e in cfg.all_endpoints()]
@@ -157,7 +158,7 @@ def _refuse(message: str, reports: list[EndpointReport], fleet: list[str]) -> Pr
 
 
 async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], announce: bool = True,
-                          start_with_passing: bool = False, **timeouts: float) -> list[EndpointReport]:
+                          start_with_passing: bool = False, **timeouts: Any) -> list[EndpointReport]:
     """`preflight` for callers already inside an event loop. `announce`: log the fleet notes and each endpoint's
     warnings once it passes (False: the caller prints them itself, as `regen preflight` does in its table).
     `start_with_passing`: an endpoint with problems of its own is held out (named loudly) instead of refusing the
@@ -218,13 +219,14 @@ def _passing_hint(reports: list[EndpointReport], cfg: RunConfig) -> str:
 
 
 def preflight(cfg: RunConfig, api_keys: dict[str, str | None], announce: bool = True,
-              start_with_passing: bool = False, **timeouts: float) -> list[EndpointReport]:
+              start_with_passing: bool = False, **timeouts: Any) -> list[EndpointReport]:
     """Check the fleet before any prompt is sent.
 
     Raises PreflightError naming each endpoint and mismatch; waits with backoff up to
     cfg.dead_fleet_deadline_s while no endpoint answers. Unreachable endpoints among working ones are
     warnings (logged, and in the reports); so are endpoints with problems under `start_with_passing` (their
-    reports keep the problems). `timeouts`: info_timeout_s, probe_timeout_s."""
+    reports keep the problems). `timeouts`: info_timeout_s, probe_timeout_s, and `tools=True` for a prompt set with tools (check_endpoint's
+    keywords)."""
     return asyncio.run(preflight_async(cfg, api_keys, announce, start_with_passing, **timeouts))
 
 

@@ -41,10 +41,10 @@ class RecordBuilder:
     def work_item(self, prompt_id: str) -> WorkItem:
         i = self.index[prompt_id]
         messages = self.messages_of(i)
-        tools = self.tools[i]
+        tools = self.tools[i]  # canonical JSON text, or None
+        tools_json = None if tools is None else tools.encode()
         return WorkItem(prompt_id, orjson.dumps(messages), seed_for(prompt_id, self.temperature),
-                        affinity_key(messages, self.affinity_chars),
-                        tools_json=None if tools is None else tools.encode())
+                        affinity_key(messages, self.affinity_chars, tools_json), tools_json)
 
     def records(self, outcome: Outcome, attempts: int) -> list[dict[str, Any]]:
         i = self.index[outcome.prompt_id]
