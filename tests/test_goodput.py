@@ -133,3 +133,16 @@ def test_copies_thrown_away_are_counted_measured_or_estimated():
     waste.cancelled([("a", time.monotonic() - 10.0), ("d", time.monotonic())], unfinished={"d"}, mean_latency=1.0)
     tokens = waste.goodput.tokens
     assert (tokens["duplicate"], tokens["retry"], tokens["failed"], tokens["hedge_cancelled"]) == (90, 40, 7, 100)
+
+
+def test_the_gate_settings_are_not_part_of_the_run_identity(tmp_path):
+    from pipeline.core.config import load_config
+
+    base = dict(model=MODEL, sampling={"temperature": 0.0, "max_tokens": 24})
+    source = prompt_source(tmp_path, 1)
+    endpoints = [{"url": "http://127.0.0.1:1", "name": "e"}]
+    plain = load_config(write_config(tmp_path, endpoints, [source], **base))
+    gated = load_config(write_config(tmp_path, endpoints, [source], quality_gate="stop", quality_gate_records=5,
+                                     quality_thresholds={"truncated": 0.5, "empty": 0.0}, **base))
+    assert gated.quality_gate == "stop"
+    assert (gated.identity(), gated.fingerprint()) == (plain.identity(), plain.fingerprint())
