@@ -142,6 +142,29 @@ def test_copies_thrown_away_are_counted_measured_or_estimated():
     assert (tokens["duplicate"], tokens["retry"], tokens["failed"], tokens["hedge_cancelled"]) == (90, 40, 7, 100)
 
 
+@pytest.mark.parametrize("fault, times, purpose", [("500", 2, "retry"), ("400", 0, "failed")])
+def test_turns_generated_before_a_later_turn_fails_are_counted_as_a_retrys_or_a_failures(fault, times, purpose):
+    """all_turns: the second turn fails after the first was generated; the prompt is run again whole (a retryable
+    error, twice on this endpoint) or fails for good (400): the first turn's tokens were thrown away, and the
+    dispatch counts exactly them. The real Dispatcher and EndpointWorkers (tests/local_dispatch.py)."""
+    from pipeline.core.work import WorkItem
+    from tests.local_dispatch import make_cfg, run_local
+
+    conversation = [{"role": "user", "content": "Name one fact about owls."}, {"role": "assistant", "content": "Owls."},
+                    {"role": "user", "content": "[second] And one about cats?"}]
+    with emulators(1, preset="kimi", poison_text="[second]", poison_fault=fault, poison_times=times) as (server,):
+        cfg = make_cfg([{"url": server.url, "name": "emu", "concurrency": 1}], mode="all_turns", hedge_tail=False)
+        run = run_local(cfg, [WorkItem("p", orjson.dumps(conversation), None)])
+    (outcome, _attempts), = run.finished["p"]
+    waste = run.dispatcher.waste.goodput
+    if purpose == "retry":  # run again whole: its first turn is generated again, the same at temperature 0
+        assert outcome.kind == "done"
+        assert waste.tokens == {"retry": outcome.completions[0].completion_tokens}
+    else:
+        assert outcome.kind == "terminal" and outcome.discarded_tokens > 0
+        assert waste.tokens == {"failed": outcome.discarded_tokens}
+
+
 def test_the_gate_settings_are_not_part_of_the_run_identity(tmp_path):
     from pipeline.core.config import load_config
 
