@@ -165,6 +165,30 @@ def test_turns_generated_before_a_later_turn_fails_are_counted_as_a_retrys_or_a_
         assert waste.tokens == {"failed": outcome.discarded_tokens}
 
 
+def test_the_gate_names_the_setting_for_empty_and_repeating_records_and_passes_a_clean_sample():
+    """The measures the emulator does not produce, on records flagged by the real quality flags."""
+    from pipeline.store.gate import GateSample
+    from pipeline.store.quality import quality_flags
+
+    def row(content: str, reasoning: str | None, finish: str, tokens: int) -> dict:
+        return {"content": content, "finish_reason": finish, "completion_tokens": tokens,
+                "flags": quality_flags(content, reasoning, finish, tokens, 512)}
+
+    loop = " ".join(["the cat sat on the mat"] * 40)
+    rows = ([row("A fine answer.", None, "stop", 40)] * 16 + [row("", None, "stop", 1)] * 2
+            + [row(loop, None, "stop", 500)] * 2)
+    thresholds = {"truncated": 0.1, "truncated_thinking": 0.05, "empty": 0.02, "repetition": 0.05}
+    sample = GateSample(size=20)
+    assert sample.add(rows)
+    findings = {f.measure: f for f in sample.check(thresholds, 512)}
+    assert sorted(findings) == ["empty", "repetition"]
+    assert "sampling.repetition_penalty" in findings["repetition"].message(20)
+    assert "2 of the first 20 records (10.0%" in findings["empty"].message(20)
+    clean = GateSample(size=16)
+    clean.add(rows[:16])
+    assert clean.check(thresholds, 512) == []
+
+
 def test_the_gate_settings_are_not_part_of_the_run_identity(tmp_path):
     from pipeline.core.config import load_config
 
