@@ -363,8 +363,7 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
         if outcome.kind == DONE:
             rows, tokens = builder.records(outcome, attempts), sum(c.completion_tokens for c in outcome.completions)
             if committer.add_records(rows):
-                progress.goodput.add_records(rows)
-                kept.extend(rows)
+                kept.extend(rows)  # counted for goodput once committed (committer.on_committed)
             else:  # a prompt committed already: this copy's tokens are thrown away
                 progress.goodput.add(DUPLICATE, tokens)
             progress.record(True, tokens, outcome.endpoint)
@@ -392,6 +391,7 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
                             unreachable=fleet.unreachable, refused=fleet.refused)
     progress.thrown_away = dispatcher.waste.goodput
+    committer.on_committed = progress.goodput.add_records
     metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
     if metrics is not None:
         progress.extra["metrics_url"] = metrics.url
