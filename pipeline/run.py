@@ -17,7 +17,7 @@ from . import __version__
 from .store import schema
 from .core import exits
 from .core.config import RunConfig, load_config
-from .core.errors import DriftError, LeaseLost, RegenError, StorageError
+from .core.errors import DriftError, LeaseLost, QualityGateStopped, RegenError, StorageError
 from .core.identity import IDENTITY_VERSION, check_identity, resumed_manifest
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
@@ -25,6 +25,8 @@ from .prompts.tokens import load_length_check
 from .store.promptset import (StagedPromptSet, check_schema_takes_tools, check_source_files, report_document,
                               source_specs, stage_prompt_set)
 from .store.committer import Committer
+from .store.gate import QualityGate
+from .store.goodput import DUPLICATE, Goodput, summary_line
 from .store.progress import duration
 from .store.status import counts_line
 from .store.resume import ChosenRun, choose_run, committed_nothing, rebind, records_of_older, with_prompt_advice
@@ -284,7 +286,8 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
         return Progress(run_dir, total=len(all_ids), already_done=len(committed & set(all_ids)),
                         failed_before=0 if opts.retry_failures else len(failed & set(all_ids)),
                         rejects=0 if rejects is None else rejects.num_rows, status_interval_s=cfg.status_interval_s,
-                        log_interval_s=cfg.progress_log_interval_s)
+                        log_interval_s=cfg.progress_log_interval_s,
+                        goodput_before=Goodput.from_dict((run_dir.read_status() or {}).get("goodput")))
 
     # --new-run also looks at the weights a complete run is pinned to: other weights make a successor
     if not pending and not (opts.new_run and manifest.get("weight_version") is not None):
@@ -302,12 +305,14 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
         try:
             state = run_dispatch(cfg, run_dir, builder, pending, committer, run_progress, stop, fleet)
         except BaseException as exc:
-            salvage(committer, run_progress, "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+            salvage(committer, run_progress, "interrupted" if isinstance(exc, KeyboardInterrupt) else
+                    "stopped_by_quality_gate" if isinstance(exc, QualityGateStopped) else "failed")
             raise
     committer.flush()
     run_progress.extra["commit_s"] = round(committer.commit_seconds, 3)  # writing parts, over the whole session
     run_progress.close()
     run_progress.write(state)
+    log.info("%s", summary_line(run_progress.goodput_total().as_dict()))
     session = (f"this session {run_progress.done} records, {run_progress.failed} failures in "
                f"{duration(run_progress.elapsed())}")
     if state == "interrupted":
@@ -374,11 +379,19 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
         return "interrupted"
 
     metrics = None  # the opt-in /metrics, served while the dispatch runs
+    gate = QualityGate(cfg.quality_gate, cfg.quality_gate_records, cfg.quality_thresholds.model_dump(),
+                       cfg.sampling.max_tokens)
+    kept: list[dict] = []  # the records of this outcome that the committer took (for the quality gate)
 
     def on_outcome(outcome: Outcome, attempts: int) -> None:
+        kept.clear()
         if outcome.kind == DONE:
-            committer.add_records(builder.records(outcome, attempts))
-            progress.record(True, sum(c.completion_tokens for c in outcome.completions), outcome.endpoint)
+            rows, tokens = builder.records(outcome, attempts), sum(c.completion_tokens for c in outcome.completions)
+            if committer.add_records(rows):
+                kept.extend(rows)  # counted for goodput once committed (committer.on_committed)
+            else:  # a prompt committed already: this copy's tokens are thrown away
+                progress.goodput.add(DUPLICATE, tokens)
+            progress.record(True, tokens, outcome.endpoint)
         else:
             committer.add_failure(builder.failure(outcome, attempts))
             progress.record(False, 0, outcome.endpoint)
@@ -386,6 +399,10 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
         if metrics is not None:
             metrics.outcome(outcome)
         committer.maybe_flush()
+        try:
+            gate.observe(kept)  # QualityGateStopped with `quality_gate: stop`: salvaged, then the run ends
+        finally:
+            progress.quality_gate = gate.verdict
 
     def on_tick(endpoints: dict[str, dict]) -> None:
         committer.maybe_flush()
@@ -398,6 +415,8 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
                                                                     fleet.run_engines, fleet.tools), cfg.api_key),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
                             unreachable=fleet.unreachable, refused=fleet.refused)
+    progress.thrown_away = dispatcher.waste.goodput
+    committer.on_committed = progress.goodput.add_records
     metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
     if metrics is not None:
         progress.extra["metrics_url"] = metrics.url

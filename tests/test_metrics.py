@@ -105,6 +105,16 @@ def dashboard_queries() -> list[str]:
     return exprs
 
 
+def test_metrics_show_the_share_of_generated_tokens_that_became_training_data(scrape):
+    """docs/goodput.md: tokens by purpose, and their share kept by the default export."""
+    training = values(scrape, "regen_generated_tokens", run="t", purpose="training")
+    by_purpose = {s.labels["purpose"]: s.value for s in scrape.samples if s.name == "regen_generated_tokens"}
+    assert training and training[0] > 0 and {"truncated", "duplicate", "hedge_cancelled"} <= set(by_purpose)
+    (share,) = values(scrape, "regen_goodput_ratio", run="t")
+    kept = by_purpose["training"] + by_purpose["flagged"]
+    assert share == pytest.approx(kept / sum(by_purpose.values()), abs=1e-3)
+
+
 def test_every_series_the_grafana_dashboard_queries_is_in_a_live_scrape(scrape):
     exprs = dashboard_queries()
     assert len(exprs) >= 12

@@ -155,6 +155,17 @@ class MetricsServer(_Strict):
                                                          "status.json as metrics_url).")
 
 
+class QualityThresholds(_Strict):
+    """Shares of the first `quality_gate_records` records past which the quality gate fires (docs/goodput.md)."""
+
+    truncated: float = Field(0.10, ge=0.0, le=1.0, description=(
+        "Share of records cut at max_tokens (finish_reason `length`)."))
+    truncated_thinking: float = Field(0.05, ge=0.0, le=1.0, description=(
+        "Share of records cut at max_tokens inside the thinking (no answer text at all)."))
+    empty: float = Field(0.02, ge=0.0, le=1.0, description="Share of records with neither answer nor reasoning.")
+    repetition: float = Field(0.05, ge=0.0, le=1.0, description="Share of records flagged `repetition` (a loop).")
+
+
 class RunConfig(_Strict):
     run_name: str = Field(pattern=r"^[A-Za-z0-9._-]+$", description=(
         "The run's name: its directory is output_dir/run_name (letters, digits, `.`, `_`, `-`)."))
@@ -250,6 +261,16 @@ class RunConfig(_Strict):
     metrics: MetricsServer | None = Field(
         None, description="Serve Prometheus metrics on the driver while the run dispatches (off when absent; "
                           "`metrics: {}` serves on 127.0.0.1:9464).")
+
+    # The quality gate: not part of the run identity (changing it never blocks a resume).
+    quality_gate: Literal["warn", "stop", "off"] = Field("warn", description=(
+        "After the first quality_gate_records records of a session, check the shares cut at max_tokens, cut inside "
+        "the thinking, empty or repeating against quality_thresholds. `warn`: warn on the console and in the log, "
+        "naming the setting to change and its cost; `stop`: also stop the run (resumable, exit code 5); `off`."))
+    quality_gate_records: int = Field(300, ge=1, description=(
+        "How many records of a session the quality gate waits for before it checks."))
+    quality_thresholds: QualityThresholds = Field(QualityThresholds(), description=(
+        "The quality gate's thresholds (the `quality_thresholds:` section)."))
 
     @field_validator("output_dir")
     @classmethod

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError, DriftError, RegenError, RunLocked
+from .errors import ConfigError, DriftError, QualityGateStopped, RegenError, RunLocked
 
 
 @dataclass(frozen=True)
@@ -23,10 +23,13 @@ CONFIG = ExitCode(2, "config", "bad input: the config, a source, a missing API-k
 DRIFT = ExitCode(3, "drift", "the config no longer matches the run it would resume (the diff is printed)",
                  DriftError)
 LOCKED = ExitCode(4, "locked", "another regen holds the run's lock", RunLocked)
+QUALITY_GATE = ExitCode(5, "quality_gate", "`quality_gate: stop` stopped the run: its first records crossed a quality "
+                                           "threshold (cut at max_tokens, cut in the thinking, empty, repeating); "
+                                           "committed work is kept and the run resumes", QualityGateStopped)
 INTERRUPTED = ExitCode(130, "interrupted", "stopped by Ctrl-C (or, for generate and capture, SIGTERM); committed work "
                                            "is kept and the same command resumes")
 
-TABLE: tuple[ExitCode, ...] = (OK, FAILED, CONFIG, DRIFT, LOCKED, INTERRUPTED)
+TABLE: tuple[ExitCode, ...] = (OK, FAILED, CONFIG, DRIFT, LOCKED, QUALITY_GATE, INTERRUPTED)
 
 
 def for_error(exc: RegenError) -> int:

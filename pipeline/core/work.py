@@ -74,6 +74,8 @@ class Outcome:
     # all_turns with tools: why the conversation ended before the source's last step (e.g. the target called
     # another tool than the cached result answers), and at which step; None: it ran to its end.
     conversation_end: str | None = None
+    # A failure: completion tokens of the turns generated before it, thrown away (the prompt is run again whole)
+    discarded_tokens: int = 0
 
 
 @dataclass

@@ -25,6 +25,7 @@ from .isolation import Isolation
 from .routing import Router
 from .story import log_change
 from .transport import ActorLost, RayTransport, Transport
+from .waste import ThrownAway
 
 log = logging.getLogger("regen.dispatch")
 
@@ -102,6 +103,7 @@ class Dispatcher:
         self.left_fatal: dict[str, Endpoint] = {}
         self.hedged: set[str] = set()  # prompts re-run on an idle endpoint at the tail of the run
         self.mean_latency: float | None = None  # moving average of a prompt's latency
+        self.waste = ThrownAway()  # generated tokens thrown away (store/goodput.py)
 
     # --- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -142,6 +144,8 @@ class Dispatcher:
 
     def shutdown(self) -> None:
         """End the actors. Work they still hold was never committed and stays pending; none is in flight after."""
+        self.waste.cancelled([(pid, t) for s in self.slots.values() for pid, t in s.sent_at.items()],
+                             self.unfinished, self.mean_latency)
         for slot in self.slots.values():
             if slot.handle is not None:
                 self.transport.kill(slot.handle)
@@ -240,7 +244,9 @@ class Dispatcher:
             if outcome.kind == DONE:
                 latency = sum(c.latency_s for c in outcome.completions)
                 self.mean_latency = latency if self.mean_latency is None else 0.9 * self.mean_latency + 0.1 * latency
+                self.waste.done(outcome)
             if outcome.prompt_id not in self.unfinished:
+                self.waste.late(outcome)
                 continue  # a late answer for work already finished elsewhere
             attempts = self.attempts.get(outcome.prompt_id, 0) + outcome.attempts
             self.attempts[outcome.prompt_id] = attempts
@@ -252,11 +258,15 @@ class Dispatcher:
             if outcome.kind == DONE:
                 self._finish(outcome, attempts)
             elif self._held_elsewhere(outcome.prompt_id, slot):
+                self.waste.failed(outcome, terminal=False)
                 continue  # a hedged copy still runs elsewhere: that copy decides, this failure only counts
             elif self._terminal(outcome, attempts):
+                self.waste.failed(outcome, terminal=True)
                 self._finish(outcome, attempts)
-            elif item is not None:  # RETRY, RETURNED, DROPPED, ENDPOINT_FATAL: another endpoint will take it
-                self._requeue(item, failed_at=slot.label)
+            else:
+                self.waste.failed(outcome, terminal=False)
+                if item is not None:  # RETRY, RETURNED, DROPPED, ENDPOINT_FATAL: another endpoint will take it
+                    self._requeue(item, failed_at=slot.label)
         if exchange.state == "fatal":
             why = str(exchange.stats.get("last_error", "endpoint-fatal error"))
             if self.fleet_watch is not None:

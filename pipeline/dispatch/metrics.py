@@ -52,6 +52,12 @@ class RunMetrics:
                               ["run", "endpoint", "class"], registry=registry)
         self.requeued = Gauge("regen_requeued", "Work items sent back to the queue this session", ["run"],
                               registry=registry)
+        self.generated = Gauge("regen_generated_tokens", "Completion tokens the fleet generated, over every session, "
+                               "by what became of them (purpose: training, flagged, truncated_thinking, truncated, "
+                               "empty, duplicate, hedge_cancelled (estimated), retry, failed; docs/goodput.md)",
+                               ["run", "purpose"], registry=registry)
+        self.goodput = Gauge("regen_goodput_ratio", "Share of generated tokens that became training data (what the "
+                             "default export keeps; -1: nothing generated yet)", ["run"], registry=registry)
         self._errors_seen: dict[str, dict[str, int]] = {}
         self._server: Any = None
         self.url: str | None = None
@@ -74,6 +80,11 @@ class RunMetrics:
         eta = status.get("eta_s")
         self.eta.labels(self.run).set(-1 if eta is None else eta)
         self.requeued.labels(self.run).set(status.get("requeued", 0))
+        goodput = status.get("goodput") or {}
+        for purpose, tokens in (goodput.get("tokens") or {}).items():
+            self.generated.labels(self.run, purpose).set(tokens)
+        share = goodput.get("share")
+        self.goodput.labels(self.run).set(-1 if share is None else share)
         endpoints = status.get("endpoints") or {}
         for label, stats in endpoints.items():
             self._endpoint(label, stats.get("state", "healthy"), stats.get("in_flight", 0))

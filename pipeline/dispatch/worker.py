@@ -181,15 +181,21 @@ class EndpointWorker:
                 failed += used - 1
                 completions.append(completion)
         except _Failed as failure:
-            return self._failed(item, failure.error, failed + failure.attempts)
+            return self._discarding(self._failed(item, failure.error, failed + failure.attempts), completions)
         except BaseException as exc:  # e.g. a conversation this code cannot read
             if _must_propagate(exc):
                 raise
-            return self._failed(item, unexpected(exc, self.label), failed + 1)
+            return self._discarding(self._failed(item, unexpected(exc, self.label), failed + 1), completions)
         self.consecutive_failures = 0
         if self.state == "probing":
             self.state = "healthy"
         return Outcome(item.prompt_id, DONE, self.label, failed + 1, completions=completions)
+
+    @staticmethod
+    def _discarding(outcome: Outcome, completions: list[Completion]) -> Outcome:
+        """The tokens of the turns done before a failure go with it: the driver counts them as thrown away."""
+        outcome.discarded_tokens = sum(c.completion_tokens for c in completions)
+        return outcome
 
     async def _request(self, prompt_id: str, turn_index: int, messages: list[dict[str, str]],
                        seed: int | None, tools: list[dict] | None = None) -> tuple[Completion, int]:

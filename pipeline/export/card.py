@@ -18,6 +18,7 @@ import orjson
 
 from ..core.errors import RegenError
 from ..prompts.report import report_table
+from ..store.goodput import ESTIMATED, KEPT, PURPOSES, THROWN_AWAY, Goodput
 from ..store.rundir import RunDir
 from ..store.storage import Location
 from .jsonl import read_run_manifest
@@ -26,6 +27,7 @@ CARD_DIR = "card"
 DATA_GLOB = "data/part-*.parquet"  # part-* rather than *: never a temporary file of a running writer
 CARD_COLUMNS = ["prompt_id", "source", "finish_reason", "flags", "prompt_tokens", "completion_tokens",
                 "reasoning_tokens", "reasoning_content", "endpoint", "model", "weight_version", "config_fingerprint"]
+GOODPUT_COLUMNS = ["content"]  # what store/quality.py default_export_drop reads beyond CARD_COLUMNS
 
 
 class MissingDependency(RegenError):
@@ -67,6 +69,7 @@ class RunContents:
     completion_tokens: list[int] = field(default_factory=list)
     reasoning_tokens: list[int] = field(default_factory=list)  # where the server reported them
     reasoning_words: list[int] = field(default_factory=list)  # fallback: records without reasoning_tokens
+    goodput: Goodput = field(default_factory=Goodput)  # the committed records' tokens by purpose
 
     def add(self, row: dict[str, Any]) -> None:
         self.records += 1
@@ -87,13 +90,14 @@ class RunContents:
             self.reasoning_tokens.append(row["reasoning_tokens"])
         elif row.get("reasoning_content"):
             self.reasoning_words.append(len(row["reasoning_content"].split()))
+        self.goodput.add_records([row])
 
 
 def gather(run_dir: RunDir) -> RunContents:
     contents = RunContents()
     for part in RunDir.parts(run_dir.data):
         present = set(part.parquet_schema().names)
-        for row in part.read_parquet(columns=[c for c in CARD_COLUMNS if c in present]).to_pylist():
+        for row in part.read_parquet(columns=[c for c in CARD_COLUMNS + GOODPUT_COLUMNS if c in present]).to_pylist():
             contents.add(row)
     return contents
 
@@ -216,6 +220,7 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         f"{contents.flagged_records} of {contents.records} records carry at least one flag "
         "(a record may carry several).", "",
         *_count_table("flag", contents.flags, contents.records), "",
+        *_goodput_lines(run_dir, contents),
         "## Token statistics", "",
         *_stats_table([("prompt (tokens)", LengthStats.of(contents.prompt_tokens)),
                        ("completion (tokens)", LengthStats.of(contents.completion_tokens)), *reasoning_rows]), "",
@@ -238,6 +243,24 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         "Training files: `regen export RUN_DIR --format specforge|specforge-tokens|speculators --out FILE`.", "",
     ]
     return "\n".join(lines)
+
+
+def _goodput_lines(run_dir: RunDir, contents: RunContents) -> list[str]:
+    """Committed tokens by purpose from the parts; tokens thrown away from the run's own count (status.json)."""
+    thrown = Goodput.from_dict((run_dir.read_status() or {}).get("goodput"))
+    total = contents.goodput + Goodput(Counter({p: thrown.tokens[p] for p in THROWN_AWAY}),
+                                       Counter({p: thrown.items[p] for p in THROWN_AWAY}))
+    generated = total.generated()
+    if not generated:
+        return []
+    rows = ["| purpose | tokens | share | records or copies |", "|---|---:|---:|---:|"]
+    rows += [f"| {p}{' (estimated)' if p in ESTIMATED else ''} | {total.tokens[p]} | "
+             f"{100 * total.tokens[p] / generated:.1f}% | {total.items[p]} |" for p in PURPOSES if total.tokens[p]]
+    return ["## Goodput", "",
+            f"{100 * total.share():.1f}% of the {generated} completion tokens generated became training data "
+            f"(what `regen export --format specforge` keeps: {' + '.join(KEPT)}). Committed records are counted from "
+            "the parts; tokens thrown away (late duplicates, hedged copies cancelled at the end, turns before a "
+            "retry or a failure) from the run's own count in status.json (docs/goodput.md).", "", *rows, ""]
 
 
 def _capture_lines(run_dir: RunDir) -> list[str]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from ..store.quality import cut_at_max_tokens
+
 Record = Mapping[str, Any]
 
 SPECFORGE_ROLES = ("system", "user", "assistant")
@@ -125,7 +127,7 @@ def has_token_ids(record: Record) -> bool:
 
 
 def is_truncated(record: Record) -> bool:
-    return record.get("finish_reason") == "length" or "truncated" in (record.get("flags") or [])
+    return cut_at_max_tokens(record)
 
 
 def tokens_and_mask(record: Record) -> tuple[list[int], list[int]]:
@@ -177,8 +179,7 @@ class Filters:
     def reason_to_drop(self, record: dict[str, Any]) -> str | None:
         if self.sources is not None and record.get("source") not in self.sources:
             return SOURCE_NOT_SELECTED
-        truncated = record.get("finish_reason") == "length" or "truncated" in (record.get("flags") or [])
-        if self.drop_truncated and truncated:
+        if self.drop_truncated and cut_at_max_tokens(record):
             return TRUNCATED
         if self.drop_flagged and record.get("flags"):
             return FLAGGED

@@ -26,6 +26,7 @@ import orjson
 from ..core.errors import ConfigError, StorageError
 from ..store.rundir import TMP_PREFIX, RunDir, atomic_write, now_utc
 from ..store.storage import Location
+from ..store.quality import lacks_content
 from . import formats
 from .formats import FLAGGED, SOURCE_NOT_SELECTED, TRUNCATED, Filters  # noqa: F401 (the record filter)
 
@@ -186,7 +187,7 @@ class _Exporter:
     def _reason_to_drop(self, record: dict[str, Any]) -> str | None:
         """The user's filters, then the format's own needs."""
         reason = self.filters.reason_to_drop(record)
-        if reason is None and self.fmt == "specforge" and not (record.get("content") or "").strip():
+        if reason is None and self.fmt == "specforge" and lacks_content(record):
             reason = EMPTY_CONTENT  # SpecForge needs non-empty content
         if reason is None and self.fmt in TOKEN_FORMATS and not formats.has_token_ids(record):
             reason = NO_TOKEN_IDS

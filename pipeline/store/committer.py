@@ -8,7 +8,7 @@ import logging
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 
@@ -67,6 +67,8 @@ class Committer:
         self.commit_seconds = 0.0  # time spent writing parts (the commit overhead)
         # kind -> (part, its prompt ids, its rows) of a commit whose outcome is not known yet
         self._unsettled: dict[str, tuple[Location, frozenset[str], int]] = {}
+        # told the rows of each records part once it is known committed (the goodput count, store/goodput.py)
+        self.on_committed: Callable[[list[dict[str, Any]]], None] | None = None
 
     def _accept(self, prompt_id: str) -> bool:
         if prompt_id in self.done or prompt_id in self.buffered:
@@ -151,6 +153,8 @@ class Committer:
         if not ids <= self.done:
             if kind == "records":
                 self.committed += n_rows
+                if self.on_committed is not None:
+                    self.on_committed([row for row in self.records if row["prompt_id"] in ids])
             else:
                 self.committed_failures += n_rows
         self.done |= ids

@@ -11,6 +11,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from .goodput import Goodput, summary_line
 from .rundir import RunDir, now_utc
 
 log = logging.getLogger("regen.progress")
@@ -43,6 +44,10 @@ class Progress:
     completion_tokens: int = 0
     endpoints: dict[str, dict] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    goodput_before: Goodput = field(default_factory=Goodput)  # earlier sessions' (their status.json)
+    goodput: Goodput = field(default_factory=Goodput)  # this session's committed records (store/goodput.py)
+    thrown_away: Goodput = field(default_factory=Goodput)  # this session's, counted by the dispatch
+    quality_gate: dict[str, Any] = field(default_factory=dict)  # the gate's verdict (store/gate.py)
     terminal: bool | None = None  # None: whether stderr is a terminal
 
     def __post_init__(self) -> None:
@@ -69,6 +74,9 @@ class Progress:
             counts["completion_tokens"] += completion_tokens
         if self.bar is not None:
             self.bar.update(1)
+
+    def goodput_total(self) -> Goodput:
+        return self.goodput_before + self.goodput + self.thrown_away
 
     # --- rates --------------------------------------------------------------------------------------
     def elapsed(self) -> float:
@@ -133,9 +141,10 @@ class Progress:
         share = f" ({100 * (done + failed) / self.total:.1f}%)" if self.total else ""
         fleet = ", ".join(f"{label} {e.get('state', '?')}" for label, e in self.endpoints.items())
         log.info("progress: %d/%d done%s, %d failed, %d pending; recent %.2f prompts/s %.0f tok/s (last %s), "
-                 "overall %.2f prompts/s %.0f tok/s; ETA %s; fleet: %s", done, self.total, share, failed,
+                 "overall %.2f prompts/s %.0f tok/s; ETA %s; fleet: %s; %s", done, self.total, share, failed,
                  self.pending(), recent["prompts_s"], recent["tok_s"], duration(recent["window_s"]),
                  overall["prompts_s"], overall["tok_s"], duration(self.eta_s(rates)), fleet or "none",
+                 summary_line(self.goodput_total().as_dict()),
                  extra={"file_only": self.bar is not None})
 
     def status(self, state: str) -> dict[str, Any]:
@@ -160,6 +169,8 @@ class Progress:
                 "tok_s": round(self.tok_s(), 1),
             },
             "endpoints": {label: self._endpoint(label, stats) for label, stats in self.endpoints.items()},
+            "goodput": self.goodput_total().as_dict(),
+            **({"quality_gate": self.quality_gate} if self.quality_gate else {}),
             **self.extra,
         }
 

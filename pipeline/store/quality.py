@@ -97,3 +97,24 @@ def quality_flags(content: str, reasoning_content: str | None, finish_reason: st
     if is_repetitive(content) or is_repetitive(reasoning_content):
         flags.append(REPETITION)
     return flags
+
+
+# --- what the default exports drop (one definition: export/ and the goodput accounting read these) -----------
+def cut_at_max_tokens(record: dict) -> bool:
+    """Cut at max_tokens: the conversation export drops it unless --keep-truncated (a token export masks its end)."""
+    return record.get("finish_reason") == "length" or TRUNCATED in (record.get("flags") or [])
+
+
+def lacks_content(record: dict) -> bool:
+    """No answer text: the conversation export drops it (SpecForge needs non-empty content)."""
+    return not (record.get("content") or "").strip()
+
+
+def default_export_drop(record: dict) -> str | None:
+    """Why `regen export --format specforge` with no option drops a record: `truncated_thinking` (cut inside the
+    thinking), `truncated` (cut at max_tokens), `empty` (no answer text); None: it is exported."""
+    if cut_at_max_tokens(record):
+        return TRUNCATED_THINKING if TRUNCATED_THINKING in (record.get("flags") or []) else TRUNCATED
+    if lacks_content(record):
+        return EMPTY
+    return None

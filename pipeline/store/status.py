@@ -11,6 +11,7 @@ import orjson
 from ..prompts.fileid import file_states
 from ..prompts.report import report_lines
 from .capture_ledger import capture_counts
+from .goodput import summary_line
 from .progress import duration
 from .rundir import RunDir, RunLock
 
@@ -69,7 +70,8 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
               "this_session": live.get("this_session", {}), "rates": live.get("rates", {}),
               "eta_s": live.get("eta_s") if state.startswith("running") else None,
               "metrics_url": live.get("metrics_url") if state.startswith("running") else None,
-              "capture": capture_counts(run_dir)}
+              "capture": capture_counts(run_dir),
+              "goodput": live.get("goodput"), "quality_gate": live.get("quality_gate")}
     if as_json:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
@@ -91,6 +93,10 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
     if state.startswith("running"):
         print(f"  ETA {duration(report['eta_s'])} at the recent rate"
               + (f"; metrics at {report['metrics_url']}" if report["metrics_url"] else ""))
+    if report["goodput"]:
+        print(f"  {summary_line(report['goodput'])}")
+    for finding in (report["quality_gate"] or {}).get("findings", []):
+        print(f"  QUALITY GATE ({report['quality_gate']['action']}): {finding['message']}")
     cap = report["capture"]
     if cap:
         print(f"  capture ({cap['route']}, {cap['fingerprint']}): {cap['state']}; {cap['captured']} of "
