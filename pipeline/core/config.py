@@ -120,6 +120,14 @@ class RunConfig(_Strict):
     mode: Literal["last_turn", "all_turns"] = "last_turn"
     # Explicit thinking mode: sent as chat_template_kwargs {"thinking": ...} (Kimi's switch). None: server default.
     thinking: bool | None = None
+    tool_reasoning_history: Literal["current_turn", "every_turn", "none"] = Field(
+        "current_turn",
+        description="all_turns with tools: which of the target's tool-calling steps go back into the history with "
+                    "their reasoning_content. current_turn: the steps since the last user turn (DeepSeek's and "
+                    "Moonshot's API rule for thinking with tools; what Kimi-K2's own chat template renders is "
+                    "unverified here); every_turn: every tool-calling step (DeepSeek V4's rule); none: no reasoning "
+                    "is sent back, as for plain answers. In the run identity only when not current_turn "
+                    "(docs/tool-calls.md)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     sampling: Sampling = Sampling()
     selection_seed: int = 0
@@ -234,6 +242,9 @@ class RunConfig(_Strict):
             "hidden_states": None,
             "return_token_ids": self.return_token_ids,  # rows with and without token ids never mix in a run
             "stream": self.stream,
+            # Only when not the default, so that every run made before the key keeps its fingerprint.
+            **({"tool_reasoning_history": self.tool_reasoning_history}
+               if self.tool_reasoning_history != "current_turn" else {}),
         }
 
     def prompt_identity(self) -> dict[str, Any]:
