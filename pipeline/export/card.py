@@ -20,6 +20,7 @@ from ..core.errors import RegenError
 from ..prompts.report import report_table
 from ..store.rundir import RunDir
 from ..store.storage import Location
+from ..store.tool_counts import ToolCounts, tool_counts
 from .jsonl import read_run_manifest
 
 CARD_DIR = "card"
@@ -209,6 +210,7 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         f"- sampling: `{_compact_json(generation.get('sampling') or {})}`",
         f"- chat_template_kwargs: `{_compact_json(generation.get('chat_template_kwargs') or {})}`",
         f"- created: {manifest.get('created_at')}; schema version {manifest.get('schema_version')}", "",
+        *_tool_lines(tool_counts(run_dir)),
         "## Sources", "", *_count_table("source", contents.by_source, contents.records), "",
         *_prompt_sources(manifest),
         "## Finish reasons", "", *_count_table("finish_reason", contents.finish_reasons, contents.records), "",
@@ -238,6 +240,19 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         "Training files: `regen export RUN_DIR --format specforge|specforge-tokens|speculators --out FILE`.", "",
     ]
     return "\n".join(lines)
+
+
+def _tool_lines(counts: ToolCounts | None) -> list[str]:
+    if counts is None or not (counts.prompts_with_tools or counts.calls):
+        return []
+    lines = ["## Tool calls", "",
+             f"- prompts sent with tools: {len(counts.prompts_with_tools)}",
+             f"- the target's tool calls: {counts.calls}, in {counts.records_with_calls} records "
+             "(each tool-calling step is a record)",
+             f"- all_turns conversations cut short: {sum(counts.cut_short.values())}"
+             + ("" if not counts.cut_short else " — " + ", ".join(f"{reason} {n}" for reason, n
+                                                                  in counts.cut_short.most_common())), ""]
+    return lines
 
 
 def _capture_lines(run_dir: RunDir) -> list[str]:

@@ -12,6 +12,7 @@ from ..prompts.fileid import file_states
 from ..prompts.report import report_lines
 from .capture_ledger import capture_counts
 from .rundir import RunDir, RunLock
+from .tool_counts import tool_counts
 
 
 def ledger_counts(run_dir: RunDir) -> dict[str, Any]:
@@ -56,6 +57,8 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
               "fingerprint": manifest.get("fingerprint"), "sources": sources, "source_files": files,
               "last_update": live.get("updated_at"), "endpoints": live.get("endpoints", {}),
               "this_session": live.get("this_session", {}), "capture": capture_counts(run_dir)}
+    tools = tool_counts(run_dir)
+    report["tools"] = tools.as_dict() if tools is not None else None
     if as_json:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
@@ -64,6 +67,8 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
           f"pending {counts['pending']}; rejected inputs {counts['rejects']}; parts {counts['parts']}")
     for line in report_lines(sources) + [f"  {line}" for line in files]:
         print(line)
+    if tools is not None and (tools.prompts_with_tools or tools.calls):
+        print(f"  {tools.summary()}")
     if not sources and counts["total"]:
         print("  (no source report: the prompt set was built by an older regen)")
     session = report["this_session"]
