@@ -87,7 +87,7 @@ def test_an_exception_of_any_type_at_the_client_becomes_an_outcome(server, error
         worker = EndpointWorker(server.url, "emu", 1, SETTINGS, attempts_per_endpoint=1)
         real_chat, calls = worker.client.chat, []
 
-        async def chat(messages, seed):
+        async def chat(messages, seed, tools=None):
             calls.append(1)
             if len(calls) == 1:
                 raise error

@@ -89,7 +89,7 @@ def test_a_server_crash_charges_only_the_prompt_that_caused_it(monkeypatch):
     real_chat = EndpointClient.chat
     crashes: dict[int, asyncio.Event] = {}
 
-    async def chat(self, messages, seed):
+    async def chat(self, messages, seed, tools=None):
         crash = crashes.setdefault(id(self), asyncio.Event())
         if "[crash-server]" in messages[-1]["content"]:
             await asyncio.sleep(0.05)  # the server dies a moment into the poison's request, and takes all with it
@@ -126,7 +126,7 @@ def test_suspects_run_alone_on_a_half_open_endpoint_after_a_crash(monkeypatch):
 
     real_chat = EndpointClient.chat
 
-    async def chat(self, messages, seed):
+    async def chat(self, messages, seed, tools=None):
         if "[crash-server]" in messages[-1]["content"]:
             raise ConnectionDropped("connection failed: server disconnected", endpoint=self.label)
         return await real_chat(self, messages, seed)
@@ -153,7 +153,7 @@ def test_an_endpoint_that_left_for_a_contract_error_stays_out_while_its_entry_is
     from pipeline.core.errors import ContractError, RunFatal
     from pipeline.endpoints.client import EndpointClient
 
-    async def chat(self, messages, seed):
+    async def chat(self, messages, seed, tools=None):
         raise ContractError("unknown field `sampling_seed`", endpoint=self.label)
 
     monkeypatch.setattr(EndpointClient, "chat", chat)
@@ -178,7 +178,7 @@ def test_an_endpoint_that_left_for_a_contract_error_rejoins_once_its_entry_chang
     real_chat = EndpointClient.chat
     refused: list[float] = []
 
-    async def chat(self, messages, seed):
+    async def chat(self, messages, seed, tools=None):
         if self.label == "fixed" and len(listed) == 1:
             refused.append(time.monotonic())
             raise ContractError("unknown field `sampling_seed`", endpoint=self.label)

@@ -66,9 +66,19 @@ class LocalFleet(_Strict):
     hidden_states_dir: str | None = None
     # The ids the server writes: three aux layers, then num_hidden_layers (None: [2, L//2, L-3, L] of the model).
     hidden_layer_ids: list[int] | None = Field(None, min_length=4, max_length=4)
+    chat_template: str | None = Field(
+        None, description="vLLM only: a chat template file (Jinja) the servers are launched with (--chat-template) "
+        "in place of the model's own; relative paths are read from the working directory. "
+        "configs/templates/smollm2_tools.jinja renders tools the Hermes way and tool-free chats as SmolLM2's own.")
+    tool_call_parser: str | None = Field(
+        None, description="vLLM only: launch with --enable-auto-tool-choice --tool-call-parser NAME, so the servers "
+        "return the model's calls in `tool_calls` (e.g. hermes for the template above). Needed by a prompt set "
+        "with tools: the preflight refuses such a run on a server without it.")
 
     @model_validator(mode="after")
     def _hidden_states_need_vllm(self) -> "LocalFleet":
+        if (self.chat_template or self.tool_call_parser) and self.engine != "vllm":
+            raise ValueError("local_fleet.chat_template / tool_call_parser need engine: vllm")
         if (self.hidden_states_dir or self.hidden_layer_ids) and self.engine != "vllm":
             raise ValueError("local_fleet.hidden_states_dir / hidden_layer_ids need engine: vllm")
         if self.hidden_layer_ids and not self.hidden_states_dir:
@@ -129,6 +139,10 @@ class RunConfig(_Strict):
                     "is sent back, as for plain answers. In the run identity only when not current_turn "
                     "(docs/tool-calls.md)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tool_choice: Literal["auto", "required", "none"] = Field(
+        "auto", description="Sent as `tool_choice` with every request whose prompt has tools (never on a tool-free "
+        "one): auto lets the target choose between a call and an answer, required forces a call, none forbids one. "
+        "In the run's identity only when not auto.")
     sampling: Sampling = Sampling()
     selection_seed: int = 0
     sources: list[SourceRef] = Field(min_length=1)
@@ -242,7 +256,9 @@ class RunConfig(_Strict):
             "hidden_states": None,
             "return_token_ids": self.return_token_ids,  # rows with and without token ids never mix in a run
             "stream": self.stream,
-            # Only when not the default, so that every run made before the key keeps its fingerprint.
+            # keys added later enter only when they differ from their default: older runs keep their fingerprint
+            # (core/identity.py OMITTED_AT_DEFAULT compares an absent one as its default)
+            **({"tool_choice": self.tool_choice} if self.tool_choice != "auto" else {}),
             **({"tool_reasoning_history": self.tool_reasoning_history}
                if self.tool_reasoning_history != "current_turn" else {}),
         }

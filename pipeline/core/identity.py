@@ -36,7 +36,8 @@ SECTIONS = frozenset({"generation", "generation.sampling", "prompts"})
 INFORMATIONAL: frozenset[str] = frozenset()
 # Keys written into the identity only when they differ from their default (so that the runs made before them keep
 # their fingerprint): a document without one means the default, and a resume compares it as such.
-OMITTED_AT_DEFAULT: dict[str, object] = {"generation.tool_reasoning_history": "current_turn"}
+OMITTED_AT_DEFAULT: dict[str, object] = {"generation.tool_choice": "auto",
+                                         "generation.tool_reasoning_history": "current_turn"}
 
 # Features a run may have been made with that this regen no longer has: a stored value other than None refuses
 # the resume with the reason (the config can only say None: core/config.py refuses the key).

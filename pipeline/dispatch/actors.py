@@ -33,6 +33,7 @@ def client_settings(cfg: RunConfig, weight_version: str | None = None,
         **cfg.sampling.explicit(),
         engines=dict(engines or {}),
         run_engines=tuple((e["engine"], e.get("version")) for e in run_engines or [] if e.get("engine")),
+        tool_choice=cfg.tool_choice,
     )
 
 

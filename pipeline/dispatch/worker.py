@@ -24,7 +24,7 @@ from ..core.work import (
     DONE, DROPPED, ENDPOINT_FATAL, RETRY, RETURNED, TERMINAL, Completion, Exchange, Outcome, WorkItem,
 )
 from ..endpoints.client import ClientSettings, EndpointClient, unexpected
-from ..prompts.conversation import DEFAULT_REASONING_HISTORY, AllTurns
+from ..prompts.conversation import DEFAULT_REASONING_HISTORY, AllTurns, normalised
 
 # Error class -> outcome kind, most specific first.
 OUTCOME_OF: tuple[tuple[type[RequestError], str], ...] = (
@@ -168,7 +168,8 @@ class EndpointWorker:
         completions: list[Completion] = []
         conversation_end = None
         try:
-            messages = orjson.loads(item.messages_json)
+            messages = [normalised(m) for m in orjson.loads(item.messages_json)]  # as sent: tool fields only if set
+            tools = orjson.loads(item.tools_json) if item.tools_json is not None else None
             if self.mode == "all_turns":
                 # Each generation is one step (a tool-calling step included); the whole conversation is one outcome,
                 # so a kill mid-conversation redoes all of it.
@@ -176,14 +177,14 @@ class EndpointWorker:
                 while (history := conversation.next_history()) is not None:
                     k = conversation.generations
                     seed = None if item.seed is None else item.seed + k
-                    completion, used = await self._request(item.prompt_id, k, history, seed)
+                    completion, used = await self._request(item.prompt_id, k, history, seed, tools)
                     failed += used - 1
                     completions.append(completion)
                     conversation.add(completion)
                 conversation_end = conversation.end
             else:
                 turn = sum(m["role"] == "assistant" for m in messages)
-                completion, used = await self._request(item.prompt_id, turn, messages, item.seed)
+                completion, used = await self._request(item.prompt_id, turn, messages, item.seed, tools)
                 failed += used - 1
                 completions.append(completion)
         except _Failed as failure:
@@ -199,7 +200,7 @@ class EndpointWorker:
                        conversation_end=conversation_end)
 
     async def _request(self, prompt_id: str, turn_index: int, messages: list[dict[str, str]],
-                       seed: int | None) -> tuple[Completion, int]:
+                       seed: int | None, tools: list[dict] | None = None) -> tuple[Completion, int]:
         """One turn, with backoff and jitter on retryable errors, up to attempts_per_endpoint.
         Returns the completion and the attempts it took; raises _Failed with the attempts that count."""
         attempts = 0
@@ -215,7 +216,7 @@ class EndpointWorker:
                 with attempt:
                     self.requests += 1
                     attempts += 1
-                    completion = await self._attempt(prompt_id, turn_index, messages, seed)
+                    completion = await self._attempt(prompt_id, turn_index, messages, seed, tools)
         except RequestError as error:
             # an unreachable endpoint, or a dropped connection, is not the prompt's attempt
             raise _Failed(error, attempts - isinstance(error, EndpointDown)) from None
@@ -223,10 +224,10 @@ class EndpointWorker:
         return completion, attempts
 
     async def _attempt(self, prompt_id: str, turn_index: int, messages: list[dict[str, str]],
-                       seed: int | None) -> Completion:
+                       seed: int | None, tools: list[dict] | None = None) -> Completion:
         """The client boundary: what comes out is a completion or an error of the taxonomy."""
         try:
-            return await self.client.chat(messages, seed)
+            return await self.client.chat(messages, seed, tools)
         except RequestError:
             raise
         except BaseException as exc:

@@ -79,7 +79,16 @@ def vllm_command(fleet: LocalFleet, port: int, lifeline_fd: int) -> list[str]:
     return [str(python), str(VLLM_SERVE), "--lifeline-fd", str(lifeline_fd), "--",
             "--model", str(model), "--served-model-name", fleet.model_alias, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(fleet.ctx_per_slot),
-            "--max-num-seqs", str(fleet.slots), *hidden_states_arguments(fleet, model)]
+            "--max-num-seqs", str(fleet.slots), *tool_arguments(fleet), *hidden_states_arguments(fleet, model)]
+
+
+def tool_arguments(fleet: LocalFleet) -> list[str]:
+    """The chat template (a path, resolved here: the server runs in another directory's terms) and the tool-call
+    parser that makes vLLM answer with `tool_calls` (without it, it refuses `tool_choice: auto` with a 400)."""
+    arguments = ["--chat-template", str(Path(fleet.chat_template).resolve())] if fleet.chat_template else []
+    if fleet.tool_call_parser:
+        arguments += ["--enable-auto-tool-choice", "--tool-call-parser", fleet.tool_call_parser]
+    return arguments
 
 
 def hidden_layer_ids(fleet: LocalFleet, model: Path) -> list[int]:
@@ -130,6 +139,8 @@ def check_vllm(fleet: LocalFleet) -> None:
     if not (model / "config.json").exists():
         raise ConfigError(f"local_fleet engine vllm: no model folder at {model} (local_fleet.model_path, else "
                           "REGEN_VLLM_MODEL, else the folder `make vllm` converts)")
+    if fleet.chat_template and not Path(fleet.chat_template).is_file():
+        raise ConfigError(f"local_fleet.chat_template: no file at {fleet.chat_template}")
 
 
 def serve(port: int, slots: int, ctx_per_slot: int, threads: int, alias: str, lifeline_fd: int | None = None) -> None:

@@ -136,7 +136,7 @@ def refusal_text(reports: list[EndpointReport], fleet: list[str]) -> str:
 def _settings(cfg: RunConfig) -> ClientSettings:
     return ClientSettings(model=cfg.model, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                           max_tokens=cfg.sampling.max_tokens, chat_template_kwargs=cfg.template_kwargs(),
-                          **cfg.sampling.explicit())
+                          tool_choice=cfg.tool_choice, **cfg.sampling.explicit())
 
 
 async def probe_fleet(cfg: RunConfig, api_keys: dict[str, str | None], **options) -> list[EndpointReport]:

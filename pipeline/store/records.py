@@ -30,15 +30,19 @@ class RecordBuilder:
         self.max_tokens = cfg.sampling.max_tokens
         self.affinity_chars = cfg.prefix_affinity_chars
         self.tool_reasoning_history = cfg.tool_reasoning_history
+        # the prompt set's `tools` column (canonical JSON text, null when none); absent in older prompt sets
         self.tools = prompts.column("tools").to_pylist() if "tools" in prompts.column_names else None
 
     def messages_of(self, i: int) -> list[dict[str, str]]:
         return self.messages[i].as_py()
 
     def work_item(self, prompt_id: str) -> WorkItem:
-        messages = self.messages_of(self.index[prompt_id])
+        i = self.index[prompt_id]
+        messages = self.messages_of(i)
+        tools = self.tools[i] if self.tools is not None else None
+        tools_json = tools.encode() if isinstance(tools, str) else tools
         return WorkItem(prompt_id, orjson.dumps(messages), seed_for(prompt_id, self.temperature),
-                        affinity_key(messages, self.affinity_chars))
+                        affinity_key(messages, self.affinity_chars, tools_json), tools_json)
 
     def tools_of(self, i: int) -> str | None:
         """The prompt's tools as the records' `tools` column holds them: canonical JSON text, None when none."""
