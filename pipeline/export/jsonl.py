@@ -241,9 +241,12 @@ class _Exporter:
             if not self._keep(record):
                 continue
             if self.fmt == "specforge":
-                pid = record["prompt_id"]
-                self._emit(formats.specforge_per_turn_row(record, lambda j: reasoning.get((pid, j)),
-                                                          self.reasoning_history), 1)
+                if self.reasoning_history == "none":
+                    self._emit(formats.specforge_per_turn_row(record), 1)
+                else:
+                    pid = record["prompt_id"]
+                    self._emit(formats.specforge_per_turn_row(record, lambda j: reasoning.get((pid, j)),
+                                                              self.reasoning_history), 1)
             elif self.fmt == "specforge-tokens":
                 self._emit(formats.specforge_tokens_row(record), 1)
             else:
