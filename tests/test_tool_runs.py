@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from types import SimpleNamespace
 
 import orjson
 import pyarrow as pa
 import pytest
 
+from pipeline.capture import pending_samples
 from pipeline.core.config import Endpoint, RunConfig, SourceRef
 from pipeline.core.work import DONE, WorkItem
 from pipeline.dispatch.worker import EndpointWorker
@@ -163,6 +165,14 @@ def test_exports_status_and_card_of_a_tool_run(records, tmp_path, capsys):
         if record["finish_reason"] == "length":
             expected[-1] = 0  # a cut answer's last position never trains an end-of-turn
         assert row["loss_mask"] == expected
+
+    # the hidden-state capture takes every generation of the tool run as a sample of its own, with its exact ids
+    pending = pending_samples(run, set(), refused := set(), lambda pid, turn, sid, ids, n_prompt, finish:
+                              SimpleNamespace(token_ids=ids, key=(sid, ids, n_prompt)))
+    assert not refused and pending.no_token_ids == pending.count_mismatch == 0
+    assert sorted(s.key for prompt in pending.prompts for s in prompt) == sorted(
+        (f"{r['prompt_id']}#turn{r['turn_index']}", r["prompt_token_ids"] + r["output_token_ids"],
+         len(r["prompt_token_ids"])) for r in rows)
 
     assert print_status(run.path, as_json=True) == 0
     status = orjson.loads(capsys.readouterr().out)
