@@ -196,6 +196,9 @@ def test_the_reasoning_setting_keeps_todays_fingerprints_and_its_change_is_drift
     assert default.fingerprint() != none.fingerprint()
     identity = {name: current_identity(cfg.generation_identity(), {})
                 for name, cfg in (("default", default), ("none", none))}
+    tool_choice = current_identity(config(tool_choice="required").generation_identity(), {})
+    check = check_identity({"identity_version": 2, **identity["default"]}, tool_choice, refresh_prompts=True)
+    assert [line.split(":")[0] for line in check.drift] == ["generation.tool_choice"]
     for stored, cfg in (("default", "none"), ("none", "default")):
         check = check_identity({"identity_version": 2, **identity[stored]}, identity[cfg], refresh_prompts=True)
         assert [line.split(":")[0] for line in check.drift] == ["generation.tool_reasoning_history"]
@@ -207,3 +210,36 @@ def test_an_unknown_reasoning_setting_is_refused_by_name():
         config(tool_reasoning_history="all")
     with pytest.raises(ValueError, match="tool_reasoning_history"):
         AllTurns(WEATHER, "sometimes")
+
+
+# --- exports of tool conversations (pure) ----------------------------------------------------------------------
+def test_the_per_turn_export_puts_back_the_reasoning_the_run_sent_with_earlier_tool_steps():
+    from pipeline.export.formats import specforge_per_turn_row
+
+    answers = [answer(calls=["get_weather"], reasoning="Need the weather."),
+               answer(calls=["get_time"], reasoning="Now the time.", first_index=1), answer("18C, 14:05.")]
+    rows = builder([("a1b2c3d4e5", WEATHER, TOOLS)], config()).records(
+        Outcome("a1b2c3d4e5", DONE, "e0", 1, answers), 1)
+    by_turn = {r["turn_index"]: r["reasoning_content"] for r in rows}
+    sent, _ = histories("all_turns", WEATHER, answers)
+    row = specforge_per_turn_row(rows[2], by_turn.get, "current_turn")
+    assert row["conversations"][:-1] == [{**m, "content": m["content"] or ""} for m in sent[2]]
+    assert [m.get("reasoning_content") for m in row["conversations"] if m["role"] == "assistant"] == [
+        "Need the weather.", "Now the time.", None]  # what the run sent back, then the reply (it had none)
+    assert orjson.loads(row["tools"]) == TOOLS
+
+
+@pytest.mark.parametrize("conversation, problem", [
+    ([user("q"), {"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]},
+      {"role": "tool", "content": "r", "tool_call_id": "c"}, {"role": "assistant", "content": "a"}], None),
+    ([user("q"), {"role": "tool", "content": "r"}, {"role": "assistant", "content": "a"}], "expected role"),
+    ([user("q"), {"role": "assistant", "content": "a"}, {"role": "tool", "content": "r"},
+      {"role": "assistant", "content": "b"}], "expected role"),
+    ([user("q"), {"role": "assistant", "content": ""}], "content must be a non-empty string"),
+    ([user("q"), {"role": "assistant", "content": "", "tool_calls": []}], "tool_calls must be a non-empty list"),
+])
+def test_the_specforge_validator_takes_tool_steps_and_refuses_a_result_without_a_call(conversation, problem):
+    from pipeline.export.formats import validate_specforge_row
+
+    problems = validate_specforge_row({"id": "x", "conversations": conversation})
+    assert (problem is None and not problems) or any(problem in p for p in problems), problems
