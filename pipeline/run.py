@@ -22,7 +22,8 @@ from .core.identity import IDENTITY_VERSION, StoredRecords, check_identity, resu
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
 from .prompts.tokens import load_length_check
-from .store.promptset import StagedPromptSet, check_source_files, report_document, source_specs, stage_prompt_set
+from .store.promptset import (StagedPromptSet, check_schema_takes_tools, check_source_files, report_document,
+                              source_specs, stage_prompt_set)
 from .store.committer import Committer
 from .store.rundir import RunDir, RunLock, now_utc, resolve_run_dir, successor_run_dir
 from .dispatch.cluster import EndpointsFileWatch, init_ray
@@ -60,6 +61,7 @@ def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool, staged: StagedPr
             staged.discard()
         return existing
     staged = staged or stage_prompt_set(cfg)
+    check_schema_takes_tools(staged, run_dir.read_manifest().get("schema_version"))  # discards it if it refuses
     report = report_document(staged)
     for line in report_lines(report["sources"], indent=""):
         log.info("%s", line)

@@ -70,7 +70,8 @@ def test_a_source_with_no_valid_prompt_exits_2_and_writes_nothing(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "regen: error: source 'sharegpt' has no valid prompt: all 4 records were rejected; the most common "
         "reasons: roles_not_alternating 4 (e.g. roles do not alternate: message 2 is user where assistant was "
-        "expected). Nothing was written to the run directory; check the spec's kind, format and field"]
+        "expected). Nothing was written to the run directory; the turns are not in conversation order (user, then "
+        "assistant, ...)"]
     assert not (tmp_path / "out" / "t").exists()
 
 

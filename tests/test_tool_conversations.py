@@ -13,6 +13,8 @@ from pipeline.core.config import Endpoint, RunConfig, SourceRef
 from pipeline.core.identity import check_identity, current_identity
 from pipeline.core.work import DONE, Completion, Outcome
 from pipeline.prompts.conversation import AllTurns, histories
+from pipeline.prompts.tool_calls import message_from_row
+from pipeline.store import schema
 from pipeline.store.quality import quality_flags
 from pipeline.store.records import RecordBuilder
 
@@ -162,8 +164,9 @@ def test_records_of_a_tool_conversation_one_row_per_generation_with_calls_seeds_
     assert "conversation_end" not in rows[0] and rows[1]["conversation_end"].startswith("answered: step 1")
     # what was sent, in the records' message form: the call as JSON text, the result under the target's id
     assert rows[1]["messages"][2:] == [
-        {"role": "assistant", "content": "", "tool_calls": rows[0]["tool_calls"]},
-        {"role": "tool", "content": "18C, clear", "tool_call_id": "functions.get_weather:0", "name": "get_weather"}]
+        {"role": "assistant", "content": "", "tool_calls": rows[0]["tool_calls"], "tool_call_id": None, "name": None},
+        {"role": "tool", "content": "18C, clear", "tool_calls": None, "tool_call_id": "functions.get_weather:0",
+         "name": "get_weather"}]
 
 
 def test_tool_free_all_turns_records_are_what_regen_wrote_before_tools():
@@ -172,12 +175,14 @@ def test_tool_free_all_turns_records_are_what_regen_wrote_before_tools():
     rows = builder([("0123abcd99", plain, None)], config()).records(
         Outcome("0123abcd99", DONE, "e0", 1, [answer("Hello."), answer("Goodbye.")]), 1)
     # the histories regen sent before tool calls existed (turn_history: system, then user/own-answer pairs)
-    assert [r["messages"] for r in rows] == [[SYSTEM, user("Hi")],
-                                             [SYSTEM, user("Hi"), {"role": "assistant", "content": "Hello."},
-                                              user("Bye")]]
+    before = [[SYSTEM, user("Hi")], [SYSTEM, user("Hi"), {"role": "assistant", "content": "Hello."}, user("Bye")]]
+    assert [[message_from_row(m) for m in r["messages"]] for r in rows] == before
     assert [r["seed"] for r in rows] == [0x0123abcd, 0x0123abcd + 1]
-    new_keys = {"tools", "tool_calls", "conversation_end", "sample_index"}
-    assert all(not new_keys & set(r) for r in rows)  # nothing new: the rows are the ones written before
+    assert all(not {"tools", "tool_calls", "conversation_end", "sample_index"} & set(r) for r in rows)
+    # a run of an older schema (resumed) writes exactly the Parquet it wrote before
+    old = schema.records_schema(4)
+    assert pa.Table.from_pylist(rows, schema=old).equals(
+        pa.Table.from_pylist([{**r, "messages": b} for r, b in zip(rows, before)], schema=old))
 
 
 def test_quality_flags_a_pure_tool_call_is_not_empty_but_an_empty_answer_still_is():

@@ -14,7 +14,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from pipeline.export.jsonl import export_run
-from pipeline.prompts.conversation import calls_json, canonical_json, stored
+from pipeline.prompts.conversation import calls_json
+from pipeline.prompts.tool_calls import canonical_json, message_row
 from pipeline.store.quality import quality_flags
 from tests.tool_records import make_tool_run
 from tests.trainlib import require_trainlib, run_checks
@@ -73,7 +74,7 @@ def conversation(hermes_dir):
         output = tok.encode(content or CALL_TEXT, add_special_tokens=False) + [end]
         rows.append({
             "prompt_id": "pt0", "turn_index": k, "n_turns": 2, "source": "agent",
-            "messages": [stored(m) for m in history], "tools": canonical_json(TOOLS), "content": content,
+            "messages": [message_row(m) for m in history], "tools": canonical_json(TOOLS), "content": content,
             "reasoning_content": None, "finish_reason": finish, "tool_calls": calls_json(calls),
             "flags": quality_flags(content, None, finish, tool_calls=calls), "prompt_tokens": len(prompt),
             "completion_tokens": len(output), "endpoint": "e0", "model": "SmolLM2-135M-Instruct",

@@ -2,9 +2,8 @@
 SGLang's kimi_k2 tool-call parser in `message.tool_calls`), through the real endpoint worker over HTTP, the record
 builder, a run directory of real Parquet, the exports, `regen status` and the card.
 
-Stand-ins (said so): the prompts are built here as the shared interface normalises them, and the run directory is
-written with records schema 5 as the interface names it (tests/tool_records.py), because the sources that read
-tool-calling files and the schema are built on another branch in parallel."""
+The prompts are built here as the sources normalise them (a prompt set table with the tool columns); the records
+are written to a run directory of records schema 5 (tests/tool_records.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +23,7 @@ from pipeline.endpoints.client import ClientSettings
 from pipeline.endpoints.engines import SGLangAdapter
 from pipeline.export.card import write_card
 from pipeline.export.jsonl import export_run, manifest_path
-from pipeline.prompts.conversation import canonical_json
+from pipeline.prompts.tool_calls import canonical_json, message_from_row
 from pipeline.store.records import RecordBuilder
 from pipeline.store.status import print_status
 from tests.helpers import emulators
@@ -113,8 +112,8 @@ def test_a_target_that_follows_the_source_gets_each_cached_result_and_writes_eve
     assert first_call["function"]["name"] == "get_weather" and first_call["id"].startswith("functions.get_weather:")
     # the cached result goes back under the target's own call id, and the next step is generated after it
     spliced = steps[1]["messages"][-1]
-    assert spliced == {"role": "tool", "content": "18C, clear", "tool_call_id": first_call["id"],
-                       "name": "get_weather"}
+    assert message_from_row(spliced) == {"role": "tool", "content": "18C, clear", "tool_call_id": first_call["id"],
+                                         "name": "get_weather"}
     # the call's tokens are in the output ids, and come back in the next step's prompt ids
     for marker in (SECTION_BEGIN, CALL_END):
         assert TOOL_SPECIAL[marker] in steps[0]["output_token_ids"]
@@ -134,7 +133,8 @@ def test_another_tool_or_an_answer_ends_the_conversation_with_its_reason(records
 def test_a_tool_free_prompt_in_the_same_run_is_regenerated_as_before(records):
     plain = records["dddd0004"]
     assert [r["turn_index"] for r in plain] == [0, 1]
-    assert plain[1]["messages"] == [user("Name a prime."), say(plain[0]["content"]), user("Another?")]
+    assert [message_from_row(m) for m in plain[1]["messages"]] == [user("Name a prime."), say(plain[0]["content"]),
+                                                                    user("Another?")]
     assert not {"tools", "tool_calls", "conversation_end"} & (set(plain[0]) | set(plain[1]))
 
 

@@ -26,6 +26,8 @@ from typing import Any, Protocol, Sequence
 
 import orjson
 
+from .tool_calls import canonical_json
+
 REASONING_HISTORY = ("current_turn", "every_turn", "none")
 DEFAULT_REASONING_HISTORY = "current_turn"
 
@@ -48,10 +50,6 @@ class Generated(Protocol):
 
 
 # --- message forms ---------------------------------------------------------------------------------------------
-def canonical_json(value: Any) -> str:
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
-
-
 def normalised(message: dict[str, Any]) -> dict[str, Any]:
     """A message as sent: role and content, plus only the tool keys it has (a `tool_calls` held as JSON text, as the
     records' MESSAGE struct keeps it, becomes the list again). A tool-free message stays exactly {role, content}."""
@@ -60,16 +58,6 @@ def normalised(message: dict[str, Any]) -> dict[str, Any]:
         value = message.get(key)
         if value is not None:
             out[key] = orjson.loads(value) if key == "tool_calls" and isinstance(value, str) else value
-    return out
-
-
-def stored(message: dict[str, Any]) -> dict[str, Any]:
-    """A sent message in the records' MESSAGE form: `tool_calls` as canonical JSON text. The reasoning sent back
-    with a tool-calling step is not repeated here: it is that step's own record's `reasoning_content`."""
-    out = {"role": message["role"], "content": message.get("content")}
-    for key in ("tool_calls", "tool_call_id", "name"):
-        if message.get(key) is not None:
-            out[key] = canonical_json(message[key]) if key == "tool_calls" else message[key]
     return out
 
 

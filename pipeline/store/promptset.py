@@ -17,10 +17,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..core.config import RunConfig
+from ..core.errors import ConfigError
 from ..prompts.errors import SourceError
 from ..prompts.fileid import FilesCheck, compare_files, file_identity
 from ..prompts.prompt_set import BuildResult, Prompt, Reject, build_into
 from ..prompts.sources import SourceSpec, load_source_spec
+from ..prompts.tool_calls import canonical_json, has_tool_fields, message_row
 from ..prompts.tokens import load_length_check
 from . import schema
 from .rundir import RunDir
@@ -67,11 +69,18 @@ class StagedPromptSet:
         self.closed = False
         self.result: BuildResult | None = None
         self.files: dict[str, dict[str, dict[str, Any]]] = {}  # the source files' identity, taken before reading
+        self.with_tools = 0  # prompts with tools, calls or results (a run of records schema < 5 cannot store them)
 
     def add_prompt(self, p: Prompt) -> None:
-        chars = sum(len(m["content"]) for m in p.messages) + len(p.reference or "")
+        tools = canonical_json(list(p.tools)) if p.tools else None
+        if tools is not None or has_tool_fields(p.messages) or p.reference_tool_calls is not None:
+            self.with_tools += 1
+        chars = (sum(len(m["content"] or "") + len(m.get("tool_calls") or ()) for m in p.messages)
+                 + len(p.reference or "") + len(tools or ""))
         self.prompts.add({"prompt_id": p.prompt_id, "source": p.source, "origin": p.origin,
-                          "source_ref": p.source_ref, "messages": list(p.messages), "reference": p.reference}, chars)
+                          "source_ref": p.source_ref, "messages": [message_row(m) for m in p.messages],
+                          "reference": p.reference, "reference_tool_calls": p.reference_tool_calls,
+                          "tools": tools}, chars)
 
     def add_reject(self, r: Reject) -> None:
         self.rejects.add({"source": r.source, "origin": r.origin, "reason": r.reason, "raw": r.raw,
@@ -99,6 +108,18 @@ class StagedPromptSet:
     def discard(self) -> None:
         self.close()
         self._tmp.cleanup()
+
+
+def check_schema_takes_tools(staged: StagedPromptSet, schema_version: int | None) -> None:
+    """A run keeps its records schema: prompts with tools cannot go into a run created before schema 5 (the staged
+    set is discarded: nothing is written)."""
+    version = schema_version or 1
+    if staged.with_tools and version < schema.TOOLS_VERSION:
+        staged.discard()
+        raise ConfigError(f"{staged.with_tools:,} prompts of the sources call tools, which this run (created at "
+                          f"records schema {version}) cannot store: tool calls need records schema "
+                          f"{schema.TOOLS_VERSION}. Start a new run for them (regen generate --new-run, or another "
+                          "run_name); nothing was written to this run")
 
 
 def source_specs(cfg: RunConfig) -> dict[str, tuple[SourceSpec, int | None]]:

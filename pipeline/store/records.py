@@ -10,7 +10,8 @@ import pyarrow.compute as pc
 from ..core.config import RunConfig
 from ..core.identity import StoredRecords
 from ..core.work import Outcome, WorkItem, affinity_key
-from ..prompts.conversation import calls_json, canonical_json, histories, seed_for, stored
+from ..prompts.conversation import calls_json, histories, seed_for
+from ..prompts.tool_calls import canonical_json, message_from_row, message_row
 from .quality import quality_flags
 from .rundir import RunDir, now_utc
 
@@ -25,28 +26,30 @@ class RecordBuilder:
         self.sources = prompts.column("source").to_pylist()
         self.references = prompts.column("reference").to_pylist()
         self.messages = prompts.column("messages").combine_chunks()
+        # a prompt set written before tool calls has no tools column: none of its prompts has tools
+        self.tools = (prompts.column("tools").to_pylist() if "tools" in prompts.column_names
+                      else [None] * prompts.num_rows)
         self.fingerprint = fingerprint or cfg.fingerprint()
         self.temperature, self.mode = cfg.sampling.temperature, cfg.mode
         self.max_tokens = cfg.sampling.max_tokens
         self.affinity_chars = cfg.prefix_affinity_chars
         self.tool_reasoning_history = cfg.tool_reasoning_history
-        # the prompt set's `tools` column (canonical JSON text, null when none); absent in older prompt sets
-        self.tools = prompts.column("tools").to_pylist() if "tools" in prompts.column_names else None
 
-    def messages_of(self, i: int) -> list[dict[str, str]]:
-        return self.messages[i].as_py()
+    def messages_of(self, i: int) -> list[dict[str, Any]]:
+        """The prompt's messages as normalised (a tool-free message is exactly {"role", "content"})."""
+        return [message_from_row(m) for m in self.messages[i].as_py()]
 
     def work_item(self, prompt_id: str) -> WorkItem:
         i = self.index[prompt_id]
         messages = self.messages_of(i)
-        tools = self.tools[i] if self.tools is not None else None
-        tools_json = tools.encode() if isinstance(tools, str) else tools
+        tools = self.tools[i]
+        tools_json = None if tools is None else tools.encode()
         return WorkItem(prompt_id, orjson.dumps(messages), seed_for(prompt_id, self.temperature),
                         affinity_key(messages, self.affinity_chars, tools_json), tools_json)
 
     def tools_of(self, i: int) -> str | None:
         """The prompt's tools as the records' `tools` column holds them: canonical JSON text, None when none."""
-        tools = self.tools[i] if self.tools else None
+        tools = self.tools[i]
         return tools if tools is None or isinstance(tools, str) else canonical_json(tools)
 
     def records(self, outcome: Outcome, attempts: int) -> list[dict[str, Any]]:
@@ -66,7 +69,8 @@ class RecordBuilder:
             if k == last and outcome.conversation_end is not None:
                 extra["conversation_end"] = outcome.conversation_end
             rows.append({
-                "prompt_id": outcome.prompt_id, "source": self.sources[i], "messages": [stored(m) for m in messages],
+                "prompt_id": outcome.prompt_id, "source": self.sources[i],
+                "messages": [message_row(m) for m in messages],
                 "turn_index": k if self.mode == "all_turns" else sum(m["role"] == "assistant" for m in messages),
                 "n_turns": len(outcome.completions), "reference": self.references[i] if self.mode != "all_turns" else None,
                 "content": c.content, "reasoning_content": c.reasoning_content, "finish_reason": c.finish_reason,
