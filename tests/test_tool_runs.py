@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from pathlib import Path
 from types import SimpleNamespace
 
 import orjson
@@ -180,3 +181,38 @@ def test_exports_status_and_card_of_a_tool_run(records, tmp_path, capsys):
                                "cut_short": {"other_tool": 1, "answered": 1}}
     card = write_card(run.path).read_bytes().decode()
     assert "- prompts sent with tools: 3" in card and "cut short: 2 — " in card
+
+
+def test_regen_generate_all_turns_on_the_tool_sample_commits_whole_spliced_conversations(tmp_path, ray_cluster):
+    """The CLI end to end: the project's tool-calling sample, all_turns, one emulated Kimi; then status and export."""
+    import pyarrow.parquet as pq
+
+    from tests.helpers import data_parts, run_regen, write_config
+
+    repo = Path(__file__).resolve().parent.parent
+
+    with emulators(1, preset="kimi") as (server,):
+        config = write_config(tmp_path, [{"url": server.url, "concurrency": 4, "name": "emu-0"}],
+                              [repo / "prompts_sources" / "sample_tools.yaml"], model=MODEL, mode="all_turns",
+                              thinking=False, sampling={"temperature": 0.0, "max_tokens": 128})
+        result = run_regen("generate", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "out" / "t"
+    rows = [r for part in data_parts(run) for r in pq.read_table(part).to_pylist()]
+    by_prompt: dict[str, list[dict]] = {}
+    for row in rows:
+        by_prompt.setdefault(row["prompt_id"], []).append(row)
+    assert any(row["tool_calls"] for row in rows) and any(row["tools"] for row in rows)
+    for steps in by_prompt.values():
+        steps.sort(key=lambda r: r["turn_index"])
+        assert [r["turn_index"] for r in steps] == list(range(len(steps))) == list(range(steps[0]["n_turns"]))
+        assert all(r["conversation_end"] is None for r in steps[:-1])
+        for step, following in zip(steps, steps[1:]):  # each call's result comes back under the target's own id
+            if step["tool_calls"]:
+                ids = [c["id"] for c in orjson.loads(step["tool_calls"])]
+                assert [m["tool_call_id"] for m in following["messages"] if m["role"] == "tool"][-len(ids):] == ids
+    status = orjson.loads(run_regen("status", str(run), "--json").stdout)["tools"]
+    assert status["calls"] == sum(len(orjson.loads(r["tool_calls"])) for r in rows if r["tool_calls"])
+    assert sum(status["cut_short"].values()) == sum(r["conversation_end"] is not None for r in rows)
+    summary = export_run(run, "specforge", tmp_path / "sf.jsonl", keep_truncated=True)
+    assert summary.rows_written and "invalid_conversation" not in summary.dropped
