@@ -5,9 +5,10 @@ output id is ever emitted twice, and the output appears atomically (streamed to 
 the same directory, fsynced, renamed). `<out>.manifest.json` is written next to it.
 
 Formats (row builders in formats.py):
-    specforge         conversations JSONL. all_turns: one whole conversation per prompt, or with
-                      --per-turn one row per assistant turn; last_turn: per-turn rows only, because
-                      the history's assistant turns were written by the source dataset.
+    specforge         conversations JSONL (with `tools` and the steps' `tool_calls` where the run has them).
+                      all_turns: one whole conversation per prompt, or with --per-turn one row per
+                      assistant step; last_turn: per-turn rows only, because the history's assistant
+                      turns were written by the source dataset.
     specforge-tokens  {"id", "input_ids", "loss_mask"}; needs token ids.
     speculators       speculators' regeneration rows; needs token ids.
 """
