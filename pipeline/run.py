@@ -17,7 +17,7 @@ from . import __version__
 from .store import schema
 from .core import exits
 from .core.config import RunConfig, load_config
-from .core.errors import DriftError, LeaseLost, StorageError
+from .core.errors import DriftError, LeaseLost, RegenError, StorageError
 from .core.identity import IDENTITY_VERSION, StoredRecords, check_identity, resumed_manifest
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
@@ -25,6 +25,8 @@ from .prompts.tokens import load_length_check
 from .store.promptset import (StagedPromptSet, check_schema_takes_tools, check_source_files, report_document,
                               source_specs, stage_prompt_set)
 from .store.committer import Committer
+from .store.progress import duration
+from .store.status import counts_line
 from .store.rundir import RunDir, RunLock, now_utc, resolve_run_dir, successor_run_dir
 from .dispatch.cluster import EndpointsFileWatch, init_ray
 from .dispatch.fleet import FleetDrift, FleetFacts, check_fleet_first, fleet_preflight
@@ -42,6 +44,7 @@ class GenerateOptions:
     new_run: bool = False
     refresh_prompts: bool = False
     retry_failures: bool = False
+    start_with_passing: bool = False  # endpoints the preflight refuses are held out; they join once they pass
 
 
 # --- the prompt set ------------------------------------------------------------------------------
@@ -155,6 +158,7 @@ def setup_logging(run_dir: RunDir) -> None:
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter("regen: %(message)s"))
+    console.addFilter(lambda record: not getattr(record, "file_only", False))  # e.g. progress beside a tqdm bar
     root.addHandler(file_handler)
     root.addHandler(console)
     root.propagate = False
@@ -219,7 +223,7 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: St
     # a new run reads its sources before it writes anything: a source that fails leaves no run directory
     staged = None if run_dir.exists() else stage_prompt_set(cfg)
     if opts.new_run and run_dir.exists():
-        check_fleet_first(cfg, run_dir)
+        check_fleet_first(cfg, run_dir, opts.start_with_passing)
     with RunLock(run_dir) as lock:
         setup_logging(run_dir)
         manifest = open_run(cfg, opts, run_dir)
@@ -229,6 +233,9 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: St
         try:
             prompts = materialise(cfg, run_dir, opts.refresh_prompts, staged)
             return dispatch_pending(cfg, opts, run_dir, manifest, prompts, stop, lock)
+        except BaseException as exc:
+            log_the_end(run_dir, exc)
+            raise
         finally:
             try:
                 run_dir.publish_logs()
@@ -251,13 +258,14 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     def progress() -> Progress:
         return Progress(run_dir, total=len(all_ids), already_done=len(committed & set(all_ids)),
                         failed_before=0 if opts.retry_failures else len(failed & set(all_ids)),
-                        rejects=0 if rejects is None else rejects.num_rows, status_interval_s=cfg.status_interval_s)
+                        rejects=0 if rejects is None else rejects.num_rows, status_interval_s=cfg.status_interval_s,
+                        log_interval_s=cfg.progress_log_interval_s)
 
     # --new-run also looks at the weights a complete run is pinned to: other weights make a successor
     if not pending and not (opts.new_run and manifest.get("weight_version") is not None):
         return report_complete(run_dir, progress())
     with local_fleet(cfg.local_fleet, run_dir.local_logs()):
-        fleet = fleet_preflight(cfg, run_dir)
+        fleet = fleet_preflight(cfg, run_dir, opts.start_with_passing)
         if not pending:
             return report_complete(run_dir, progress())
         log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed),
@@ -275,22 +283,37 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     run_progress.extra["commit_s"] = round(committer.commit_seconds, 3)  # writing parts, over the whole session
     run_progress.close()
     run_progress.write(state)
+    session = (f"this session {run_progress.done} records, {run_progress.failed} failures in "
+               f"{duration(run_progress.elapsed())}")
     if state == "interrupted":
-        print(f"interrupted: {run_progress.done} new records committed; rerun to resume {run_dir.path}",
-              file=sys.stderr)
+        log.warning("run ended (exit %d): interrupted: %d new records committed; %s; rerun to resume %s",
+                    EXIT_INTERRUPTED, run_progress.done, counts_line(run_dir), run_dir.path)
         return EXIT_INTERRUPTED
-    print(f"run {run_dir.path} is complete: {run_progress.already_done + run_progress.done} records, "
-          f"{run_progress.failed_before + run_progress.failed} failures "
-          f"({committer.dropped_duplicates} late duplicates dropped)", file=sys.stderr)
+    log.info("run ended (exit 0): run %s is complete: %d records, %d failures (%d late duplicates dropped); %s",
+             run_dir.path, run_progress.already_done + run_progress.done, run_progress.failed_before
+             + run_progress.failed, committer.dropped_duplicates, session)
     return 0
 
 
 def report_complete(run_dir: RunDir, progress) -> int:
     progress.close()
     progress.write("complete")
-    print(f"run {run_dir.path} is complete: {progress.already_done} records, "
-          f"{progress.failed_before} failures, nothing pending", file=sys.stderr)
+    log.info("run ended (exit 0): run %s is complete: %d records, %d failures, nothing pending", run_dir.path,
+             progress.already_done, progress.failed_before)
     return 0
+
+
+def log_the_end(run_dir: RunDir, exc: BaseException) -> None:
+    """The last line of a run that an exception ends: interrupted or fatal, with the exit code the CLI returns.
+    Into the log file only: the CLI prints the error itself."""
+    if isinstance(exc, KeyboardInterrupt):
+        log.warning("run ended (exit %d): interrupted; %s", EXIT_INTERRUPTED, counts_line(run_dir),
+                    extra={"file_only": True})
+        return
+    code = exits.for_error(exc) if isinstance(exc, RegenError) else 1
+    message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line: the last
+    log.error("run ended (exit %d): fatal: %s: %s; %s", code, type(exc).__name__, message, counts_line(run_dir),
+              extra={"file_only": True})
 
 
 def salvage(committer: Committer, progress, state: str) -> None:
@@ -312,6 +335,7 @@ def salvage(committer: Committer, progress, state: str) -> None:
 def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,
                  progress, stop: StopFlag, fleet: "FleetFacts") -> str:
     from .dispatch.dispatcher import Dispatcher, client_settings, make_actor_factory
+    from .dispatch.metrics import serve_metrics
 
     stop.graceful = True  # from here a signal ends the dispatch and the buffer is committed
     try:
@@ -324,30 +348,46 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
     if stop():
         return "interrupted"
 
+    metrics = None  # the opt-in /metrics, served while the dispatch runs
+
     def on_outcome(outcome: Outcome, attempts: int) -> None:
         if outcome.kind == DONE:
             committer.add_records(builder.records(outcome, attempts))
-            progress.record(True, sum(c.completion_tokens for c in outcome.completions))
+            progress.record(True, sum(c.completion_tokens for c in outcome.completions), outcome.endpoint)
         else:
             committer.add_failure(builder.failure(outcome, attempts))
-            progress.record(False, 0)
+            progress.record(False, 0, outcome.endpoint)
             log.info("prompt %s failed terminally at %s: %s", outcome.prompt_id, outcome.endpoint, outcome.message)
+        if metrics is not None:
+            metrics.outcome(outcome)
         committer.maybe_flush()
 
     def on_tick(endpoints: dict[str, dict]) -> None:
         committer.maybe_flush()
         progress.tick(endpoints)
+        if metrics is not None:
+            metrics.status({**progress.status("running"), "requeued": dispatcher.requeued})
 
     dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
                             make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines, fleet.run_engines),
                                                cfg.api_key),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
-                            unreachable=fleet.unreachable)
+                            unreachable=fleet.unreachable, refused=fleet.refused)
+    metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
+    if metrics is not None:
+        progress.extra["metrics_url"] = metrics.url
     try:
         dispatcher.run()
     finally:
         dispatcher.shutdown()
+        progress.endpoints = dispatcher.fleet_status()  # as the actors were ended: nothing in flight
+        progress.stopped()
+        if metrics is not None:
+            metrics.close()
+    if dispatcher.refused:
+        log.warning("endpoints held out by the preflight never passed it this session, so the run went on without "
+                    "them: %s", "; ".join(f"{label}: {why}" for label, why in dispatcher.refused.items()))
     progress.extra = {"requeued": dispatcher.requeued, "actor_restarts": dispatcher.actor_restarts,
                       "hedged": len(dispatcher.hedged), "dropped_duplicates": committer.dropped_duplicates,
-                      "fleet_changes": dispatcher.fleet_changes}
+                      "fleet_changes": dispatcher.fleet_changes, "held_out": sorted(dispatcher.refused)}
     return "interrupted" if stop() else "complete"

@@ -319,7 +319,8 @@ def test_validate_reports_what_it_sees_in_each_source(tmp_path):
     assert "first 20 records: 0 valid, rejected missing_field 20" in out.stdout
     assert ("warning: the spec says format openai with field 'messages'; the records look like sharegpt under "
             "'conversations'") in out.stdout
-    assert "warning: data/sharegpt.json does not end as a JSON document does: it looks cut short" in out.stdout
+    # cut short without `salvage: true`: refused as generate refuses it (issue 23), no longer only a warning
+    assert out.returncode == 2 and "  cannot read it: data/sharegpt.json ends in the middle of a record" in out.stdout
 
     spec.write_text(yaml.safe_dump({"name": "sharegpt", "kind": "jsonl", "path": "data/sharegpt.json",
                                     "format": "sharegpt"}))

@@ -354,3 +354,31 @@ def test_status_and_card_lines_show_the_tool_counts_and_the_fields_not_carried()
     assert ps.reports[0].tool_counts["made_call_ids"] == 2 and "; fields not carried: message.reasoning_content 1" in line
     row = report_table([report])[2]
     assert row.endswith("| message.reasoning_content 1 |") and "calls_without_schema 2" in row
+
+
+def test_a_parquet_source_holds_tools_and_arguments_as_structs_without_the_other_rows_keys(tmp_path):
+    """Arrow unifies a struct's keys across rows: each row's tool schema and arguments come back as written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    calc = {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}
+
+    def record(i: int, tool: dict, args: dict) -> dict:
+        name = tool["name"]
+        return {"id": f"r{i}", "tools": [{"type": "function", "function": tool}], "messages": [
+            {"role": "user", "content": f"question {i}"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": args}}]},
+            {"role": "tool", "content": "42", "tool_call_id": f"c{i}"},
+            {"role": "assistant", "content": "42."}]}
+
+    rows = [record(0, WEATHER, {"city": "Oslo"}), record(1, calc, {"expression": "6*7"})]
+    path = tmp_path / "tools.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert pq.read_table(path).to_pylist()[0]["tools"][0]["function"]["parameters"]["properties"]["expression"] is None
+    spec = SourceSpec(name="p", kind="parquet", path=str(path), format="openai", id_field="id")
+    ps = build_prompt_set([(spec, None)])
+    by_ref = {p.source_ref: p for p in ps.prompts}
+    assert by_ref["r0"].tools == tuple(TOOLS) and by_ref["r1"].tools == ({"type": "function", "function": calc},)
+    assert by_ref["r1"].messages[1]["tool_calls"][0]["function"]["arguments"] == '{"expression":"6*7"}'
+    assert ps.reports[0].tool_counts["arrow_nulls_removed"] > 0

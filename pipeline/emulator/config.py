@@ -220,7 +220,7 @@ _OPTIONS: list[tuple[str, Any, str]] = [
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.emulator",
+        prog="regen emulate",  # also `python -m pipeline.emulator`: the same options
         description="SGLang-faithful emulated server (deterministic answers, fault injection).",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,

@@ -1,5 +1,5 @@
 """Training-row builders and the SpecForge validator. Pure: records in (dicts with the RECORDS
-columns), rows out. The facts they follow are in ../shared/reference/training-formats.md.
+columns), rows out. What each library reads: docs/exports-and-training.md.
 
 Only target-written text may become trainable:
 - SpecForge conversations train on every assistant message, so a conversation row holds only
@@ -9,6 +9,7 @@ Only target-written text may become trainable:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import orjson
@@ -213,3 +214,30 @@ def speculators_row(record: Record, sampling_params: Mapping[str, Any]) -> dict[
             "sampling_params": dict(sampling_params),
         },
     }
+
+
+# Why the record filter drops a record (export/jsonl.py lists the other reasons a record is not exported).
+SOURCE_NOT_SELECTED = "source_not_selected"
+TRUNCATED = "truncated"
+FLAGGED = "flagged"
+
+
+@dataclass(frozen=True)
+class Filters:
+    drop_truncated: bool = False
+    drop_flagged: bool = False
+    sources: frozenset[str] | None = None
+
+    def reason_to_drop(self, record: dict[str, Any]) -> str | None:
+        if self.sources is not None and record.get("source") not in self.sources:
+            return SOURCE_NOT_SELECTED
+        truncated = record.get("finish_reason") == "length" or "truncated" in (record.get("flags") or [])
+        if self.drop_truncated and truncated:
+            return TRUNCATED
+        if self.drop_flagged and record.get("flags"):
+            return FLAGGED
+        return None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"drop_truncated": self.drop_truncated, "drop_flagged": self.drop_flagged,
+                "sources": sorted(self.sources) if self.sources is not None else None}

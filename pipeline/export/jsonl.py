@@ -28,6 +28,7 @@ from ..core.errors import ConfigError, StorageError
 from ..store.rundir import TMP_PREFIX, RunDir, atomic_write, now_utc
 from ..store.storage import Location
 from . import formats
+from .formats import FLAGGED, SOURCE_NOT_SELECTED, TRUNCATED, Filters  # noqa: F401 (the record filter)
 from .templates import CHAT_TEMPLATE_NOTE, template_advice
 
 FORMATS = ("specforge", "specforge-tokens", "speculators")
@@ -35,9 +36,6 @@ TOKEN_FORMATS = ("specforge-tokens", "speculators")
 
 # Why a record was not exported. Every record read lands in exactly one reason or is exported.
 DUPLICATE = "duplicate"
-SOURCE_NOT_SELECTED = "source_not_selected"
-TRUNCATED = "truncated"
-FLAGGED = "flagged"
 EMPTY_CONTENT = "empty_content"
 NO_TOKEN_IDS = "token_ids_unavailable"
 FOLLOWS_DROPPED_TURN = "follows_dropped_or_missing_turn"
@@ -84,27 +82,6 @@ class ExportSummary:
         lines += [f"  {'dropped: ' + reason:<36}{count:>10}" for reason, count in sorted(self.dropped.items())]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class Filters:
-    drop_truncated: bool = False
-    drop_flagged: bool = False
-    sources: frozenset[str] | None = None
-
-    def reason_to_drop(self, record: dict[str, Any]) -> str | None:
-        if self.sources is not None and record.get("source") not in self.sources:
-            return SOURCE_NOT_SELECTED
-        truncated = record.get("finish_reason") == "length" or "truncated" in (record.get("flags") or [])
-        if self.drop_truncated and truncated:
-            return TRUNCATED
-        if self.drop_flagged and record.get("flags"):
-            return FLAGGED
-        return None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"drop_truncated": self.drop_truncated, "drop_flagged": self.drop_flagged,
-                "sources": sorted(self.sources) if self.sources is not None else None}
 
 
 # --- reading ---------------------------------------------------------------------------------------

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigError
 from .records import InvalidRecord, RejectCode, Tally
-from .tool_calls import normalise_tools
+from .tool_calls import drop_arrow_nulls, normalise_tools
 from .toolformats import CALL_ROLES, RESULT_ROLES, expand, hermes_tools, is_hermes, role_of
 
 if TYPE_CHECKING:
-    from .sources import SourceSpec
+    from .spec import SourceSpec
 
 
 def _invalid(code: str, reason: str) -> InvalidRecord:
@@ -25,6 +25,7 @@ def _invalid(code: str, reason: str) -> InvalidRecord:
 
 TOOLS_KEYS = ("tools", "functions")  # top-level keys holding the tools list (OpenAI's current and older names)
 MESSAGE_TOOL_KEYS = ("tool_calls", "function_call", "tool_call_id")
+ARROW_KINDS = ("parquet", "hf")  # records come from Arrow tables, whose structs are unified across rows
 PLAIN_ROLES = frozenset({"human", "gpt", "user", "assistant", "system"})  # spelled as they are most often
 
 
@@ -39,7 +40,7 @@ def to_conversation(spec: "SourceSpec", data: Any, tally: Tally) -> tuple[list[d
         raise _invalid("not_object", f"the record is a JSON {json_type(data)}, not an object")
     field = spec.conversation_field
     if spec.format in ("sharegpt", "openai"):
-        messages, tools = _conversation(data, field, spec.format, tally)
+        messages, tools = _conversation(data, field, spec.format, tally, arrow=spec.kind in ARROW_KINDS)
     elif spec.format == "alpaca":
         messages, tools = _alpaca(data, field), []
     elif spec.format == "prompt":
@@ -76,7 +77,8 @@ def source_ref(spec: "SourceSpec", data: Any) -> str | None:
     return str(data[spec.id_field])
 
 
-def _conversation(data: dict, field: str, fmt: str, tally: Tally) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _conversation(data: dict, field: str, fmt: str, tally: Tally,
+                  arrow: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     if field not in data or data[field] is None:
         raise _invalid("missing_field", f"the record has no conversation field {field!r}")
     conv = data[field]
@@ -102,11 +104,15 @@ def _conversation(data: dict, field: str, fmt: str, tally: Tally) -> tuple[list[
             plain = plain and role in PLAIN_ROLES
             continue
         plain = False
-        out.append(_message(i, item, rk, ck, tally))
+        message = _message(i, item, rk, ck, tally)
+        if arrow and isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = drop_arrow_nulls(message["tool_calls"], tally)
+        out.append(message)
     tools: list[dict[str, Any]] = []
     for key in TOOLS_KEYS:
         if data.get(key) is not None:
-            tools += normalise_tools(data[key], f"the {key!r} field", tally)
+            value = drop_arrow_nulls(data[key], tally) if arrow else data[key]
+            tools += normalise_tools(value, f"the {key!r} field", tally)
     if plain and not tools and not (isinstance(out[0]["content"], str) and "<tools>" in out[0]["content"]):
         return out, []
     block = hermes_tools(out, tally)  # Hermes, in ShareGPT or in OpenAI spelling

@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from .adapters import to_messages
 from .prompt_set import normalise
-from .errors import NoValidPrompts, SourceError
+from .errors import NoValidPrompts, SourceError, TruncatedSource
 from .records import InvalidRecord, RawRecord, Reject
 from .report import SourceReport
-from .sources import BOM, ReadStats, SourceSpec, read_records, resolve_files
+from .sources import BOM, ReadStats, SourceSpec, read_file, read_records, resolve_files
 
 PROBE_RECORDS = 20
 
@@ -30,6 +32,8 @@ class Probe:
     warnings: list[str] = field(default_factory=list)
     # the first records all rejected: the rest was read, and none is valid (as `regen generate` refuses it)
     no_valid: NoValidPrompts | None = None
+    # a file cut short without `salvage: true`: read to its end, as `regen generate` refuses it
+    truncated: TruncatedSource | None = None
 
     def lines(self) -> list[str]:
         seen = "; ".join(f"{name}: {what}" for name, what in self.containers.items()) or "nothing"
@@ -114,18 +118,61 @@ def _check(probe: Probe) -> None:
                                   f"the records look like {fmt} under {key!r}")
     if probe.keys and spec.conversation_field not in probe.keys:
         probe.warnings.append(f"no record has the field {spec.conversation_field!r} (set `field`)")
-    if spec.kind == "json":
-        for file in resolve_files(spec):
-            if not _ends_whole(file, b"}" if spec.records_field else b"]"):
-                probe.warnings.append(f"{spec.shown(file)} does not end as a JSON document does: it looks cut "
-                                      "short (a run names the cut; `salvage: true` keeps the complete records)")
+    for file, kind in _json_files(spec):
+        if _ends_whole(file, kind, spec):
+            continue
+        if spec.salvage:
+            probe.warnings.append(f"{spec.shown(file)} looks cut short: `salvage: true` keeps its complete records "
+                                  "(the run names the cut)")
+            continue
+        try:  # the same reader generate uses, to the end of the file: it names the cut exactly
+            for _ in read_file(spec, file, kind, ReadStats()):
+                pass
+        except TruncatedSource as exc:
+            probe.truncated = probe.truncated or exc
+        except SourceError:
+            pass  # another problem further on: generate reports it; the probe says what it saw
+        else:
+            probe.warnings.append(f"{spec.shown(file)} does not end as a JSON document does, but reads to its end")
 
 
-def _ends_whole(file: Path, closing: bytes) -> bool:
+def _json_files(spec: SourceSpec) -> list[tuple[Path, str]]:
+    """The local JSON and JSON Lines files of a source, with the reader each gets."""
+    if spec.kind in ("json", "jsonl"):
+        try:
+            return [(file, spec.kind) for file in resolve_files(spec)]
+        except SourceError:
+            return []
+    if spec.kind == "hf":
+        from .hf import DATA_EXTENSIONS, own_reader_files
+        from .jsonarray import json_lines
+
+        out = []
+        for file in own_reader_files(spec):
+            kind = DATA_EXTENSIONS.get(file.suffix.lower())
+            if kind == "json" and not spec.records_field and json_lines(file, spec.conversation_field):
+                kind = "jsonl"
+            if kind in ("json", "jsonl"):
+                out.append((file, kind))
+        return out
+    return []
+
+
+def _ends_whole(file: Path, kind: str, spec: SourceSpec) -> bool:
+    """Does the file end as a whole document does? JSON: its closing bracket; JSON Lines: a newline, or a last
+    line that parses. A cheap look at the tail; only a file that fails it is read to its end."""
     with file.open("rb") as fh:
         fh.seek(max(0, file.stat().st_size - 4096))
-        tail = fh.read().removeprefix(BOM).rstrip()
-    return tail.endswith(closing)
+        tail = fh.read().removeprefix(BOM)
+    if kind == "jsonl":
+        if not tail.strip() or tail.endswith(b"\n"):
+            return True
+        try:
+            orjson.loads(tail.rsplit(b"\n", 1)[-1])
+        except orjson.JSONDecodeError:
+            return False
+        return True
+    return tail.rstrip().endswith(b"}" if spec.records_field else b"]")
 
 
 __all__ = ["Probe", "probe_source", "guess_format"]

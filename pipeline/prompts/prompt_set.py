@@ -1,6 +1,6 @@
 """Normalisation, validation, content-addressed identity, per-source limit and cross-source dedup.
 
-`prompt_id` hashes only the normalised messages that are sent plus the regeneration mode (DESIGN invariant 1), so it
+`prompt_id` hashes only the normalised messages that are sent plus the regeneration mode (docs/architecture.md), so it
 does not depend on the source name, file position, the reference answer or a source's own id field.
 
 The set is built in one streaming pass per source into a sink (a list for small uses, Parquet files for a run):

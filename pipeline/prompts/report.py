@@ -83,7 +83,7 @@ def report_lines(reports: list[dict[str, Any]], indent: str = "  ") -> list[str]
     return lines
 
 
-def _counts(counts: dict[str, int], most: int = 8) -> str:
+def _counts(counts: dict[str, int], most: int = 20) -> str:
     """`name n, ...` by count, the rest summed up."""
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     text = ", ".join(f"{name} {n:,}" for name, n in ranked[:most])

@@ -117,6 +117,23 @@ def normalise_tools(raw: Any, where: str, tally: Tally) -> list[dict[str, Any]]:
     return tools
 
 
+def drop_arrow_nulls(value: Any, tally: Tally) -> Any:
+    """Tools and call arguments read from an Arrow table (Parquet, a hub dataset) as nested structs: Arrow unifies
+    a struct's keys across all rows, so every object holds every key any row had, null where it had none. Those
+    nulls are taken out (counted as `arrow_nulls_removed`); JSON text columns are left as they are."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if item is None:
+                tally.tool("arrow_nulls_removed")
+                continue
+            out[key] = drop_arrow_nulls(item, tally)
+        return out
+    if isinstance(value, list):
+        return [drop_arrow_nulls(item, tally) for item in value]
+    return value
+
+
 def tool_names(tools: Iterable[Mapping[str, Any]] | None) -> set[str]:
     return {t["function"]["name"] for t in tools or ()}
 

@@ -4,6 +4,7 @@ looking (`committed_part`); SIGINT and SIGTERM wait until a commit is settled (`
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 import time
@@ -15,6 +16,8 @@ from . import schema
 from ..core.errors import PartExists, StorageError
 from .lock import RunLock
 from .rundir import RunDir, committed_part
+
+log = logging.getLogger("regen.commit")
 
 
 @contextlib.contextmanager
@@ -131,6 +134,7 @@ class Committer:
                 self.run_dir.write_part(folder, pa.Table.from_pylist(rows, schema=part_schema), path)
                 self._settle(kind, ids, len(rows))
                 self._unsettled.pop(kind, None)
+            log.info("committed %d %s in %s", len(rows), kind, getattr(path, "name", path), extra={"file_only": True})
         except PartExists:
             self._unsettled.pop(kind, None)  # that name was never ours: nothing of this buffer was committed
             raise
