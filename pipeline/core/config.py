@@ -186,6 +186,14 @@ class RunConfig(_Strict):
         "auto", description="Sent as `tool_choice` with every request whose prompt has tools (never on a tool-free "
         "one): auto lets the target choose between a call and an answer, required forces a call, none forbids one. "
         "In the run's identity only when not auto.")
+    tool_reasoning_history: Literal["current_turn", "every_turn", "none"] = Field(
+        "current_turn",
+        description="all_turns with tools: which of the target's tool-calling steps go back into the history with "
+                    "their reasoning_content. current_turn: the steps since the last user turn (DeepSeek's and "
+                    "Moonshot's API rule for thinking with tools; what Kimi-K2's own chat template renders is "
+                    "unverified here); every_turn: every tool-calling step (DeepSeek V4's rule); none: no reasoning "
+                    "is sent back, as for plain answers. In the run identity only when not current_turn "
+                    "(docs/tool-calls.md)")
     sampling: Sampling = Field(Sampling(), description="Sampling parameters (the `sampling:` section).")
     selection_seed: int = Field(0, description=(
         "Seed of the per-source `limit` selection (the prompts of lowest sha256(seed:prompt_id) are kept)."))
@@ -348,7 +356,10 @@ class RunConfig(_Strict):
             "return_token_ids": self.return_token_ids,  # rows with and without token ids never mix in a run
             "stream": self.stream,
             # keys added later enter only when they differ from their default: older runs keep their fingerprint
+            # (core/identity.py OMITTED_AT_DEFAULT compares an absent one as its default)
             **({"tool_choice": self.tool_choice} if self.tool_choice != "auto" else {}),
+            **({"tool_reasoning_history": self.tool_reasoning_history}
+               if self.tool_reasoning_history != "current_turn" else {}),
         }
 
     def prompt_identity(self) -> dict[str, Any]:

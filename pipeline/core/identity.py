@@ -35,6 +35,10 @@ import orjson
 IDENTITY_VERSION = 2
 SECTIONS = frozenset({"generation", "generation.sampling", "prompts"})
 INFORMATIONAL: frozenset[str] = frozenset()
+# Keys written into the identity only when they differ from their default (so that the runs made before them keep
+# their fingerprint): a document without one means the default, and a resume compares it as such.
+OMITTED_AT_DEFAULT: dict[str, object] = {"generation.tool_choice": "auto",
+                                         "generation.tool_reasoning_history": "current_turn"}
 
 # Features a run may have been made with that this regen no longer has: a stored value other than None refuses
 # the resume with the reason (the config can only say None: core/config.py refuses the key).
@@ -102,9 +106,14 @@ def _compare(stored: Any, current: Any, path: str, check: IdentityCheck) -> None
     if path in INFORMATIONAL:
         return
     if path in SECTIONS and isinstance(stored, dict) and isinstance(current, dict):
-        for key in sorted(current):
+        for key in sorted(set(current) | set(stored)):
             sub = f"{path}.{key}"
-            if key in stored:
+            if sub in OMITTED_AT_DEFAULT and (key in stored or key in current):
+                default = OMITTED_AT_DEFAULT[sub]
+                _compare(stored.get(key, default), current.get(key, default), sub, check)
+            elif key not in current:
+                continue  # a key only the stored document has is not compared
+            elif key in stored:
                 _compare(stored[key], current[key], sub, check)
             elif sub not in INFORMATIONAL:
                 check.adopted[sub] = current[key]

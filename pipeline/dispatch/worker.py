@@ -24,7 +24,7 @@ from ..core.work import (
     DONE, DROPPED, ENDPOINT_FATAL, RETRY, RETURNED, TERMINAL, Completion, Exchange, Outcome, WorkItem,
 )
 from ..endpoints.client import ClientSettings, EndpointClient, unexpected
-from ..prompts.conversation import turn_history, user_turns
+from ..prompts.conversation import DEFAULT_REASONING_HISTORY, AllTurns, normalised
 
 # Error class -> outcome kind, most specific first.
 OUTCOME_OF: tuple[tuple[type[RequestError], str], ...] = (
@@ -67,8 +67,10 @@ class EndpointWorker:
         backoff_max_s: float = 30.0,
         readmission: RunConfig | None = None,
         start_open: bool = False,
+        tool_reasoning_history: str = DEFAULT_REASONING_HISTORY,
     ):
         self.label, self.concurrency, self.mode = label, concurrency, mode
+        self.tool_reasoning_history = tool_reasoning_history
         self.client = EndpointClient(url, label, settings, api_key)
         self.attempts_per_endpoint = attempts_per_endpoint
         self.circuit_failures = circuit_failures
@@ -164,17 +166,22 @@ class EndpointWorker:
         Only failed attempts count against the prompt: a DONE costs one attempt plus the failures before it."""
         failed = 0
         completions: list[Completion] = []
+        conversation_end = None
         try:
-            messages = orjson.loads(item.messages_json)
+            messages = [normalised(m) for m in orjson.loads(item.messages_json)]  # as sent: tool fields only if set
             tools = orjson.loads(item.tools_json) if item.tools_json is not None else None
             if self.mode == "all_turns":
-                system, users = user_turns(messages)
-                for k in range(len(users)):
-                    history = turn_history(system, users, [c.content for c in completions], k)
+                # Each generation is one step (a tool-calling step included); the whole conversation is one outcome,
+                # so a kill mid-conversation redoes all of it.
+                conversation = AllTurns(messages, self.tool_reasoning_history)
+                while (history := conversation.next_history()) is not None:
+                    k = conversation.generations
                     seed = None if item.seed is None else item.seed + k
-                    completion, used = await self._request(item.prompt_id, k, history, seed)
+                    completion, used = await self._request(item.prompt_id, k, history, seed, tools)
                     failed += used - 1
                     completions.append(completion)
+                    conversation.add(completion)
+                conversation_end = conversation.end
             else:
                 turn = sum(m["role"] == "assistant" for m in messages)
                 completion, used = await self._request(item.prompt_id, turn, messages, item.seed, tools)
@@ -189,7 +196,8 @@ class EndpointWorker:
         self.consecutive_failures = 0
         if self.state == "probing":
             self.state = "healthy"
-        return Outcome(item.prompt_id, DONE, self.label, failed + 1, completions=completions)
+        return Outcome(item.prompt_id, DONE, self.label, failed + 1, completions=completions,
+                       conversation_end=conversation_end)
 
     @staticmethod
     def _discarding(outcome: Outcome, completions: list[Completion]) -> Outcome:

@@ -21,13 +21,14 @@ from ..prompts.report import report_table
 from ..store.goodput import ESTIMATED, KEPT, PURPOSES, THROWN_AWAY, Goodput
 from ..store.rundir import RunDir
 from ..store.storage import Location
+from ..store.tool_counts import ToolCounts, tool_counts
 from .jsonl import read_run_manifest
 
 CARD_DIR = "card"
 DATA_GLOB = "data/part-*.parquet"  # part-* rather than *: never a temporary file of a running writer
 CARD_COLUMNS = ["prompt_id", "source", "finish_reason", "flags", "prompt_tokens", "completion_tokens",
                 "reasoning_tokens", "reasoning_content", "endpoint", "model", "weight_version", "config_fingerprint"]
-GOODPUT_COLUMNS = ["content"]  # what store/quality.py default_export_drop reads beyond CARD_COLUMNS
+GOODPUT_COLUMNS = ["content", "tool_calls"]  # what store/quality.py default_export_drop reads beyond CARD_COLUMNS
 
 
 class MissingDependency(RegenError):
@@ -213,6 +214,7 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         f"- sampling: `{_compact_json(generation.get('sampling') or {})}`",
         f"- chat_template_kwargs: `{_compact_json(generation.get('chat_template_kwargs') or {})}`",
         f"- created: {manifest.get('created_at')}; schema version {manifest.get('schema_version')}", "",
+        *_tool_lines(tool_counts(run_dir)),
         "## Sources", "", *_count_table("source", contents.by_source, contents.records), "",
         *_prompt_sources(manifest),
         "## Finish reasons", "", *_count_table("finish_reason", contents.finish_reasons, contents.records), "",
@@ -261,6 +263,19 @@ def _goodput_lines(run_dir: RunDir, contents: RunContents) -> list[str]:
             f"(what `regen export --format specforge` keeps: {' + '.join(KEPT)}). Committed records are counted from "
             "the parts; tokens thrown away (late duplicates, hedged copies cancelled at the end, turns before a "
             "retry or a failure) from the run's own count in status.json (docs/goodput.md).", "", *rows, ""]
+
+
+def _tool_lines(counts: ToolCounts | None) -> list[str]:
+    if counts is None or not (counts.prompts_with_tools or counts.calls):
+        return []
+    lines = ["## Tool calls", "",
+             f"- prompts sent with tools: {len(counts.prompts_with_tools)}",
+             f"- the target's tool calls: {counts.calls}, in {counts.records_with_calls} records "
+             "(each tool-calling step is a record)",
+             f"- all_turns conversations cut short: {sum(counts.cut_short.values())}"
+             + ("" if not counts.cut_short else " — " + ", ".join(f"{reason} {n}" for reason, n
+                                                                  in counts.cut_short.most_common())), ""]
+    return lines
 
 
 def _capture_lines(run_dir: RunDir) -> list[str]:

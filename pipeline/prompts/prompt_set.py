@@ -88,7 +88,8 @@ def _decode(blob: bytes) -> Prompt:
                   calls)
 
 
-LengthCheck = Callable[[tuple[dict[str, Any], ...]], None]  # raises InvalidRecord(TOO_LONG)
+# (messages, tools) -> None; raises InvalidRecord(TOO_LONG)
+LengthCheck = Callable[[tuple[dict[str, Any], ...], list[dict[str, Any]] | None], None]
 
 
 def build_into(sink: PromptSink, sources: list[tuple[SourceSpec, int | None]], mode: str = "last_turn",
@@ -162,7 +163,7 @@ def _read_source(spec: SourceSpec, mode: str, report: SourceReport, sink: Prompt
             raw, tools = to_conversation(spec, rec.data, tally)
             norm = normalise_record(raw, tools, mode, tally)
             if length_check is not None:
-                length_check(norm.messages)
+                length_check(norm.messages, list(norm.tools) if norm.tools else None)
         except InvalidRecord as e:
             report.reject(e.code.value, e.reason)
             sink.add_reject(Reject(spec.name, rec.origin, e.reason, _raw_text(rec.data), e.code.value))

@@ -6,7 +6,8 @@ Flags, always in this order:
     truncated_thinking  ... and the output ended inside the thinking: empty content, non-empty reasoning
     context_capped      ... with fewer completion tokens than the request's max_tokens: the context ran out
                         first (vLLM cuts max_tokens to what the context leaves, without an error)
-    empty               content and reasoning both blank
+    empty               content and reasoning both blank, and no tool call (a pure tool call, finish_reason
+                        `tool_calls`, is an answer: its tokens are in the output ids)
     leaked_think        a `<think>` or `</think>` marker inside content or reasoning_content
                         (the server's reasoning parser did not split the output)
     repetition          a repetition loop in content or reasoning_content, by either rule:
@@ -80,8 +81,10 @@ def is_repetitive(text: str | None) -> bool:
 
 
 def quality_flags(content: str, reasoning_content: str | None, finish_reason: str,
-                  completion_tokens: int | None = None, max_tokens: int | None = None) -> list[str]:
-    """`completion_tokens` and `max_tokens` (the request's): a length finish short of max_tokens is capped."""
+                  completion_tokens: int | None = None, max_tokens: int | None = None,
+                  tool_calls: list | None = None) -> list[str]:
+    """`completion_tokens` and `max_tokens` (the request's): a length finish short of max_tokens is capped.
+    `tool_calls`: the target's calls in this answer (None or empty: it called none)."""
     flags: list[str] = []
     content = content or ""
     if finish_reason == "length":
@@ -90,7 +93,7 @@ def quality_flags(content: str, reasoning_content: str | None, finish_reason: st
             flags.append(TRUNCATED_THINKING)
         if completion_tokens is not None and max_tokens is not None and 0 < completion_tokens < max_tokens:
             flags.append(CONTEXT_CAPPED)
-    if _blank(content) and _blank(reasoning_content):
+    if _blank(content) and _blank(reasoning_content) and not tool_calls:
         flags.append(EMPTY)
     if any(marker in text for text in (content, reasoning_content or "") for marker in THINK_MARKERS):
         flags.append(LEAKED_THINK)
@@ -106,8 +109,9 @@ def cut_at_max_tokens(record: dict) -> bool:
 
 
 def lacks_content(record: dict) -> bool:
-    """No answer text: the conversation export drops it (SpecForge needs non-empty content)."""
-    return not (record.get("content") or "").strip()
+    """No answer text and no tool call: the conversation export drops it (SpecForge needs non-empty content, or a
+    tool-calling step's calls)."""
+    return not (record.get("content") or "").strip() and not record.get("tool_calls")
 
 
 def default_export_drop(record: dict) -> str | None:

@@ -14,6 +14,7 @@ from .capture_ledger import capture_counts
 from .goodput import summary_line
 from .progress import duration
 from .rundir import RunDir, RunLock
+from .tool_counts import tool_counts
 
 
 def ledger_counts(run_dir: RunDir) -> dict[str, Any]:
@@ -72,6 +73,8 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
               "metrics_url": live.get("metrics_url") if state.startswith("running") else None,
               "capture": capture_counts(run_dir),
               "goodput": live.get("goodput"), "quality_gate": live.get("quality_gate")}
+    tools = tool_counts(run_dir)
+    report["tools"] = tools.as_dict() if tools is not None else None
     if as_json:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
@@ -80,6 +83,8 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
           f"pending {counts['pending']}; rejected inputs {counts['rejects']}; parts {counts['parts']}")
     for line in report_lines(sources) + [f"  {line}" for line in files]:
         print(line)
+    if tools is not None and (tools.prompts_with_tools or tools.calls):
+        print(f"  {tools.summary()}")
     if not sources and counts["total"]:
         print("  (no source report: the prompt set was built by an older regen)")
     session = report["this_session"]
