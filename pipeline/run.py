@@ -225,11 +225,11 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: St
         check_fleet_first(cfg, run_dir)
     with RunLock(run_dir) as lock:
         setup_logging(run_dir)
-        manifest = open_run(cfg, opts, run_dir)
-        if lock.previous_holder:
-            log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
-        log.info("run directory %s", run_dir.path)
-        try:
+        try:  # from here every way this session ends is the last line of the run's log (a refusal as drift too)
+            if lock.previous_holder:
+                log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
+            log.info("run directory %s", run_dir.path)
+            manifest = open_run(cfg, opts, run_dir)
             prompts = materialise(cfg, run_dir, opts.refresh_prompts, staged)
             return dispatch_pending(cfg, opts, run_dir, manifest, prompts, stop, lock)
         except BaseException as exc:

@@ -70,7 +70,7 @@ def story(tmp_path_factory, ray_cluster):
             if proc.poll() is None:
                 proc.kill()
     return SimpleNamespace(run=run, code=proc.returncode, log=log_lines(run), console=console.read_bytes(),
-                           status_running=status_running)
+                           status_running=status_running, config=config)
 
 
 def test_the_log_holds_each_endpoints_preflight_verdict(story):
@@ -141,6 +141,20 @@ def test_a_complete_run_shows_nothing_in_flight(story):
     assert sum(e["session_done"] for e in report["endpoints"].values()) == PROMPTS
 
 
+def test_a_rerun_refused_as_drift_ends_the_log_with_the_refusal_and_exit_3(story, tmp_path):
+    import yaml
+
+    edited = yaml.safe_load(story.config.read_text())
+    edited["sampling"]["max_tokens"] = 17
+    config = tmp_path / "edited.yaml"
+    config.write_text(yaml.safe_dump(edited, sort_keys=False))
+    result = run_regen("generate", "--config", str(config))
+    assert result.returncode == 3, result.stderr
+    last = log_lines(story.run)[-1]
+    assert "run ended (exit 3): fatal: DriftError: " in last and "max_tokens: 16 -> 17" in last, last
+    assert f"{PROMPTS} done, 0 failed, 0 pending of {PROMPTS}" in last, last
+
+
 def test_status_into_a_pipe_that_closes_early_prints_no_traceback(story):
     # `head -n 0` leaves at once: every write of regen meets a closed pipe
     command = " ".join(regen_cmd("status", str(story.run))) + " | head -n 0"
@@ -209,3 +223,4 @@ def test_on_a_terminal_the_bar_stays_and_the_progress_lines_go_to_the_log_only(t
     assert b"\r" in terminal and b"8/8" in terminal, terminal[-500:]  # tqdm's bar, redrawn in place
     assert b"progress:" not in terminal
     assert any("progress: 8/8 done" in line for line in log_lines(tmp_path / "run"))
+
