@@ -296,7 +296,7 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
 
 def report_complete(run_dir: RunDir, progress) -> int:
     progress.close()
-    progress.write("complete")
+    progress.write_keeping_last_session("complete")
     log.info("run ended (exit 0): run %s is complete: %d records, %d failures, nothing pending", run_dir.path,
              progress.already_done, progress.failed_before)
     return 0

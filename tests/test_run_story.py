@@ -224,3 +224,34 @@ def test_on_a_terminal_the_bar_stays_and_the_progress_lines_go_to_the_log_only(t
     assert b"progress:" not in terminal
     assert any("progress: 8/8 done" in line for line in log_lines(tmp_path / "run"))
 
+
+def test_a_rerun_of_a_complete_run_keeps_the_last_sessions_rates_and_throughput(story):
+    result = run_regen("generate", "--config", str(story.config))
+    assert result.returncode == 0, result.stderr
+    report = orjson.loads(run_regen("status", str(story.run), "--json").stdout)
+    assert report["state"] == "complete"
+    assert sum(e["session_done"] for e in report["endpoints"].values()) == PROMPTS, report["endpoints"]
+    assert report["rates"]["overall"]["prompts_s"] > 0 and report["this_session"]["done"] == PROMPTS, report
+    assert "run ended (exit 0): run " in log_lines(story.run)[-1]
+
+
+def test_status_of_a_killed_run_by_an_older_regen_shows_nothing_in_flight_and_no_false_zeros(tmp_path):
+    from pipeline.store.rundir import RunDir
+
+    run = RunDir(tmp_path / "old")
+    run.create()
+    run.write_manifest({"run_name": "old"})
+    # what the previous regen wrote, and left as it was when its driver was SIGKILLed
+    run.write_status({"state": "running", "updated_at": "2026-11-01T10:00:00+00:00", "total": 10, "done": 4,
+                      "failed": 0, "pending": 6, "rejects": 0,
+                      "this_session": {"done": 4, "failed": 0, "completion_tokens": 40, "elapsed_s": 20.0,
+                                       "tok_s": 2.0},
+                      "endpoints": {"node-a": {"state": "healthy", "node": "10.0.0.7", "in_flight": 3,
+                                               "tok_s": 2.0, "errors": {}}}})
+    text = run_regen("status", str(run.path))
+    assert text.returncode == 0 and "Traceback" not in text.stderr, text.stderr
+    row = next(line for line in text.stdout.splitlines() if "node-a" in line)
+    assert re.search(r"in flight\s+0\s+- done\s+- prompts/s", row), text.stdout
+    assert "stopped" in text.stdout.splitlines()[0] and "ETA" not in text.stdout
+    report = orjson.loads(run_regen("status", str(run.path), "--json").stdout)
+    assert report["endpoints"]["node-a"]["in_flight"] == 0 and report["eta_s"] is None
