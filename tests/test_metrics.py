@@ -131,3 +131,35 @@ def test_a_stopped_run_ends_its_log_with_interrupted_the_counts_and_exit_130(scr
     last = (scrape.run / "logs" / "regen.log").read_text().splitlines()[-1]
     assert re.search(r"run ended \(exit 130\): interrupted: \d+ new records committed; \d+ done, 0 failed, \d+ "
                      rf"pending of {PROMPTS}; rerun to resume ", last), last
+
+
+def operand_series(scrape, operand: str) -> set[frozenset]:
+    """The label sets PromQL gives one side of a binary operator: `NAME{matchers}` or
+    `sum by (labels) (rate(NAME{matchers}[range]))`, evaluated over the scrape ($run matches every run)."""
+    operand = operand.strip()
+    grouped = re.fullmatch(r"sum by \(([^)]*)\) \(\w+\((.*)\[\w+\]\)\)", operand)
+    selector = grouped.group(2) if grouped else operand
+    name, matchers = re.fullmatch(r"(regen_\w+)\{([^}]*)\}", selector).groups()
+    wanted = re.findall(r'(\w+)\s*(=~|=)\s*"([^"]*)"', matchers)
+    series = set()
+    for s in scrape.samples:
+        if s.name == name and all(re.fullmatch(v.replace("$run", ".*"), s.labels.get(k, "")) if op == "=~"
+                                  else s.labels.get(k) == v for k, op, v in wanted):
+            kept = [label.strip() for label in grouped.group(1).split(",")] if grouped else list(s.labels)
+            series.add(frozenset((k, v) for k, v in s.labels.items() if k in kept))
+    return series
+
+
+def test_every_division_in_the_grafana_dashboard_matches_series_on_both_sides(scrape):
+    """PromQL divides series whose labels agree (but those `ignoring(...)` names): a ratio of two states of one
+    metric without `ignoring(state)` is an empty panel in Grafana."""
+    divisions = [expr for expr in dashboard_queries() if " / " in expr]
+    assert divisions
+    for expr in divisions:
+        left, right = expr.split(" / ")
+        ignoring = re.match(r"\s*ignoring\(([^)]*)\)\s*", right)
+        dropped = {label.strip() for label in ignoring.group(1).split(",")} if ignoring else set()
+        right = right[ignoring.end():] if ignoring else right
+        sides = [{frozenset((k, v) for k, v in labels if k not in dropped)
+                  for labels in operand_series(scrape, side)} for side in (left, right)]
+        assert sides[0] and sides[0] <= sides[1], f"{expr}: no series match across the division ({sides})"
