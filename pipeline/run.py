@@ -333,10 +333,26 @@ def salvage(committer: Committer, progress, state: str) -> None:
 
 def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,
                  progress, stop: StopFlag, fleet: "FleetFacts") -> str:
-    from .dispatch.dispatcher import Dispatcher, client_settings, make_actor_factory
     from .dispatch.metrics import serve_metrics
 
     stop.graceful = True  # from here a signal ends the dispatch and the buffer is committed
+    # the opt-in /metrics is bound before Ray starts: a port already taken stops the run at once, no actor started
+    metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
+    if metrics is None:
+        return dispatch_with_ray(cfg, run_dir, builder, pending, committer, progress, stop, fleet, None)
+    progress.extra["metrics_url"] = metrics.url
+    metrics.status(progress.status("running"))  # the run's counts from the first scrape, while Ray starts
+    try:
+        return dispatch_with_ray(cfg, run_dir, builder, pending, committer, progress, stop, fleet, metrics)
+    finally:
+        metrics.close()
+        progress.extra.pop("metrics_url", None)  # status.json names no dead address
+
+
+def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,
+                      progress, stop: StopFlag, fleet: "FleetFacts", metrics) -> str:
+    from .dispatch.dispatcher import Dispatcher, client_settings, make_actor_factory
+
     try:
         init_ray(cfg.ray.address)
     except SystemExit as exc:  # ray.init's own SIGTERM handler, in place while it runs
@@ -346,8 +362,6 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
     stop.install()  # again: ray.init replaced the SIGTERM handler
     if stop():
         return "interrupted"
-
-    metrics = None  # the opt-in /metrics, served while the dispatch runs
 
     def on_outcome(outcome: Outcome, attempts: int) -> None:
         if outcome.kind == DONE:
@@ -372,16 +386,11 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
                                                cfg.api_key),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
                             unreachable=fleet.unreachable)
-    metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
-    if metrics is not None:
-        progress.extra["metrics_url"] = metrics.url
     try:
         dispatcher.run()
     finally:
         dispatcher.shutdown()
         progress.stopped()
-        if metrics is not None:
-            metrics.close()
     progress.extra = {"requeued": dispatcher.requeued, "actor_restarts": dispatcher.actor_restarts,
                       "hedged": len(dispatcher.hedged), "dropped_duplicates": committer.dropped_duplicates,
                       "fleet_changes": dispatcher.fleet_changes}

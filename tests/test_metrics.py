@@ -163,3 +163,28 @@ def test_every_division_in_the_grafana_dashboard_matches_series_on_both_sides(sc
         sides = [{frozenset((k, v) for k, v in labels if k not in dropped)
                   for labels in operand_series(scrape, side)} for side in (left, right)]
         assert sides[0] and sides[0] <= sides[1], f"{expr}: no series match across the division ({sides})"
+
+
+def test_a_metrics_port_already_taken_stops_the_run_before_ray_starts(tmp_path):
+    """The port is bound before Ray: the refusal comes at once, with the keys to change, even where joining the
+    cluster would take minutes (here an address nothing answers on)."""
+    import socket
+    import subprocess
+
+    from tests.helpers import run_regen
+
+    with socket.socket() as taken, emulators(1, preset="kimi") as (server,):
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_config(tmp_path, [{"url": server.url, "name": "emu-0"}], [prompt_source(tmp_path, 3)],
+                              model=MODEL, metrics={"port": port}, ray={"address": "127.0.0.1:1"})
+        try:
+            result = run_regen("generate", "--config", str(config), timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run waited for Ray before it found the metrics port taken")
+    assert result.returncode == 2, result.stderr
+    assert f"metrics: cannot listen on 127.0.0.1:{port}" in result.stderr and "metrics.port" in result.stderr
+    last = (tmp_path / "out" / "t" / "logs" / "regen.log").read_text().splitlines()[-1]
+    assert "run ended (exit 2): fatal: ConfigError: metrics: cannot listen" in last, last
+    assert "3 pending of 3" in last
