@@ -386,6 +386,8 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
                                                cfg.api_key),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
                             unreachable=fleet.unreachable)
+    log.info("dispatch: %d prompts to %d endpoints", len(pending), len(dispatcher.slots))
+    progress.begin()
     try:
         dispatcher.run()
     finally:

@@ -118,6 +118,19 @@ def test_the_log_holds_the_commits_and_ends_with_the_outcome_and_exit_code(story
     assert "run ended (exit 0): run " in last and f"is complete: {PROMPTS} records, 0 failures" in last
 
 
+def test_the_sessions_rates_count_from_the_start_of_the_dispatch_not_ray_starting(story):
+    from datetime import datetime
+
+    def when(line: str) -> datetime:
+        return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+
+    started = next(i for i, line in enumerate(story.log) if " regen: dispatch: " in line)
+    ended = next(line for line in story.log[started:] if "run ended (exit 0)" in line)
+    assert f"dispatch: {PROMPTS} prompts to 4 endpoints" in story.log[started]
+    elapsed = orjson.loads((story.run / "status.json").read_bytes())["this_session"]["elapsed_s"]
+    assert elapsed <= (when(ended) - when(story.log[started])).total_seconds() + 1.0, (elapsed, story.log[started])
+
+
 def test_without_a_terminal_progress_is_plain_lines_never_a_redrawn_bar(story):
     assert b"\r" not in story.console
     text = story.console.decode()

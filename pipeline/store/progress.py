@@ -57,6 +57,11 @@ class Progress:
         self.bar = tqdm(total=self.total, initial=self.already_done + self.failed_before, unit="prompt",
                         dynamic_ncols=True, file=sys.stderr, mininterval=0.5, smoothing=0.05) if self.terminal else None
 
+    def begin(self) -> None:
+        """The dispatch starts: the session's clock and its rate window start here, not while Ray started."""
+        self.started = self._last_log = time.monotonic()
+        self.samples = deque([(self.started, self.done + self.failed, self.completion_tokens)])
+
     def record(self, ok: bool, completion_tokens: int, endpoint: str | None = None) -> None:
         if ok:
             self.done += 1
