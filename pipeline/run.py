@@ -251,13 +251,13 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
                 lock.remove_folder_on_release = True
             raise
         setup_logging(run_dir)
-        if chosen.notice:
-            log.warning("%s", chosen.notice)
-        opened = open_run(cfg, opts, run_dir)
-        if lock.previous_holder:
-            log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
-        log.info("run directory %s", run_dir.path)
-        try:
+        try:  # from here every way this session ends is the last line of the run's log (a refusal as drift too)
+            if chosen.notice:
+                log.warning("%s", chosen.notice)
+            if lock.previous_holder:
+                log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
+            log.info("run directory %s", run_dir.path)
+            opened = open_run(cfg, opts, run_dir)
             prompts = materialise(cfg, run_dir, opts.refresh_prompts or opened.restage, staged)
             return dispatch_pending(cfg, opts, run_dir, opened.manifest, prompts, stop, lock)
         except BaseException as exc:
@@ -327,7 +327,7 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
 
 def report_complete(run_dir: RunDir, progress) -> int:
     progress.close()
-    progress.write("complete")
+    progress.write_keeping_last_session("complete")
     log.info("run ended (exit 0): run %s is complete: %d records, %d failures, nothing pending", run_dir.path,
              progress.already_done, progress.failed_before)
     return 0
@@ -364,10 +364,26 @@ def salvage(committer: Committer, progress, state: str) -> None:
 
 def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,
                  progress, stop: StopFlag, fleet: "FleetFacts") -> str:
-    from .dispatch.dispatcher import Dispatcher, client_settings, make_actor_factory
     from .dispatch.metrics import serve_metrics
 
     stop.graceful = True  # from here a signal ends the dispatch and the buffer is committed
+    # the opt-in /metrics is bound before Ray starts: a port already taken stops the run at once, no actor started
+    metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
+    if metrics is None:
+        return dispatch_with_ray(cfg, run_dir, builder, pending, committer, progress, stop, fleet, None)
+    progress.extra["metrics_url"] = metrics.url
+    metrics.status(progress.status("running"))  # the run's counts from the first scrape, while Ray starts
+    try:
+        return dispatch_with_ray(cfg, run_dir, builder, pending, committer, progress, stop, fleet, metrics)
+    finally:
+        metrics.close()
+        progress.extra.pop("metrics_url", None)  # status.json names no dead address
+
+
+def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,
+                      progress, stop: StopFlag, fleet: "FleetFacts", metrics) -> str:
+    from .dispatch.dispatcher import Dispatcher, client_settings, make_actor_factory
+
     try:
         init_ray(cfg.ray.address)
     except SystemExit as exc:  # ray.init's own SIGTERM handler, in place while it runs
@@ -378,7 +394,6 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
     if stop():
         return "interrupted"
 
-    metrics = None  # the opt-in /metrics, served while the dispatch runs
     gate = QualityGate(cfg.quality_gate, cfg.quality_gate_records, cfg.quality_thresholds.model_dump(),
                        cfg.sampling.max_tokens)
     kept: list[dict] = []  # the records of this outcome that the committer took (for the quality gate)
@@ -417,17 +432,14 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
                             unreachable=fleet.unreachable, refused=fleet.refused)
     progress.thrown_away = dispatcher.waste.goodput
     committer.on_committed = progress.goodput.add_records
-    metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
-    if metrics is not None:
-        progress.extra["metrics_url"] = metrics.url
+    log.info("dispatch: %d prompts to %d endpoints", len(pending), len(dispatcher.slots))
+    progress.begin()
     try:
         dispatcher.run()
     finally:
         dispatcher.shutdown()
         progress.endpoints = dispatcher.fleet_status()  # as the actors were ended: nothing in flight
         progress.stopped()
-        if metrics is not None:
-            metrics.close()
     if dispatcher.refused:
         log.warning("endpoints held out by the preflight never passed it this session, so the run went on without "
                     "them: %s", "; ".join(f"{label}: {why}" for label, why in dispatcher.refused.items()))

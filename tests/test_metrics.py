@@ -141,3 +141,60 @@ def test_a_stopped_run_ends_its_log_with_interrupted_the_counts_and_exit_130(scr
     last = (scrape.run / "logs" / "regen.log").read_text().splitlines()[-1]
     assert re.search(r"run ended \(exit 130\): interrupted: \d+ new records committed; \d+ done, 0 failed, \d+ "
                      rf"pending of {PROMPTS}; rerun to resume ", last), last
+
+
+def operand_series(scrape, operand: str) -> set[frozenset]:
+    """The label sets PromQL gives one side of a binary operator: `NAME{matchers}` or
+    `sum by (labels) (rate(NAME{matchers}[range]))`, evaluated over the scrape ($run matches every run)."""
+    operand = operand.strip()
+    grouped = re.fullmatch(r"sum by \(([^)]*)\) \(\w+\((.*)\[\w+\]\)\)", operand)
+    selector = grouped.group(2) if grouped else operand
+    name, matchers = re.fullmatch(r"(regen_\w+)\{([^}]*)\}", selector).groups()
+    wanted = re.findall(r'(\w+)\s*(=~|=)\s*"([^"]*)"', matchers)
+    series = set()
+    for s in scrape.samples:
+        if s.name == name and all(re.fullmatch(v.replace("$run", ".*"), s.labels.get(k, "")) if op == "=~"
+                                  else s.labels.get(k) == v for k, op, v in wanted):
+            kept = [label.strip() for label in grouped.group(1).split(",")] if grouped else list(s.labels)
+            series.add(frozenset((k, v) for k, v in s.labels.items() if k in kept))
+    return series
+
+
+def test_every_division_in_the_grafana_dashboard_matches_series_on_both_sides(scrape):
+    """PromQL divides series whose labels agree (but those `ignoring(...)` names): a ratio of two states of one
+    metric without `ignoring(state)` is an empty panel in Grafana."""
+    divisions = [expr for expr in dashboard_queries() if " / " in expr]
+    assert divisions
+    for expr in divisions:
+        left, right = expr.split(" / ")
+        ignoring = re.match(r"\s*ignoring\(([^)]*)\)\s*", right)
+        dropped = {label.strip() for label in ignoring.group(1).split(",")} if ignoring else set()
+        right = right[ignoring.end():] if ignoring else right
+        sides = [{frozenset((k, v) for k, v in labels if k not in dropped)
+                  for labels in operand_series(scrape, side)} for side in (left, right)]
+        assert sides[0] and sides[0] <= sides[1], f"{expr}: no series match across the division ({sides})"
+
+
+def test_a_metrics_port_already_taken_stops_the_run_before_ray_starts(tmp_path):
+    """The port is bound before Ray: the refusal comes at once, with the keys to change, even where joining the
+    cluster would take minutes (here an address nothing answers on)."""
+    import socket
+    import subprocess
+
+    from tests.helpers import run_regen
+
+    with socket.socket() as taken, emulators(1, preset="kimi") as (server,):
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_config(tmp_path, [{"url": server.url, "name": "emu-0"}], [prompt_source(tmp_path, 3)],
+                              model=MODEL, metrics={"port": port}, ray={"address": "127.0.0.1:1"})
+        try:
+            result = run_regen("generate", "--config", str(config), timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run waited for Ray before it found the metrics port taken")
+    assert result.returncode == 2, result.stderr
+    assert f"metrics: cannot listen on 127.0.0.1:{port}" in result.stderr and "metrics.port" in result.stderr
+    last = (tmp_path / "out" / "t" / "logs" / "regen.log").read_text().splitlines()[-1]
+    assert "run ended (exit 2): fatal: ConfigError: metrics: cannot listen" in last, last
+    assert "3 pending of 3" in last

@@ -70,7 +70,7 @@ def story(tmp_path_factory, ray_cluster):
             if proc.poll() is None:
                 proc.kill()
     return SimpleNamespace(run=run, code=proc.returncode, log=log_lines(run), console=console.read_bytes(),
-                           status_running=status_running)
+                           status_running=status_running, config=config)
 
 
 def test_the_log_holds_each_endpoints_preflight_verdict(story):
@@ -118,6 +118,19 @@ def test_the_log_holds_the_commits_and_ends_with_the_outcome_and_exit_code(story
     assert "run ended (exit 0): run " in last and f"is complete: {PROMPTS} records, 0 failures" in last
 
 
+def test_the_sessions_rates_count_from_the_start_of_the_dispatch_not_ray_starting(story):
+    from datetime import datetime
+
+    def when(line: str) -> datetime:
+        return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+
+    started = next(i for i, line in enumerate(story.log) if " regen: dispatch: " in line)
+    ended = next(line for line in story.log[started:] if "run ended (exit 0)" in line)
+    assert f"dispatch: {PROMPTS} prompts to 4 endpoints" in story.log[started]
+    elapsed = orjson.loads((story.run / "status.json").read_bytes())["this_session"]["elapsed_s"]
+    assert elapsed <= (when(ended) - when(story.log[started])).total_seconds() + 1.0, (elapsed, story.log[started])
+
+
 def test_without_a_terminal_progress_is_plain_lines_never_a_redrawn_bar(story):
     assert b"\r" not in story.console
     text = story.console.decode()
@@ -139,6 +152,20 @@ def test_a_complete_run_shows_nothing_in_flight(story):
     assert report["state"] == "complete" and report["endpoints"]
     assert all(e["in_flight"] == 0 for e in report["endpoints"].values()), report["endpoints"]
     assert sum(e["session_done"] for e in report["endpoints"].values()) == PROMPTS
+
+
+def test_a_rerun_refused_as_drift_ends_the_log_with_the_refusal_and_exit_3(story, tmp_path):
+    import yaml
+
+    edited = yaml.safe_load(story.config.read_text())
+    edited["sampling"]["max_tokens"] = 17
+    config = tmp_path / "edited.yaml"
+    config.write_text(yaml.safe_dump(edited, sort_keys=False))
+    result = run_regen("generate", "--config", str(config))
+    assert result.returncode == 3, result.stderr
+    last = log_lines(story.run)[-1]
+    assert "run ended (exit 3): fatal: DriftError: " in last and "max_tokens: 16 -> 17" in last, last
+    assert f"{PROMPTS} done, 0 failed, 0 pending of {PROMPTS}" in last, last
 
 
 def test_status_into_a_pipe_that_closes_early_prints_no_traceback(story):
@@ -209,3 +236,35 @@ def test_on_a_terminal_the_bar_stays_and_the_progress_lines_go_to_the_log_only(t
     assert b"\r" in terminal and b"8/8" in terminal, terminal[-500:]  # tqdm's bar, redrawn in place
     assert b"progress:" not in terminal
     assert any("progress: 8/8 done" in line for line in log_lines(tmp_path / "run"))
+
+
+def test_a_rerun_of_a_complete_run_keeps_the_last_sessions_rates_and_throughput(story):
+    result = run_regen("generate", "--config", str(story.config))
+    assert result.returncode == 0, result.stderr
+    report = orjson.loads(run_regen("status", str(story.run), "--json").stdout)
+    assert report["state"] == "complete"
+    assert sum(e["session_done"] for e in report["endpoints"].values()) == PROMPTS, report["endpoints"]
+    assert report["rates"]["overall"]["prompts_s"] > 0 and report["this_session"]["done"] == PROMPTS, report
+    assert "run ended (exit 0): run " in log_lines(story.run)[-1]
+
+
+def test_status_of_a_killed_run_by_an_older_regen_shows_nothing_in_flight_and_no_false_zeros(tmp_path):
+    from pipeline.store.rundir import RunDir
+
+    run = RunDir(tmp_path / "old")
+    run.create()
+    run.write_manifest({"run_name": "old"})
+    # what the previous regen wrote, and left as it was when its driver was SIGKILLed
+    run.write_status({"state": "running", "updated_at": "2026-11-01T10:00:00+00:00", "total": 10, "done": 4,
+                      "failed": 0, "pending": 6, "rejects": 0,
+                      "this_session": {"done": 4, "failed": 0, "completion_tokens": 40, "elapsed_s": 20.0,
+                                       "tok_s": 2.0},
+                      "endpoints": {"node-a": {"state": "healthy", "node": "10.0.0.7", "in_flight": 3,
+                                               "tok_s": 2.0, "errors": {}}}})
+    text = run_regen("status", str(run.path))
+    assert text.returncode == 0 and "Traceback" not in text.stderr, text.stderr
+    row = next(line for line in text.stdout.splitlines() if "node-a" in line)
+    assert re.search(r"in flight\s+0\s+- done\s+- prompts/s", row), text.stdout
+    assert "stopped" in text.stdout.splitlines()[0] and "ETA" not in text.stdout
+    report = orjson.loads(run_regen("status", str(run.path), "--json").stdout)
+    assert report["endpoints"]["node-a"]["in_flight"] == 0 and report["eta_s"] is None

@@ -62,6 +62,11 @@ class Progress:
         self.bar = tqdm(total=self.total, initial=self.already_done + self.failed_before, unit="prompt",
                         dynamic_ncols=True, file=sys.stderr, mininterval=0.5, smoothing=0.05) if self.terminal else None
 
+    def begin(self) -> None:
+        """The dispatch starts: the session's clock and its rate window start here, not while Ray started."""
+        self.started = self._last_log = time.monotonic()
+        self.samples = deque([(self.started, self.done + self.failed, self.completion_tokens)])
+
     def record(self, ok: bool, completion_tokens: int, endpoint: str | None = None) -> None:
         if ok:
             self.done += 1
@@ -188,6 +193,18 @@ class Progress:
 
     def write(self, state: str) -> None:
         self.run_dir.write_status(self.status(state))
+
+    def write_keeping_last_session(self, state: str) -> None:
+        """A session that sent nothing (the run was complete) keeps the figures of the last one that did: its
+        rates and each endpoint's throughput stay what `regen status` shows."""
+        last = self.run_dir.read_status()
+        status = self.status(state)
+        if last and not self.done + self.failed and last.get("this_session", {}).get("elapsed_s"):
+            counts = ("state", "total", "done", "failed", "pending", "rejects", "eta_s")
+            status = {**{k: v for k, v in last.items() if k != "metrics_url"}, **{k: status[k] for k in counts},
+                      "endpoints": {label: {**stats, "in_flight": 0}
+                                    for label, stats in (last.get("endpoints") or {}).items()}}
+        self.run_dir.write_status(status)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -65,9 +65,12 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
     sources = (manifest.get("prompt_report") or {}).get("sources", [])
     files = file_states(manifest.get("source_files") or {})
     state = run_state(run_dir, counts)
+    endpoints = live.get("endpoints") or {}
+    if not state.startswith("running"):  # a driver killed mid-run left its in-flight work in status.json
+        endpoints = {label: {**stats, "in_flight": 0} for label, stats in endpoints.items()}
     report = {"run_dir": str(path), "state": state, **counts,
               "fingerprint": manifest.get("fingerprint"), "sources": sources, "source_files": files,
-              "last_update": live.get("updated_at"), "endpoints": live.get("endpoints", {}),
+              "last_update": live.get("updated_at"), "endpoints": endpoints,
               "this_session": live.get("this_session", {}), "rates": live.get("rates", {}),
               "eta_s": live.get("eta_s") if state.startswith("running") else None,
               "metrics_url": live.get("metrics_url") if state.startswith("running") else None,
@@ -114,8 +117,10 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
     if report["endpoints"]:
         print("  endpoints (throughput of the session):")
     for label, stats in report["endpoints"].items():
+        # a status.json of an older regen has no session figures per endpoint: "-", not a false 0
+        done, prompts_s = stats.get("session_done", "-"), stats.get("session_prompts_s")
         print(f"  {label:<28} {stats.get('state', '?'):<10} on {stats.get('node', '?'):<15} "
-              f"in flight {stats.get('in_flight', 0):>4}  {stats.get('session_done', 0):>7} done  "
-              f"{stats.get('session_prompts_s', 0):>7.2f} prompts/s  "
+              f"in flight {stats.get('in_flight', 0):>4}  {done:>7} done  "
+              f"{'-' if prompts_s is None else f'{prompts_s:.2f}':>7} prompts/s  "
               f"{stats.get('session_tok_s', stats.get('tok_s', 0)):>8} tok/s  errors {stats.get('errors', {})}")
     return 0
