@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="run (or resume) a regeneration", description=(
         "Run the config's prompts through its endpoints into a run directory. Running it again resumes."))
-    gen.add_argument("--config", default=os.environ.get("CONFIG", "configs/local.yaml"), help="run config (YAML); default: $CONFIG, else configs/local.yaml")
+    gen.add_argument("--config", default=os.environ.get("CONFIG", "configs/local.yaml"),
+                     help="run config (YAML); default: $CONFIG, else configs/local.yaml")
     which = gen.add_mutually_exclusive_group()
     which.add_argument("--new-run", action="store_true",
                        help="resume the newest run of this name only if nothing of its identity changed (generation "
