@@ -187,6 +187,21 @@ def test_run_dir_names_the_run_to_resume_and_the_drift_guard_still_applies(tmp_p
     assert missing.returncode == BAD_CONFIG and f"--run-dir {tmp_path / 'nowhere'}: no run there" in missing.stderr
 
 
+def test_run_dir_of_another_run_name_is_refused_and_left_as_it_was(tmp_path):
+    """--run-dir naming a run of another run_name that has committed nothing used to take it over: its run.json
+    was rewritten under this config's run_name, so the other config no longer found its own run."""
+    other = config(tmp_path, run_name="other")
+    assert regen("generate", "--config", str(other)).returncode == STOPPED_AT_PREFLIGHT
+    run = tmp_path / "out" / "other"
+    before = (run / "run.json").read_bytes()
+    named = regen("generate", "--config", str(config(tmp_path)), "--run-dir", str(run))
+    assert named.returncode == BAD_CONFIG, named.stderr
+    assert f"--run-dir {run}: that is a run of 'other', and this config's run_name is 't'" in named.stderr
+    assert (run / "run.json").read_bytes() == before
+    again = regen("generate", "--config", str(config(tmp_path, run_name="other")), "--run-dir", str(run))
+    assert again.returncode == STOPPED_AT_PREFLIGHT, again.stderr
+
+
 # --- 4. paths resolve against the config file's folder ------------------------------------------------------
 def relative_config(tmp_path: Path) -> Path:
     """configs/run.yaml naming its spec, output folder and endpoints file relative to itself."""

@@ -74,6 +74,12 @@ def choose_run(cfg: RunConfig, *, new_run: bool, refresh_prompts: bool, run_dir:
         if not named.exists():
             raise ConfigError(f"--run-dir {run_dir}: no run there (it has no run.json); without --run-dir "
                               f"regen picks the run of {cfg.run_name!r} in {cfg.output_dir}")
+        theirs = named.read_manifest().get("run_name")
+        if theirs is not None and theirs != cfg.run_name:
+            # rebinding would rename it, resuming would mix two runs' names: the user means another run or config
+            raise ConfigError(f"--run-dir {run_dir}: that is a run of {theirs!r}, and this config's run_name is "
+                              f"{cfg.run_name!r}; set run_name: {theirs} to resume it, or name a run of "
+                              f"{cfg.run_name!r}")
         return ChosenRun(named)
     runs = _numbered_runs(cfg.output_dir, cfg.run_name)
     started = [RunDir(runs[n]) for n in sorted(runs, reverse=True) if (runs[n] / "run.json").exists()]
