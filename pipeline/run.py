@@ -27,7 +27,8 @@ from .store.promptset import (StagedPromptSet, check_schema_takes_tools, check_s
 from .store.committer import Committer
 from .store.progress import duration
 from .store.status import counts_line
-from .store.resume import ChosenRun, choose_run, committed_nothing, rebind, records_of_older, with_prompt_advice
+from .store.resume import (ChosenRun, choose_run, committed_nothing, prompt_set_unrecorded, rebind, records_of_older,
+                           with_prompt_advice)
 from .store.rundir import RunDir, RunLock, now_utc, successor_run_dir
 from .dispatch.cluster import EndpointsFileWatch, init_ray
 from .dispatch.fleet import FleetDrift, FleetFacts, check_fleet_first, fleet_preflight
@@ -78,7 +79,8 @@ def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool, staged: StagedPr
     prompts = run_dir.load_prompt_set()
     # recorded once the set is committed: a kill before this leaves the old identity, refused as drift
     run_dir.write_manifest({**run_dir.read_manifest(), "prompts": cfg.prompt_identity(),
-                            "source_files": staged.files, "prompt_report": report})
+                            "source_files": staged.files, "prompt_report": report,
+                            "prompt_set_version": len(run_dir.prompt_set_versions())})
     if existing is not None:
         old, new = set(existing.column("prompt_id").to_pylist()), set(prompts.column("prompt_id").to_pylist())
         vanished = old - new
@@ -147,7 +149,11 @@ def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> OpenedRu
                     ", ".join(f"{key} = {value!r}" for key, value in check.adopted.items()))
     if updated != manifest:
         run_dir.write_manifest(updated)
-    return OpenedRun(updated)
+    unrecorded = prompt_set_unrecorded(run_dir, manifest)
+    if unrecorded:
+        log.warning("the newest prompt set of %s was committed by a start killed before run.json recorded it: "
+                    "it is read again from the sources (done prompts are kept)", run_dir.path)
+    return OpenedRun(updated, unrecorded)
 
 
 def rebind_unbound(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any]) -> OpenedRun:

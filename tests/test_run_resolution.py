@@ -133,6 +133,38 @@ def test_a_changed_prompt_set_before_the_first_commit_is_read_again(tmp_path):
     assert manifest(run)["prompt_report"]["prompts"] == 9
 
 
+def test_a_rerun_killed_after_restaging_then_restored_reads_the_restored_prompt_set(tmp_path):
+    """An edited config's rerun (a spec limit) committed its new prompt set, and was killed before run.json
+    recorded it (run.json keeps the old prompt identity until then). Restoring the original config matched that
+    identity, so the run used to go on with the edited config's prompt set: 3 prompts instead of 6."""
+    from pipeline.run import stage_prompt_set
+
+    assert regen("generate", "--config", str(config(tmp_path))).returncode == STOPPED_AT_PREFLIGHT
+    run = tmp_path / "out" / "t"
+    limited = config(tmp_path, sources=[{"spec": str(tmp_path / "test.yaml"), "limit": 3}])
+    stage_prompt_set(load_config(limited)).commit(RunDir(run))  # what the killed rerun had done
+    assert RunDir(run).load_prompt_set().num_rows == 3
+    restored = regen("generate", "--config", str(config(tmp_path)))
+    assert restored.returncode == STOPPED_AT_PREFLIGHT, restored.stderr
+    assert RunDir(run).load_prompt_set().num_rows == 6
+    assert manifest(run)["prompt_report"]["prompts"] == 6
+
+
+def test_a_bound_run_whose_refresh_was_killed_before_run_json_recorded_it_reads_its_own_prompt_set(tmp_path):
+    """The same kill during --refresh-prompts of a run that has committed: the plain rerun with the recorded
+    config used to go on with the refreshed config's prompt set."""
+    from pipeline.run import stage_prompt_set
+
+    assert regen("generate", "--config", str(config(tmp_path))).returncode == STOPPED_AT_PREFLIGHT
+    run = tmp_path / "out" / "t"
+    commit_a_failure(run)
+    limited = config(tmp_path, sources=[{"spec": str(tmp_path / "test.yaml"), "limit": 3}])
+    stage_prompt_set(load_config(limited)).commit(RunDir(run))
+    resumed = regen("generate", "--config", str(config(tmp_path)))
+    assert resumed.returncode == STOPPED_AT_PREFLIGHT, resumed.stderr
+    assert RunDir(run).load_prompt_set().num_rows == 6 and "read again from the sources" in resumed.stderr
+
+
 def test_after_the_first_commit_the_same_change_is_drift(tmp_path):
     assert regen("generate", "--config", str(config(tmp_path))).returncode == STOPPED_AT_PREFLIGHT
     commit_a_failure(tmp_path / "out" / "t")

@@ -35,6 +35,13 @@ def committed_nothing(run_dir: RunDir) -> bool:
     return not run_dir.parts(run_dir.data) and not run_dir.parts(run_dir.failures)
 
 
+def prompt_set_unrecorded(run_dir: RunDir, manifest: dict[str, Any]) -> bool:
+    """A prompt-set version was committed after the one run.json records (a start killed between the two writes):
+    it may be another config's set, so the prompt set is read again (a run.json older than the record: unknown)."""
+    recorded = manifest.get("prompt_set_version")
+    return recorded is not None and recorded != len(run_dir.prompt_set_versions())
+
+
 def records_of_older(run_dir: RunDir, manifest: dict[str, Any]) -> StoredRecords:
     """What the records of a run started by older regen show (its run.json did not record how they were made)."""
     if manifest.get("identity_version", 1) >= IDENTITY_VERSION:
@@ -133,15 +140,17 @@ def rebind(cfg: RunConfig, run_dir: RunDir, manifest: dict[str, Any], fresh: dic
     prompts_changed = any(line.startswith("prompts") for line in stored_check.drift) or "prompts" not in manifest
     files = None if prompts_changed or "source_files" not in manifest else check_source_files(cfg, manifest)
     restage = (refresh_prompts or prompts_changed or files is None or bool(files.drift)
-               or run_dir.load_prompt_set() is None)
+               or run_dir.load_prompt_set() is None or prompt_set_unrecorded(run_dir, manifest))
     updated = {**fresh, **{key: manifest[key] for key in KEPT_WHEN_UNBOUND if key in manifest}}
     if restage:
-        for key in ("prompts", "source_files", "prompt_report"):
+        for key in ("prompts", "source_files", "prompt_report", "prompt_set_version"):
             updated.pop(key, None)
             if key in manifest and key != "prompt_report":
                 updated[key] = manifest[key]  # replaced by materialise once the new set is committed
     else:
         updated.update(source_files=files.recorded, prompt_report=manifest.get("prompt_report"))
+        if "prompt_set_version" in manifest:
+            updated["prompt_set_version"] = manifest["prompt_set_version"]
     if files is not None:
         diff += files.drift
     if diff:
