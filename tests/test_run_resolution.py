@@ -350,6 +350,21 @@ def test_a_second_generate_on_a_busy_new_run_is_refused_before_it_reads_a_source
     assert "in use by another regen driver" in refused.stderr and "p.jsonl" not in refused.stderr
 
 
+def test_a_second_new_run_while_the_first_still_reads_its_sources_is_refused_not_started_beside_it(tmp_path):
+    """Two `--new-run`s of one edited config: the first holds `t-r2` and is still reading its sources (no run.json
+    yet). The second used to start `t-r3` beside it, sending the same prompts to the fleet twice."""
+    assert regen("generate", "--config", str(config(tmp_path))).returncode == STOPPED_AT_PREFLIGHT
+    out = tmp_path / "out"
+    commit_a_failure(out / "t")
+    edited = config(tmp_path, sampling={"max_tokens": 16})
+    with RunLock(RunDir(out / "t-r2")):  # the first driver is a process of its own here
+        second = subprocess.run(regen_cmd("generate", "--config", str(edited), "--new-run"), capture_output=True,
+                                text=True, timeout=120, cwd=REPO)
+    assert second.returncode == LOCKED, second.stderr
+    assert f"{out / 't-r2'} is being started by another regen driver" in second.stderr
+    assert not (out / "t-r3").exists()
+
+
 def test_a_source_that_fails_still_leaves_no_run_directory(tmp_path):
     path = config(tmp_path)
     (tmp_path / "p.jsonl").unlink()

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.config import RunConfig
-from ..core.errors import ConfigError, DriftError
+from ..core.errors import ConfigError, DriftError, RunLocked
 from ..core.identity import IDENTITY_VERSION, StoredRecords, check_identity, flat_diff, spec_renames, with_spec_keys
+from .lock import RunLock
 from .promptset import check_source_files
 from .records import stored_records
 from .rundir import RunDir, _numbered_runs, resolve_run_dir, successor_run_dir
@@ -104,6 +105,7 @@ def choose_run(cfg: RunConfig, *, new_run: bool, refresh_prompts: bool, run_dir:
     if committed_nothing(newest):
         return ChosenRun(newest)  # open_run takes the config, and logs the difference
     if new_run:
+        refuse_beside_a_starting_run([RunDir(path) for path in runs.values() if not (path / "run.json").exists()])
         return ChosenRun(successor_run_dir(cfg.output_dir, cfg.run_name))
     if len(started) == 1:
         raise DriftError(str(newest.path), diffs[0])
@@ -113,6 +115,18 @@ def choose_run(cfg: RunConfig, *, new_run: bool, refresh_prompts: bool, run_dir:
     raise DriftError(f"no run of {cfg.run_name!r} in {cfg.output_dir} matches this config: each", lines,
                      "Restore the values of the run to resume, name one with --run-dir (the drift guard still "
                      "applies), or pass --new-run to start a new run directory with this config.")
+
+
+def refuse_beside_a_starting_run(unstarted: list[RunDir]) -> None:
+    """A run folder without run.json whose lock is held: another driver is reading its sources for a new run
+    (maybe this very config's --new-run). A successor started beside it would send the same prompts twice."""
+    for run in unstarted:
+        lock = RunLock(run)
+        if lock.is_held():
+            holder = lock.holder() or {}
+            raise RunLocked(f"{run.path} is being started by another regen driver (pid {holder.get('pid', '?')} "
+                            f"on {holder.get('host', '?')}; it has not written run.json yet): --new-run would "
+                            "start a run beside it. Rerun once it has started: a run that matches is resumed")
 
 
 @dataclass
