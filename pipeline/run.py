@@ -239,15 +239,14 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
     run_dir = chosen.run_dir
     if opts.new_run and run_dir.exists() and not committed_nothing(run_dir):
         check_fleet_first(cfg, run_dir, opts.start_with_passing)
-    created = not run_dir.path.exists()
     # the lock first: a second driver is refused at once, before it reads any source
     with RunLock(run_dir) as lock:
         # a new run reads its sources before it writes anything: a source that fails leaves no run directory
+        # (nor the folder a start killed here left: only its lock files are in it, removed under the lock)
         try:
             staged = None if run_dir.exists() else stage_prompt_set(cfg)
         except BaseException:
-            if created:
-                lock.remove_folder_on_release = True
+            lock.remove_folder_on_release = not run_dir.exists()
             raise
         setup_logging(run_dir)
         if chosen.notice:

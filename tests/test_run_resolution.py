@@ -373,3 +373,18 @@ def test_a_source_that_fails_still_leaves_no_run_directory(tmp_path):
     assert not (tmp_path / "out" / "t").exists()
     write_prompts(tmp_path / "p.jsonl", 6)
     assert regen("generate", "--config", str(path)).returncode == STOPPED_AT_PREFLIGHT, "and starts once fixed"
+
+
+def test_a_source_that_fails_removes_the_folder_a_killed_start_left(tmp_path):
+    """A start SIGKILLed while it read its sources leaves the folder its lock made (no run.json). A later start
+    whose source fails used to leave that folder, as it had not made it (a concurrent start that removed it and
+    re-made it between the two drivers' checks left one the same way)."""
+    path = config(tmp_path)
+    (tmp_path / "p.jsonl").unlink()
+    run = tmp_path / "out" / "t"
+    run.mkdir(parents=True)
+    (run / "run.lock").touch()
+    (run / "lock.json").write_text('{"pid": 999999999, "host": "elsewhere"}')
+    failed = regen("generate", "--config", str(path))
+    assert failed.returncode == BAD_CONFIG and "p.jsonl" in failed.stderr
+    assert not run.exists()
