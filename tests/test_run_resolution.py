@@ -283,6 +283,22 @@ def test_a_path_that_does_not_exist_names_it_as_written_and_resolved_and_the_rul
     assert load_config(path).tokenizer_path() == "HuggingFaceTB/SmolLM2-135M-Instruct", "a hub id stays one"
 
 
+def test_a_run_left_where_a_relative_output_dir_used_to_point_is_not_silently_started_anew(tmp_path):
+    """A user's config in a subfolder with `output_dir: out` (read from the working directory before the path
+    rule) used to start a new, empty run under the config's folder: the finished part of a long run would have
+    been generated again from scratch."""
+    assert regen("generate", "--config", str(config(tmp_path))).returncode == STOPPED_AT_PREFLIGHT  # tmp_path/out/t
+    (tmp_path / "configs").mkdir()
+    moved = tmp_path / "configs" / "old.yaml"
+    moved.write_text(yaml.safe_dump({**yaml.safe_load(config(tmp_path).read_text()), "output_dir": "out"}))
+    refused = regen("generate", "--config", str(moved), cwd=tmp_path)
+    assert refused.returncode == BAD_CONFIG, refused.stderr
+    assert f"there is {tmp_path / 'out' / 't'}. To resume it, set output_dir: {tmp_path / 'out'}" in refused.stderr
+    assert not (tmp_path / "configs" / "out").exists()
+    elsewhere = regen("generate", "--config", str(moved), cwd=tmp_path / "configs")  # no old run from here
+    assert elsewhere.returncode == STOPPED_AT_PREFLIGHT, elsewhere.stderr
+
+
 def test_the_shipped_configs_resolve_from_any_folder_to_what_they_named_from_the_repository_root(tmp_path,
                                                                                                  monkeypatch):
     """`make generate` runs them from the root, where `prompts_sources/...` and `outputs` used to be read."""

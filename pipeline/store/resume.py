@@ -12,11 +12,13 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.config import RunConfig
 from ..core.errors import ConfigError, DriftError, RunLocked
+from ..core.paths import PATH_RULE
 from ..core.identity import IDENTITY_VERSION, StoredRecords, check_identity, flat_diff, spec_renames, with_spec_keys
 from .lock import RunLock
 from .promptset import check_source_files
@@ -92,6 +94,7 @@ def choose_run(cfg: RunConfig, *, new_run: bool, refresh_prompts: bool, run_dir:
     runs = _numbered_runs(cfg.output_dir, cfg.run_name)
     started = [RunDir(runs[n]) for n in sorted(runs, reverse=True) if (runs[n] / "run.json").exists()]
     if not started:
+        refuse_a_run_left_behind(cfg)
         return ChosenRun(resolve_run_dir(cfg.output_dir, cfg.run_name, False))
     newest, diffs = started[0], []
     for run in started:
@@ -115,6 +118,22 @@ def choose_run(cfg: RunConfig, *, new_run: bool, refresh_prompts: bool, run_dir:
     raise DriftError(f"no run of {cfg.run_name!r} in {cfg.output_dir} matches this config: each", lines,
                      "Restore the values of the run to resume, name one with --run-dir (the drift guard still "
                      "applies), or pass --new-run to start a new run directory with this config.")
+
+
+def refuse_a_run_left_behind(cfg: RunConfig) -> None:
+    """No run of this name where output_dir now resolves (against the config's folder), but one where an older
+    regen put it (the same text taken from the working directory): starting anew would silently redo that run."""
+    old = cfg.output_dir_before_the_path_rule()
+    if old is None or not os.path.isdir(old):
+        return
+    theirs = sorted(str(path) for path in _numbered_runs(old, cfg.run_name).values() if (path / "run.json").exists())
+    if theirs:
+        raise ConfigError(
+            f"output_dir {cfg._output_dir_written!r} resolves to {cfg.output_dir} ({PATH_RULE}), where no run of "
+            f"{cfg.run_name!r} exists; but where regen took it from before this rule (the working directory) there is "
+            f"{', '.join(theirs)}. To resume it, set output_dir: {old} (or the path relative to the config's "
+            f"folder); to start a new run under {cfg.output_dir} anyway, move that run, or run regen from the config's "
+            "folder")
 
 
 def refuse_beside_a_starting_run(unstarted: list[RunDir]) -> None:
