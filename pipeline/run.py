@@ -28,7 +28,8 @@ from .store.committer import Committer
 from .store.goodput import Goodput, summary_line
 from .store.progress import duration
 from .store.status import counts_line
-from .store.resume import ChosenRun, choose_run, committed_nothing, rebind, records_of_older, with_prompt_advice
+from .store.resume import (ChosenRun, choose_run, committed_nothing, prompt_set_unrecorded, rebind, records_of_older,
+                           with_prompt_advice)
 from .store.rundir import RunDir, RunLock, now_utc, successor_run_dir
 from .dispatch.fleet import FleetDrift, check_fleet_first, fleet_preflight
 from .store.records import RecordBuilder
@@ -83,7 +84,8 @@ def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool, staged: StagedPr
     prompts = run_dir.load_prompt_set()
     # recorded once the set is committed: a kill before this leaves the old identity, refused as drift
     run_dir.write_manifest({**run_dir.read_manifest(), "prompts": cfg.prompt_identity(),
-                            "source_files": staged.files, "prompt_report": report})
+                            "source_files": staged.files, "prompt_report": report,
+                            "prompt_set_version": len(run_dir.prompt_set_versions())})
     if existing is not None:
         old, new = set(existing.column("prompt_id").to_pylist()), set(prompts.column("prompt_id").to_pylist())
         vanished = old - new
@@ -152,7 +154,11 @@ def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> OpenedRu
                     ", ".join(f"{key} = {value!r}" for key, value in check.adopted.items()))
     if updated != manifest:
         run_dir.write_manifest(updated)
-    return OpenedRun(updated)
+    unrecorded = prompt_set_unrecorded(run_dir, manifest)
+    if unrecorded:
+        log.warning("the newest prompt set of %s was committed by a start killed before run.json recorded it: "
+                    "it is read again from the sources (done prompts are kept)", run_dir.path)
+    return OpenedRun(updated, unrecorded)
 
 
 def rebind_unbound(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any]) -> OpenedRun:
@@ -238,15 +244,14 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
     run_dir = chosen.run_dir
     if opts.new_run and run_dir.exists() and not committed_nothing(run_dir):
         check_fleet_first(cfg, run_dir, opts.start_with_passing)
-    created = not run_dir.path.exists()
     # the lock first: a second driver is refused at once, before it reads any source
     with RunLock(run_dir) as lock:
         # a new run reads its sources before it writes anything: a source that fails leaves no run directory
+        # (nor the folder a start killed here left: only its lock files are in it, removed under the lock)
         try:
             staged = None if run_dir.exists() else stage_prompt_set(cfg)
         except BaseException:
-            if created:
-                lock.remove_folder_on_release = True
+            lock.remove_folder_on_release = not run_dir.exists()
             raise
         setup_logging(run_dir)
         try:  # from here every way this session ends is the last line of the run's log (a refusal as drift too)

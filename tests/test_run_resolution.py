@@ -133,6 +133,38 @@ def test_a_changed_prompt_set_before_the_first_commit_is_read_again(tmp_path):
     assert manifest(run)["prompt_report"]["prompts"] == 9
 
 
+def test_a_rerun_killed_after_restaging_then_restored_reads_the_restored_prompt_set(tmp_path):
+    """An edited config's rerun (a spec limit) committed its new prompt set, and was killed before run.json
+    recorded it (run.json keeps the old prompt identity until then). Restoring the original config matched that
+    identity, so the run used to go on with the edited config's prompt set: 3 prompts instead of 6."""
+    from pipeline.run import stage_prompt_set
+
+    assert regen("generate", "--config", str(config(tmp_path))).returncode == STOPPED_AT_PREFLIGHT
+    run = tmp_path / "out" / "t"
+    limited = config(tmp_path, sources=[{"spec": str(tmp_path / "test.yaml"), "limit": 3}])
+    stage_prompt_set(load_config(limited)).commit(RunDir(run))  # what the killed rerun had done
+    assert RunDir(run).load_prompt_set().num_rows == 3
+    restored = regen("generate", "--config", str(config(tmp_path)))
+    assert restored.returncode == STOPPED_AT_PREFLIGHT, restored.stderr
+    assert RunDir(run).load_prompt_set().num_rows == 6
+    assert manifest(run)["prompt_report"]["prompts"] == 6
+
+
+def test_a_bound_run_whose_refresh_was_killed_before_run_json_recorded_it_reads_its_own_prompt_set(tmp_path):
+    """The same kill during --refresh-prompts of a run that has committed: the plain rerun with the recorded
+    config used to go on with the refreshed config's prompt set."""
+    from pipeline.run import stage_prompt_set
+
+    assert regen("generate", "--config", str(config(tmp_path))).returncode == STOPPED_AT_PREFLIGHT
+    run = tmp_path / "out" / "t"
+    commit_a_failure(run)
+    limited = config(tmp_path, sources=[{"spec": str(tmp_path / "test.yaml"), "limit": 3}])
+    stage_prompt_set(load_config(limited)).commit(RunDir(run))
+    resumed = regen("generate", "--config", str(config(tmp_path)))
+    assert resumed.returncode == STOPPED_AT_PREFLIGHT, resumed.stderr
+    assert RunDir(run).load_prompt_set().num_rows == 6 and "read again from the sources" in resumed.stderr
+
+
 def test_after_the_first_commit_the_same_change_is_drift(tmp_path):
     assert regen("generate", "--config", str(config(tmp_path))).returncode == STOPPED_AT_PREFLIGHT
     commit_a_failure(tmp_path / "out" / "t")
@@ -187,6 +219,21 @@ def test_run_dir_names_the_run_to_resume_and_the_drift_guard_still_applies(tmp_p
     assert missing.returncode == BAD_CONFIG and f"--run-dir {tmp_path / 'nowhere'}: no run there" in missing.stderr
 
 
+def test_run_dir_of_another_run_name_is_refused_and_left_as_it_was(tmp_path):
+    """--run-dir naming a run of another run_name that has committed nothing used to take it over: its run.json
+    was rewritten under this config's run_name, so the other config no longer found its own run."""
+    other = config(tmp_path, run_name="other")
+    assert regen("generate", "--config", str(other)).returncode == STOPPED_AT_PREFLIGHT
+    run = tmp_path / "out" / "other"
+    before = (run / "run.json").read_bytes()
+    named = regen("generate", "--config", str(config(tmp_path)), "--run-dir", str(run))
+    assert named.returncode == BAD_CONFIG, named.stderr
+    assert f"--run-dir {run}: that is a run of 'other', and this config's run_name is 't'" in named.stderr
+    assert (run / "run.json").read_bytes() == before
+    again = regen("generate", "--config", str(config(tmp_path, run_name="other")), "--run-dir", str(run))
+    assert again.returncode == STOPPED_AT_PREFLIGHT, again.stderr
+
+
 # --- 4. paths resolve against the config file's folder ------------------------------------------------------
 def relative_config(tmp_path: Path) -> Path:
     """configs/run.yaml naming its spec, output folder and endpoints file relative to itself."""
@@ -234,6 +281,22 @@ def test_a_path_that_does_not_exist_names_it_as_written_and_resolved_and_the_rul
     assert load_config(path).tokenizer_path() == str(tmp_path / "configs" / "tok")
     path.write_text(yaml.safe_dump({**raw, "tokenizer": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
     assert load_config(path).tokenizer_path() == "HuggingFaceTB/SmolLM2-135M-Instruct", "a hub id stays one"
+
+
+def test_a_run_left_where_a_relative_output_dir_used_to_point_is_not_silently_started_anew(tmp_path):
+    """A user's config in a subfolder with `output_dir: out` (read from the working directory before the path
+    rule) used to start a new, empty run under the config's folder: the finished part of a long run would have
+    been generated again from scratch."""
+    assert regen("generate", "--config", str(config(tmp_path))).returncode == STOPPED_AT_PREFLIGHT  # tmp_path/out/t
+    (tmp_path / "configs").mkdir()
+    moved = tmp_path / "configs" / "old.yaml"
+    moved.write_text(yaml.safe_dump({**yaml.safe_load(config(tmp_path).read_text()), "output_dir": "out"}))
+    refused = regen("generate", "--config", str(moved), cwd=tmp_path)
+    assert refused.returncode == BAD_CONFIG, refused.stderr
+    assert f"there is {tmp_path / 'out' / 't'}. To resume it, set output_dir: {tmp_path / 'out'}" in refused.stderr
+    assert not (tmp_path / "configs" / "out").exists()
+    elsewhere = regen("generate", "--config", str(moved), cwd=tmp_path / "configs")  # no old run from here
+    assert elsewhere.returncode == STOPPED_AT_PREFLIGHT, elsewhere.stderr
 
 
 def test_the_shipped_configs_resolve_from_any_folder_to_what_they_named_from_the_repository_root(tmp_path,
@@ -303,6 +366,21 @@ def test_a_second_generate_on_a_busy_new_run_is_refused_before_it_reads_a_source
     assert "in use by another regen driver" in refused.stderr and "p.jsonl" not in refused.stderr
 
 
+def test_a_second_new_run_while_the_first_still_reads_its_sources_is_refused_not_started_beside_it(tmp_path):
+    """Two `--new-run`s of one edited config: the first holds `t-r2` and is still reading its sources (no run.json
+    yet). The second used to start `t-r3` beside it, sending the same prompts to the fleet twice."""
+    assert regen("generate", "--config", str(config(tmp_path))).returncode == STOPPED_AT_PREFLIGHT
+    out = tmp_path / "out"
+    commit_a_failure(out / "t")
+    edited = config(tmp_path, sampling={"max_tokens": 16})
+    with RunLock(RunDir(out / "t-r2")):  # the first driver is a process of its own here
+        second = subprocess.run(regen_cmd("generate", "--config", str(edited), "--new-run"), capture_output=True,
+                                text=True, timeout=120, cwd=REPO)
+    assert second.returncode == LOCKED, second.stderr
+    assert f"{out / 't-r2'} is being started by another regen driver" in second.stderr
+    assert not (out / "t-r3").exists()
+
+
 def test_a_source_that_fails_still_leaves_no_run_directory(tmp_path):
     path = config(tmp_path)
     (tmp_path / "p.jsonl").unlink()
@@ -311,3 +389,18 @@ def test_a_source_that_fails_still_leaves_no_run_directory(tmp_path):
     assert not (tmp_path / "out" / "t").exists()
     write_prompts(tmp_path / "p.jsonl", 6)
     assert regen("generate", "--config", str(path)).returncode == STOPPED_AT_PREFLIGHT, "and starts once fixed"
+
+
+def test_a_source_that_fails_removes_the_folder_a_killed_start_left(tmp_path):
+    """A start SIGKILLed while it read its sources leaves the folder its lock made (no run.json). A later start
+    whose source fails used to leave that folder, as it had not made it (a concurrent start that removed it and
+    re-made it between the two drivers' checks left one the same way)."""
+    path = config(tmp_path)
+    (tmp_path / "p.jsonl").unlink()
+    run = tmp_path / "out" / "t"
+    run.mkdir(parents=True)
+    (run / "run.lock").touch()
+    (run / "lock.json").write_text('{"pid": 999999999, "host": "elsewhere"}')
+    failed = regen("generate", "--config", str(path))
+    assert failed.returncode == BAD_CONFIG and "p.jsonl" in failed.stderr
+    assert not run.exists()

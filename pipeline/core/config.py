@@ -240,6 +240,7 @@ class RunConfig(_Strict):
         "against the config file's folder) or a hub id."))
     # the config file's folder, against which relative paths resolve (None: built in code, the working directory)
     _config_dir: Path | None = PrivateAttr(None)
+    _output_dir_written: str | None = PrivateAttr(None)  # a relative output_dir as the config file wrote it
     # Retries and deadlines.
     max_attempts: int = Field(4, ge=1, description="HTTP attempts per prompt across all endpoints.")
     attempts_per_endpoint: int = Field(2, ge=1, description="Attempts on one endpoint before the prompt moves on.")
@@ -309,6 +310,14 @@ class RunConfig(_Strict):
                                          self.endpoints_file_api_key_env):
                 fleet.setdefault(e.label, e)
         return list(fleet.values())
+
+    def output_dir_before_the_path_rule(self) -> str | None:
+        """Where an older regen put this config's runs: its relative output_dir taken from the working directory
+        (None: absolute, a URI, or the same folder either way)."""
+        if self._output_dir_written is None or Path(self._output_dir_written).expanduser().is_absolute():
+            return None
+        old = os.path.abspath(self._output_dir_written)
+        return None if old == os.path.normpath(self.output_dir) else old
 
     def tokenizer_path(self) -> str:
         """What loads the tokenizer: `tokenizer` as a folder relative to the config file's folder if there is one,
@@ -515,6 +524,8 @@ def load_config(path: str | Path) -> RunConfig:
     cfg = load_yaml_model(path, RunConfig, prepare=prepare)
     check_config_paths(written, path)
     cfg._config_dir = path.resolve().parent
+    if isinstance(written.get("output_dir"), str) and "://" not in written["output_dir"]:
+        cfg._output_dir_written = written["output_dir"]
     if cfg.tokenizer:
         cfg.tokenizer_path()  # a tokenizer written as a path must exist
     return cfg
