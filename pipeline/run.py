@@ -4,6 +4,7 @@ Read end to end, this is the whole run. Everything it calls is one module of the
 """
 from __future__ import annotations
 
+import functools
 import logging
 import platform
 import signal
@@ -416,7 +417,9 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
                             unreachable=fleet.unreachable, refused=fleet.refused)
     progress.thrown_away = dispatcher.waste.goodput
-    committer.on_committed = progress.goodput.add_records
+    # all_turns: the default export writes whole conversations, cut before a dropped turn (store/goodput.py)
+    committer.on_committed = functools.partial(progress.goodput.add_records,
+                                               whole_conversations=cfg.mode == "all_turns")
     metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
     if metrics is not None:
         progress.extra["metrics_url"] = metrics.url

@@ -200,3 +200,37 @@ def test_the_gate_settings_are_not_part_of_the_run_identity(tmp_path):
                                      quality_thresholds={"truncated": 0.5, "empty": 0.0}, **base))
     assert gated.quality_gate == "stop"
     assert (gated.identity(), gated.fingerprint()) == (plain.identity(), plain.fingerprint())
+
+
+def test_all_turns_counts_as_training_only_the_turns_the_whole_conversation_export_writes(tmp_path, ray_cluster):
+    """all_turns: a turn cut at max_tokens mid-conversation is dropped by the default (whole-conversation) SpecForge
+    export, and so is every later turn of that conversation (their history holds the cut turn). The share that
+    became training data, in status.json and in the card, is exactly the tokens of the turns the export wrote."""
+    conversations = [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Tell me about topic {i}."}, {"from": "gpt", "value": "ok"},
+        {"from": "human", "value": f"And more on {i}?"}, {"from": "gpt", "value": "ok"},
+        {"from": "human", "value": f"Last question on {i}."}]} for i in range(16)]
+    (tmp_path / "c.jsonl").write_bytes(b"".join(orjson.dumps(c) + b"\n" for c in conversations))
+    spec = tmp_path / "c.yaml"
+    spec.write_text(f"name: c\nkind: jsonl\npath: {tmp_path / 'c.jsonl'}\nformat: sharegpt\nid_field: id\n")
+    with emulators(1, preset="kimi") as (server,):
+        config = write_config(tmp_path, [{"url": server.url, "concurrency": 4, "name": "emu"}], [spec], model=MODEL,
+                              mode="all_turns", sampling={"temperature": 0.0, "max_tokens": 24}, quality_gate="off")
+        ran = run_regen("generate", "--config", str(config))
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    run = tmp_path / "out" / "t"
+    rows = {(r["prompt_id"], r["turn_index"]): r for part in sorted((run / "data").glob("part-*.parquet"))
+            for r in pq.read_table(part, columns=["prompt_id", "turn_index", "completion_tokens"]).to_pylist()}
+    export = export_run(run, "specforge", tmp_path / "sf.jsonl")
+    assert export.counts()["dropped"].get("follows_dropped_or_missing_turn"), export.counts()  # the case at stake
+    written = 0
+    for line in (tmp_path / "sf.jsonl").read_bytes().splitlines():
+        row = orjson.loads(line)
+        turns = sum(m["role"] == "assistant" for m in row["conversations"])
+        written += sum(rows[(row["id"].split("#")[0], k)]["completion_tokens"] for k in range(turns))
+    goodput = orjson.loads((run / "status.json").read_bytes())["goodput"]
+    assert goodput["training_tokens"] == written > 0, (goodput, written)
+    assert goodput["tokens"]["follows_dropped_or_missing_turn"] > 0
+    write_card(run)
+    card = (run / "README.md").read_text()
+    assert f"{100 * written / goodput['generated_tokens']:.1f}% of the {goodput['generated_tokens']} " in card, card
