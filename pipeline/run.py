@@ -400,6 +400,7 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
         if metrics is not None:
             metrics.outcome(outcome)
         committer.maybe_flush()
+        progress.write_counted()  # status.json carries the counts to the next session: right after a commit
         try:
             gate.observe(kept)  # QualityGateStopped with `quality_gate: stop`: salvaged, then the run ends
         finally:
@@ -407,6 +408,7 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
 
     def on_tick(endpoints: dict[str, dict]) -> None:
         committer.maybe_flush()
+        progress.write_counted()
         progress.tick(endpoints)
         if metrics is not None:
             metrics.status({**progress.status("running"), "requeued": dispatcher.requeued})
@@ -418,8 +420,7 @@ def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str
                             unreachable=fleet.unreachable, refused=fleet.refused)
     progress.thrown_away = dispatcher.waste.goodput
     # all_turns: the default export writes whole conversations, cut before a dropped turn (store/goodput.py)
-    committer.on_committed = functools.partial(progress.goodput.add_records,
-                                               whole_conversations=cfg.mode == "all_turns")
+    committer.on_committed = functools.partial(progress.committed, whole_conversations=cfg.mode == "all_turns")
     metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
     if metrics is not None:
         progress.extra["metrics_url"] = metrics.url
