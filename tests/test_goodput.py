@@ -200,3 +200,99 @@ def test_the_gate_settings_are_not_part_of_the_run_identity(tmp_path):
                                      quality_thresholds={"truncated": 0.5, "empty": 0.0}, **base))
     assert gated.quality_gate == "stop"
     assert (gated.identity(), gated.fingerprint()) == (plain.identity(), plain.fingerprint())
+
+
+
+@pytest.fixture(scope="module")
+def killed_all_turns(tmp_path_factory, ray_cluster):
+    """An all_turns run (16 three-turn conversations; about a third of the turns cut at max_tokens) whose driver is
+    SIGKILLed after its third commit, then resumed to the end. status.json's interval is an hour: only the counts
+    written right after a commit can carry them to the next session."""
+    import os
+    import signal
+    import time
+
+    from tests.helpers import start_regen, wait_for
+
+    tmp = tmp_path_factory.mktemp("all_turns")
+    conversations = [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Tell me about topic {i}."}, {"from": "gpt", "value": "ok"},
+        {"from": "human", "value": f"And more on {i}?"}, {"from": "gpt", "value": "ok"},
+        {"from": "human", "value": f"Last question on {i}."}]} for i in range(16)]
+    (tmp / "c.jsonl").write_bytes(b"".join(orjson.dumps(c) + b"\n" for c in conversations))
+    spec = tmp / "c.yaml"
+    spec.write_text(f"name: c\nkind: jsonl\npath: {tmp / 'c.jsonl'}\nformat: sharegpt\nid_field: id\n")
+    run = tmp / "out" / "t"
+    with emulators(1, preset="kimi", tok_per_s=400) as (server,):
+        config = write_config(tmp, [{"url": server.url, "concurrency": 2, "name": "emu"}], [spec], model=MODEL,
+                              mode="all_turns", sampling={"temperature": 0.0, "max_tokens": 24}, quality_gate="off",
+                              flush_records=1, status_interval_s=3600)
+        driver = start_regen("generate", "--config", str(config))
+        try:
+            wait_for(lambda: len(list((run / "data").glob("part-*.parquet"))) >= 3, 120, what="three commits")
+            for _ in range(20):  # stop it where no commit is half counted (the status write follows the part's)
+                os.kill(driver.pid, signal.SIGSTOP)
+                newest = max(p.stat().st_mtime_ns for p in (run / "data").glob("part-*.parquet"))
+                if (run / "status.json").stat().st_mtime_ns >= newest:
+                    break
+                os.kill(driver.pid, signal.SIGCONT)
+                time.sleep(0.05)
+        finally:
+            driver.kill()
+            driver.wait(timeout=30)
+        killed = SimpleNamespace(status=orjson.loads((run / "status.json").read_bytes()), rows=all_turns_records(run))
+        resumed = run_regen("generate", "--config", str(config))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    write_card(run)
+    export = export_run(run, "specforge", tmp / "sf.jsonl")
+    return SimpleNamespace(run=run, tmp=tmp, killed=killed, export=export, rows=all_turns_records(run),
+                           status=orjson.loads((run / "status.json").read_bytes()))
+
+
+def all_turns_records(run: Path) -> list[dict]:
+    rows = []
+    for part in sorted((run / "data").glob("part-*.parquet")):
+        rows += pq.read_table(part, columns=["prompt_id", "turn_index", "content", "finish_reason", "flags",
+                                             "completion_tokens", "tool_calls"]).to_pylist()
+    return rows
+
+
+def test_all_turns_counts_as_training_only_the_turns_the_whole_conversation_export_writes(killed_all_turns):
+    """A turn cut at max_tokens mid-conversation is dropped by the default (whole-conversation) SpecForge export, and
+    so is every later turn of that conversation (their history holds the cut turn). The share that became training
+    data, in status.json and in the card, is exactly the tokens of the turns the export wrote."""
+    run = killed_all_turns
+    assert run.export.counts()["dropped"].get("follows_dropped_or_missing_turn"), run.export.counts()  # the case
+    tokens = {(r["prompt_id"], r["turn_index"]): r["completion_tokens"] for r in run.rows}
+    written = 0
+    for line in (run.tmp / "sf.jsonl").read_bytes().splitlines():
+        row = orjson.loads(line)
+        turns = sum(m["role"] == "assistant" for m in row["conversations"])
+        written += sum(tokens[(row["id"].split("#")[0], k)] for k in range(turns))
+    goodput = run.status["goodput"]
+    assert goodput["training_tokens"] == written > 0, (goodput, written)
+    assert goodput["tokens"]["follows_dropped_or_missing_turn"] > 0
+    card = (run.run / "README.md").read_text()
+    assert f"{100 * written / goodput['generated_tokens']:.1f}% of the {goodput['generated_tokens']} " in card, card
+
+
+def test_a_driver_killed_with_sigkill_loses_no_committed_records_count_and_the_resume_counts_none_twice(
+        killed_all_turns):
+    """status.json carries the counts from one session to the next: it is written as soon as a commit is counted
+    (not only every status_interval_s), so a SIGKILL right after a commit loses nothing, and the resumed run's
+    committed counts are exactly the parts'."""
+    from pipeline.store.goodput import COMMITTED, Goodput
+
+    def counted(status: dict) -> dict[str, int]:
+        return {p: status["goodput"]["tokens"][p] for p in COMMITTED if status["goodput"]["tokens"][p]}
+
+    def in_parts(rows: list[dict]) -> dict[str, int]:
+        goodput = Goodput()
+        goodput.add_records(rows, whole_conversations=True)
+        return {p: goodput.tokens[p] for p in COMMITTED if goodput.tokens[p]}
+
+    run = killed_all_turns
+    assert 3 <= len({r["prompt_id"] for r in run.killed.rows}) < 16
+    assert counted(run.killed.status) == in_parts(run.killed.rows), "the committed records' counts survive a SIGKILL"
+    assert len(run.rows) == 3 * 16
+    assert counted(run.status) == in_parts(run.rows), "nothing counted twice or lost across the two sessions"

@@ -54,7 +54,8 @@ class RunMetrics:
                               registry=registry)
         self.generated = Gauge("regen_generated_tokens", "Completion tokens the fleet generated, over every session, "
                                "by what became of them (purpose: training, flagged, truncated_thinking, truncated, "
-                               "empty, duplicate, hedge_cancelled (estimated), retry, failed; docs/goodput.md)",
+                               "empty, follows_dropped_or_missing_turn, duplicate, hedge_cancelled (estimated), "
+                               "retry, failed; docs/goodput.md)",
                                ["run", "purpose"], registry=registry)
         self.goodput = Gauge("regen_goodput_ratio", "Share of generated tokens that became training data (what the "
                              "default export keeps; -1: nothing generated yet)", ["run"], registry=registry)

@@ -3,10 +3,12 @@ each outcome (goodput, the quality gate). Called by pipeline/run.py once the run
 fleet's preflight are settled."""
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 from typing import Any
 
+from ..core.errors import QualityGateStopped
 from ..core.work import DONE, Outcome
 from ..store.committer import Committer
 from ..store.gate import QualityGate
@@ -54,6 +56,7 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
     gate = QualityGate(cfg.quality_gate, cfg.quality_gate_records, cfg.quality_thresholds.model_dump(),
                        cfg.sampling.max_tokens)
     kept: list[dict] = []  # the records of this outcome that the committer took (for the quality gate)
+    gate_stopped: list[QualityGateStopped] = []  # raised once the dispatch has stopped: salvaged, then the run ends
 
     def on_outcome(outcome: Outcome, attempts: int) -> None:
         kept.clear()
@@ -71,24 +74,30 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
         if metrics is not None:
             metrics.outcome(outcome)
         committer.maybe_flush()
+        progress.write_counted()  # status.json carries the counts to the next session: right after a commit
         try:
-            gate.observe(kept)  # QualityGateStopped with `quality_gate: stop`: salvaged, then the run ends
+            gate.observe(kept)
+        except QualityGateStopped as exc:  # `quality_gate: stop`: the rest of this batch is committed first
+            gate_stopped.append(exc)
         finally:
             progress.quality_gate = gate.verdict
 
     def on_tick(endpoints: dict[str, dict]) -> None:
         committer.maybe_flush()
+        progress.write_counted()
         progress.tick(endpoints)
         if metrics is not None:
             metrics.status({**progress.status("running"), "requeued": dispatcher.requeued})
 
-    dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick, stop,
+    dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick,
+                            lambda: stop() or bool(gate_stopped),
                             make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines,
                                                                     fleet.run_engines, fleet.tools), cfg.api_key),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
                             unreachable=fleet.unreachable, refused=fleet.refused)
     progress.thrown_away = dispatcher.waste.goodput
-    committer.on_committed = progress.goodput.add_records
+    # all_turns: the default export writes whole conversations, cut before a dropped turn (store/goodput.py)
+    committer.on_committed = functools.partial(progress.committed, whole_conversations=cfg.mode == "all_turns")
     log.info("dispatch: %d prompts to %d endpoints", len(pending), len(dispatcher.slots))
     progress.begin()
     try:
@@ -97,6 +106,8 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
         dispatcher.shutdown()
         progress.endpoints = dispatcher.fleet_status()  # as the actors were ended: nothing in flight
         progress.stopped()
+    if gate_stopped:
+        raise gate_stopped[0]
     if dispatcher.refused:
         log.warning("endpoints held out by the preflight never passed it this session, so the run went on without "
                     "them: %s", "; ".join(f"{label}: {why}" for label, why in dispatcher.refused.items()))

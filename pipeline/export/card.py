@@ -28,7 +28,7 @@ CARD_DIR = "card"
 DATA_GLOB = "data/part-*.parquet"  # part-* rather than *: never a temporary file of a running writer
 CARD_COLUMNS = ["prompt_id", "source", "finish_reason", "flags", "prompt_tokens", "completion_tokens",
                 "reasoning_tokens", "reasoning_content", "endpoint", "model", "weight_version", "config_fingerprint"]
-GOODPUT_COLUMNS = ["content", "tool_calls"]  # what store/quality.py default_export_drop reads beyond CARD_COLUMNS
+GOODPUT_COLUMNS = ["content", "tool_calls", "turn_index"]  # what store/goodput.py reads beyond CARD_COLUMNS
 
 
 class MissingDependency(RegenError):
@@ -91,15 +91,17 @@ class RunContents:
             self.reasoning_tokens.append(row["reasoning_tokens"])
         elif row.get("reasoning_content"):
             self.reasoning_words.append(len(row["reasoning_content"].split()))
-        self.goodput.add_records([row])
 
 
-def gather(run_dir: RunDir) -> RunContents:
+def gather(run_dir: RunDir, whole_conversations: bool = False) -> RunContents:
+    """`whole_conversations`: an all_turns run, whose default export writes whole conversations (store/goodput.py)."""
     contents = RunContents()
     for part in RunDir.parts(run_dir.data):
         present = set(part.parquet_schema().names)
-        for row in part.read_parquet(columns=[c for c in CARD_COLUMNS + GOODPUT_COLUMNS if c in present]).to_pylist():
+        rows = part.read_parquet(columns=[c for c in CARD_COLUMNS + GOODPUT_COLUMNS if c in present]).to_pylist()
+        for row in rows:
             contents.add(row)
+        contents.goodput.add_records(rows, whole_conversations)  # a part holds every turn of its prompts
     return contents
 
 
@@ -301,7 +303,7 @@ def _named(prompt_ids: list[str]) -> str:
 def write_card(run_dir: str | Path | Location) -> Location:
     run = RunDir(run_dir)
     manifest = read_run_manifest(run)
-    contents = gather(run)
+    contents = gather(run, (manifest.get("generation") or {}).get("mode") == "all_turns")
     write_histograms(run, contents)
     path = run.path / "README.md"
     path.write_atomic(render_card(run, manifest, contents).encode())

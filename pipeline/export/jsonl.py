@@ -25,9 +25,10 @@ from typing import Any, Iterator
 import orjson
 
 from ..core.errors import ConfigError, StorageError
+from ..store.goodput import FOLLOWS_DROPPED
 from ..store.rundir import TMP_PREFIX, RunDir, atomic_write, now_utc
 from ..store.storage import Location
-from ..store.quality import lacks_content
+from ..store.quality import lacks_content, whole_conversation_cut
 from . import formats
 from .formats import FLAGGED, SOURCE_NOT_SELECTED, TRUNCATED, Filters  # noqa: F401 (the record filter)
 from .templates import CHAT_TEMPLATE_NOTE, template_advice
@@ -39,7 +40,7 @@ TOKEN_FORMATS = ("specforge-tokens", "speculators")
 DUPLICATE = "duplicate"
 EMPTY_CONTENT = "empty_content"
 NO_TOKEN_IDS = "token_ids_unavailable"
-FOLLOWS_DROPPED_TURN = "follows_dropped_or_missing_turn"
+FOLLOWS_DROPPED_TURN = FOLLOWS_DROPPED  # store/goodput.py counts these turns' tokens by the same name
 HISTORY_NOT_TARGET = "history_not_target_written"
 INVALID_CONVERSATION = "invalid_conversation"
 
@@ -235,19 +236,13 @@ class _Exporter:
     def _whole_conversation(self, turns: list[dict[str, Any]]) -> None:
         """Cut the conversation before its first dropped or missing turn: later turns' histories hold it."""
         unique = [record for record in turns if not self._is_duplicate(record)]
-        kept: list[dict[str, Any]] = []
-        for position, record in enumerate(unique):
-            followers = len(unique) - position
-            if record["turn_index"] == position:
-                reason = self._reason_to_drop(record)
-                if reason is None:
-                    kept.append(record)
-                    continue
-                self.summary.drop(reason)
-                followers -= 1
-            if followers:
-                self.summary.drop(FOLLOWS_DROPPED_TURN, followers)
-            break
+        n_kept, reason = whole_conversation_cut(unique, self._reason_to_drop)
+        kept, followers = unique[:n_kept], len(unique) - n_kept
+        if reason is not None:
+            self.summary.drop(reason)
+            followers -= 1
+        if followers:
+            self.summary.drop(FOLLOWS_DROPPED_TURN, followers)
         if not kept:
             return
         try:

@@ -7,6 +7,10 @@ Purposes, each a count of completion tokens (and of the records or copies that c
     truncated_thinking  committed, dropped by the default export: cut at max_tokens inside the thinking
     truncated           committed, dropped by the default export: cut at max_tokens in the answer
     empty               committed, dropped by the default export: no answer text
+    follows_dropped_or_missing_turn
+                        all_turns: committed, but after a dropped (or missing) turn of its conversation: the
+                        default export writes whole conversations and cuts each before its first dropped turn
+                        (the later turns' history holds it), as `regen export` names them
     duplicate           a hedged or re-sent copy whose answer came after the prompt was finished (measured)
     hedge_cancelled     a hedged copy still running when the run ended: its actor was ended, it reported no
                         tokens, so its tokens are ESTIMATED (the mean tokens of a prompt, times the share of a
@@ -20,15 +24,16 @@ A failed HTTP attempt reports no usage (the server's error carries none): its to
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .quality import QUALITY_FLAGS, TRUNCATED, default_export_drop
+from .quality import QUALITY_FLAGS, TRUNCATED, default_export_drop, whole_conversation_cut
 
 TRAINING, FLAGGED = "training", "flagged"
+FOLLOWS_DROPPED = "follows_dropped_or_missing_turn"
 DUPLICATE, HEDGE_CANCELLED, RETRY, FAILED = "duplicate", "hedge_cancelled", "retry", "failed"
-COMMITTED = (TRAINING, FLAGGED, "truncated_thinking", TRUNCATED, "empty")
+COMMITTED = (TRAINING, FLAGGED, "truncated_thinking", TRUNCATED, "empty", FOLLOWS_DROPPED)
 THROWN_AWAY = (DUPLICATE, HEDGE_CANCELLED, RETRY, FAILED)
 PURPOSES = COMMITTED + THROWN_AWAY
 ESTIMATED = (HEDGE_CANCELLED,)
@@ -43,14 +48,34 @@ def purpose_of(record: dict[str, Any]) -> str:
     return FLAGGED if any(flag in QUALITY_FLAGS for flag in record.get("flags") or []) else TRAINING
 
 
+def purposes(rows: Iterable[dict[str, Any]], whole_conversations: bool) -> Iterable[tuple[dict[str, Any], str]]:
+    """Each committed record with its purpose. `whole_conversations` (all_turns runs: the default export writes
+    whole conversations): `rows` hold every turn of their prompts (a part does), and the turns after a
+    conversation's first dropped or missing one are `follows_dropped_or_missing_turn`."""
+    if not whole_conversations:
+        for row in rows:
+            yield row, purpose_of(row)
+        return
+    conversations: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        conversations[row["prompt_id"]].append(row)
+    for turns in conversations.values():
+        turns.sort(key=lambda r: r["turn_index"] or 0)
+        kept, reason = whole_conversation_cut(turns, default_export_drop)
+        for position, row in enumerate(turns):
+            yield row, (purpose_of(row) if position < kept or (position == kept and reason is not None)
+                        else FOLLOWS_DROPPED)
+
+
 @dataclass
 class Goodput:
     tokens: Counter = field(default_factory=Counter)  # purpose -> completion tokens
     items: Counter = field(default_factory=Counter)  # purpose -> records (committed) or copies (thrown away)
 
-    def add_records(self, rows: Iterable[dict[str, Any]]) -> None:
-        for row in rows:
-            self.add(purpose_of(row), row.get("completion_tokens") or 0)
+    def add_records(self, rows: Iterable[dict[str, Any]], whole_conversations: bool = False) -> None:
+        """Committed records (`whole_conversations`: see `purposes`)."""
+        for row, purpose in purposes(rows, whole_conversations):
+            self.add(purpose, row.get("completion_tokens") or 0)
 
     def add(self, purpose: str, tokens: int, items: int = 1) -> None:
         self.tokens[purpose] += int(tokens)

@@ -53,6 +53,7 @@ class Progress:
     def __post_init__(self) -> None:
         self.started = time.monotonic()
         self._last_status = 0.0
+        self._counted_unwritten = False  # a commit counted, not yet in status.json
         self._last_log = self.started
         self.samples: deque[tuple[float, int, int]] = deque([(self.started, 0, 0)])  # (time, finished, tokens)
         self.by_endpoint: dict[str, dict[str, int]] = {}  # this session's outcomes per endpoint
@@ -79,6 +80,16 @@ class Progress:
             counts["completion_tokens"] += completion_tokens
         if self.bar is not None:
             self.bar.update(1)
+
+    def committed(self, rows: list[dict[str, Any]], whole_conversations: bool) -> None:
+        """A records part was committed: its records are counted, and status.json, which carries the counts to the
+        next session, is rewritten at the next `write_counted` (right after the commit), so a SIGKILL loses none."""
+        self.goodput.add_records(rows, whole_conversations)
+        self._counted_unwritten = True
+
+    def write_counted(self) -> None:
+        if self._counted_unwritten:
+            self.write("running")
 
     def goodput_total(self) -> Goodput:
         return self.goodput_before + self.goodput + self.thrown_away
@@ -192,6 +203,7 @@ class Progress:
         self.endpoints = {label: {**stats, "in_flight": 0} for label, stats in self.endpoints.items()}
 
     def write(self, state: str) -> None:
+        self._counted_unwritten = False
         self.run_dir.write_status(self.status(state))
 
     def write_keeping_last_session(self, state: str) -> None:

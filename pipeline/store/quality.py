@@ -114,6 +114,19 @@ def lacks_content(record: dict) -> bool:
     return not (record.get("content") or "").strip() and not record.get("tool_calls")
 
 
+def whole_conversation_cut(turns: list[dict], reason_to_drop) -> tuple[int, str | None]:
+    """all_turns, the whole-conversation export: `turns` are one conversation's records in turn order. It keeps
+    them up to the first turn dropped or missing (a later turn's history holds that one): returns how many it
+    keeps, and why the first one left out is dropped (None: nothing is left out, or a turn is missing there)."""
+    for position, record in enumerate(turns):
+        if record["turn_index"] != position:
+            return position, None
+        reason = reason_to_drop(record)
+        if reason is not None:
+            return position, reason
+    return len(turns), None
+
+
 def default_export_drop(record: dict) -> str | None:
     """Why `regen export --format specforge` with no option drops a record: `truncated_thinking` (cut inside the
     thinking), `truncated` (cut at max_tokens), `empty` (no answer text); None: it is exported."""
