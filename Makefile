@@ -15,7 +15,7 @@ CHECK_PYTHON = $(PYTHON) -c 'import sys; need = tuple(int(n) for n in "$(PYTHON_
 	+ "$(PYTHON) is Python " + sys.version.split()[0] + " (" + sys.executable + "). Install a newer Python, or " \
 	+ "name one: make setup PYTHON=python3.12")'
 
-.PHONY: setup check-python generate status export card test serve-local emulate help sglang-wheels trainlib-wheels capture vllm test-deps
+.PHONY: setup check-python generate status export card test serve-local emulate help sglang-wheels trainlib-wheels capture vllm test-deps docs docs-ref docs-build
 
 help:
 	@echo "make setup        create $(VENV) with PYTHON=$(PYTHON) (>= $(PYTHON_MIN)) and install regen with the local fleet and test extras"
@@ -24,7 +24,9 @@ help:
 	@echo "make export       RUN's records as FORMAT=specforge|specforge-tokens|speculators training files"
 	@echo "make card         RUN's dataset card"
 	@echo "make capture      RUN's hidden states (CAPTURE_CONFIG=configs/capture.yaml) into RUN/capture/"
-	@echo "make test         the import-layer contract (lint-imports), then the test suite"
+	@echo "make test         the import-layer contract (lint-imports), the docs site (mkdocs build --strict), then the test suite"
+	@echo "make docs         serve the docs site on http://127.0.0.1:8000"
+	@echo "make docs-ref     regenerate docs/reference/ from the code (config keys, CLI, exit codes)"
 	@echo "make serve-local  serve SmolLM2-135M on 127.0.0.1:18181 (llama.cpp), for a config that lists it under endpoints"
 	@echo "make vllm         vLLM's CPU build in its own cached venv, and SmolLM2-135M as an HF folder (configs/local_vllm.yaml)"
 
@@ -72,12 +74,16 @@ $(VENV)/.verify: $(VENV)/.installed
 SGLANG_VERSIONS ?= 0.5.14 0.5.17 0.5.18 0.5.23
 SGLANG_CACHE    ?= $(HOME)/.cache/regen/sglang
 SGLANG_LIGHT_DEPS := msgspec pybase64 ipython partial_json_parser
+# Its tool-call detectors (0.5.17+) import xgrammar at the top; their parsing needs none of its compiled grammar
+# code, so xgrammar goes in without its dependencies (triton): tests/test_sglang_conformance.py.
+SGLANG_TOOL_DEPS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 
 sglang-wheels: $(VENV)/.sglang-deps $(foreach v,$(SGLANG_VERSIONS),$(SGLANG_CACHE)/$(v)/.installed)
 
 $(VENV)/.sglang-deps: $(VENV)/.verify  # after it: two pip runs must not install into one venv at once
 	$(PY) -c "import msgspec, pybase64, IPython, partial_json_parser" 2>/dev/null || \
 		$(PY) -m pip install -q $(SGLANG_LIGHT_DEPS)
+	$(PY) -c "import xgrammar" 2>/dev/null || $(PY) -m pip install -q --no-deps $(SGLANG_TOOL_DEPS)
 	touch $@
 
 $(SGLANG_CACHE)/%/.installed: | $(VENV)/.installed
@@ -148,7 +154,20 @@ TEST_WORKERS ?= 2
 test:
 	@$(MAKE) --no-print-directory -j3 test-deps
 	$(VENV)/bin/lint-imports --no-cache --no-logo
+	@$(MAKE) --no-print-directory docs-build
 	REGEN_VLLM_PYTHON=$(VLLM_VENV)/bin/python REGEN_VLLM_MODEL=$(SMOLLM2_HF) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# The docs site (mkdocs.yml, docs/): --strict fails on a broken link, a missing page or a page outside the nav.
+# Never --quiet: it hides the warnings from the count --strict aborts on (mkdocs 1.6), and a broken link passes.
+docs-build: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8000
+
+# docs/reference/ is generated from the code and committed; tests/test_docs.py fails when it is stale.
+docs-ref: setup
+	$(PY) -m tests.docgen
 
 serve-local: setup
 	$(REGEN) serve-local --port 18181
@@ -156,7 +175,9 @@ serve-local: setup
 emulate: setup
 	$(REGEN) emulate --port 30000
 
+# The capture case needs torch and transformers (the verify extra) and SmolLM2-135M as an HF folder (converted
+# once into the cache, as `make vllm` does); a case whose needs are missing is skipped with a line saying which.
 .PHONY: bench
 # N: prompts for the on-demand scale case (make bench ARGS="--only scale" N=1000000)
-bench: setup
-	$(PY) -m pipeline.bench $(ARGS) $(if $(N),--n $(N))
+bench: setup $(VENV)/.verify $(SMOLLM2_HF)/.complete
+	REGEN_VLLM_MODEL=$(SMOLLM2_HF) $(PY) -m pipeline.bench $(ARGS) $(if $(N),--n $(N))

@@ -17,7 +17,8 @@ def _interrupt(_signum: int, _frame: object) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from .run import GenerateOptions, generate
 
-    return generate(GenerateOptions(args.config, args.new_run, args.refresh_prompts, args.retry_failures))
+    return generate(GenerateOptions(args.config, args.new_run, args.refresh_prompts, args.retry_failures,
+                                    start_with_passing=args.start_with_passing, run_dir=args.run_dir))
 
 
 def _capture(args: argparse.Namespace) -> int:
@@ -29,46 +30,19 @@ def _capture(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from .store.status import print_status
 
-    return print_status(args.run_dir, as_json=args.json)
+    try:
+        code = print_status(args.run_dir, as_json=args.json)
+        sys.stdout.flush()  # here, so that a reader that left is seen inside the try
+        return code
+    except BrokenPipeError:  # `regen status RUN | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail
+        return 0
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .core.config import load_config
-    from .prompts.errors import SourceError
-    from .prompts.probe import probe_source
-    from .prompts.sources import load_source_spec
+    from .prompts.validate import ValidateOptions, validate
 
-    cfg = load_config(args.config)
-    unreadable = 0
-    for ref in cfg.sources:
-        spec = load_source_spec(ref.spec)
-        print(f"source {spec.name}: {spec.kind} {spec.path} ({spec.format}), limit {ref.limit or spec.limit or 'none'}")
-        try:
-            probe = probe_source(spec)
-        except SourceError as exc:  # one line per source; the others are still looked at
-            unreadable += 1
-            print(f"  cannot read it: {exc.cause}" + (f"; {exc.hint}" if exc.hint else ""))
-            continue
-        print("\n".join(probe.lines()))
-        if probe.read == 0:  # as `regen generate` refuses it (NoValidPrompts)
-            unreadable += 1
-            print("  no records: regen generate refuses a source without a valid prompt")
-        elif probe.no_valid is not None:
-            unreadable += 1
-            print(f"  {probe.no_valid}")
-    for endpoint in cfg.all_endpoints():
-        secret = ""
-        if endpoint.api_key_env:
-            state = "set" if os.environ.get(endpoint.api_key_env) else "NOT SET"
-            secret = f", key from ${endpoint.api_key_env} ({state})"
-        print(f"endpoint {endpoint.label}: {endpoint.url}, concurrency {endpoint.concurrency}{secret}")
-    if unreadable:
-        print(f"regen: error: {args.config}: {unreadable} of {len(cfg.sources)} sources cannot be read or hold no "
-              "valid prompt",
-              file=sys.stderr)
-        return 2
-    print(f"{args.config} is valid: model {cfg.model}, fingerprint {cfg.fingerprint()}")
-    return 0
+    return validate(ValidateOptions(args.config, secrets=not args.no_secrets, offline=args.offline))
 
 
 def _card(args: argparse.Namespace) -> int:
@@ -103,13 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="run (or resume) a regeneration", description=(
         "Run the config's prompts through its endpoints into a run directory. Running it again resumes."))
-    gen.add_argument("--config", default=os.environ.get("CONFIG", "configs/local.yaml"), help="run config (YAML)")
-    gen.add_argument("--new-run", action="store_true",
-                     help="resume the newest run of this name only if nothing of its identity changed (generation "
-                          "and prompt-set config, the weights the fleet serves); else start a successor <run>-rN")
+    gen.add_argument("--config", default=os.environ.get("CONFIG", "configs/local.yaml"),
+                     help="run config (YAML); default: $CONFIG, else configs/local.yaml")
+    which = gen.add_mutually_exclusive_group()
+    which.add_argument("--new-run", action="store_true",
+                       help="resume the newest run of this name only if nothing of its identity changed (generation "
+                            "and prompt-set config, the weights the fleet serves); else start a successor <run>-rN")
+    which.add_argument("--run-dir", metavar="DIR",
+                       help="the run directory to resume (default: the newest run of the config's run_name whose "
+                            "identity matches the config); the drift guard still applies")
     gen.add_argument("--refresh-prompts", action="store_true",
                      help="re-read the sources: new prompts are added, done ones never sent again")
     gen.add_argument("--retry-failures", action="store_true", help="send terminal failures again")
+    gen.add_argument("--start-with-passing", action="store_true",
+                     help="when the preflight refuses some endpoints for problems of their own, start with the ones "
+                          "that pass instead of refusing the run; the others are named in the log and status and "
+                          "join once they pass the preflight (a fleet split between models or weights is still "
+                          "refused)")
     gen.set_defaults(func=_generate)
 
     cap = sub.add_parser("capture", help="capture the hidden states of a run's committed records", description=(
@@ -136,8 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="check a config and read the first records of each source",
                               description="Check a config, and read the first records of each source to say what "
-                                          "they are (a hub dataset is streamed); contacts no endpoint.")
+                                          "they are (a hub dataset is streamed); contacts no endpoint. Exits as "
+                                          "`regen generate` would: 2 for a source it refuses or an unset "
+                                          "api_key_env.")
     validate.add_argument("config")
+    validate.add_argument("--no-secrets", action="store_true",
+                          help="do not check that each endpoint's api_key_env is set (a cluster's config on a laptop)")
+    validate.add_argument("--offline", action="store_true",
+                          help="contact nothing: hub datasets are not probed (as with HF_HUB_OFFLINE=1; an "
+                               "unreachable hub is skipped too, after a 3 s connect)")
     validate.set_defaults(func=_validate)
 
     from .export.jsonl import add_export_arguments, run_export

@@ -17,19 +17,24 @@ from . import __version__
 from .store import schema
 from .core import exits
 from .core.config import RunConfig, load_config
-from .core.errors import DriftError, LeaseLost, StorageError
-from .core.identity import IDENTITY_VERSION, StoredRecords, check_identity, resumed_manifest
+from .core.errors import DriftError, LeaseLost, QualityGateStopped, RegenError, StorageError
+from .core.identity import IDENTITY_VERSION, check_identity, resumed_manifest
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
 from .prompts.tokens import load_length_check
-from .store.promptset import StagedPromptSet, check_source_files, report_document, source_specs, stage_prompt_set
+from .store.promptset import (StagedPromptSet, check_schema_takes_tools, check_source_files, report_document,
+                              source_specs, stage_prompt_set)
 from .store.committer import Committer
-from .store.rundir import RunDir, RunLock, now_utc, resolve_run_dir, successor_run_dir
-from .dispatch.cluster import EndpointsFileWatch, init_ray
-from .dispatch.fleet import FleetDrift, FleetFacts, check_fleet_first, fleet_preflight
-from .store.prompt_reader import PendingPrompt, PromptSetReader
-from .store.records import RecordBuilder, stored_records
-from .core.work import DONE, Outcome
+from .store.goodput import Goodput, summary_line
+from .store.progress import duration
+from .store.status import counts_line
+from .store.resume import (ChosenRun, choose_run, committed_nothing, prompt_set_unrecorded, rebind, records_of_older,
+                           with_prompt_advice)
+from .store.rundir import RunDir, RunLock, now_utc, successor_run_dir
+from .dispatch.fleet import FleetDrift, check_fleet_first, fleet_preflight
+from .store.prompt_reader import PromptSetReader
+from .store.records import RecordBuilder
+from .dispatch.session import run_dispatch
 
 log = logging.getLogger("regen")
 
@@ -42,13 +47,20 @@ class GenerateOptions:
     new_run: bool = False
     refresh_prompts: bool = False
     retry_failures: bool = False
+    start_with_passing: bool = False  # endpoints the preflight refuses are held out; they join once they pass
+    run_dir: str | None = None  # --run-dir: the run to resume (the drift guard still applies)
 
 
 # --- the prompt set ------------------------------------------------------------------------------
+def has_tools(prompts: PromptSetReader) -> bool:
+    """Some prompt is sent with tools (the preflight then checks that the fleet returns tool_calls)."""
+    return prompts.has_tools()
+
+
 def build_prompts(cfg: RunConfig) -> PromptSet:
     """The whole prompt set in memory (regen simulate); a run streams it through stage_prompt_set."""
     specs = list(source_specs(cfg).values())
-    check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer or cfg.model)
+    check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path())
     return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed, length_check=check)
 
 
@@ -57,12 +69,14 @@ def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool,
     """The prompt set is read from the sources once; a resume uses the stored copy. The sources are read into
     a staged set first (`staged`: already read), so a source that fails writes nothing into the run. Returns the
     version this run reads, pinned, never loaded whole (store/prompt_reader.py)."""
-    existing = run_dir.prompt_set_reader()
+    # the version run.json records (store/resume.py; a run.json older than the record: the newest)
+    existing = run_dir.prompt_set_reader(run_dir.read_manifest().get("prompt_set_version"))
     if existing is not None and not refresh:
         if staged is not None:
             staged.discard()
         return existing
     staged = staged or stage_prompt_set(cfg)
+    check_schema_takes_tools(staged, run_dir.read_manifest().get("schema_version"))  # discards it if it refuses
     report = report_document(staged)
     for line in report_lines(report["sources"], indent=""):
         log.info("%s", line)
@@ -71,10 +85,12 @@ def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool,
     if report["duplicates"]:
         log.info("%d duplicate prompts collapsed", report["duplicates"])
     staged.commit(run_dir)
-    prompts = run_dir.prompt_set_reader()
+    version = len(run_dir.prompt_set_versions())
+    prompts = run_dir.prompt_set_reader(version)
     # recorded once the set is committed: a kill before this leaves the old identity, refused as drift
     run_dir.write_manifest({**run_dir.read_manifest(), "prompts": cfg.prompt_identity(),
-                            "source_files": staged.files, "prompt_report": report})
+                            "source_files": staged.files, "prompt_report": report,
+                            "prompt_set_version": version})
     if existing is not None:
         old, new = existing.ids(), prompts.ids()
         vanished = old - new
@@ -103,32 +119,31 @@ def manifest_for(cfg: RunConfig, config_path: str) -> dict[str, Any]:
     }
 
 
-def records_of_older(run_dir: RunDir, manifest: dict[str, Any]) -> StoredRecords:
-    """What the records of a run started by older regen show (its run.json did not record how they were made)."""
-    if manifest.get("identity_version", 1) >= IDENTITY_VERSION:
-        return StoredRecords()
-    return stored_records(run_dir)
+@dataclass
+class OpenedRun:
+    manifest: dict[str, Any]
+    restage: bool = False  # the prompt set is read again (a run that has committed nothing, whose sources changed)
 
 
-def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> dict[str, Any]:
-    """Create the run directory, or check that the config may resume it (the drift guard). Returns run.json."""
+def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> OpenedRun:
+    """Create the run directory, or check that the config may resume it (the drift guard). A run that has
+    committed nothing takes the config instead (its identity binds at its first commit)."""
     run_dir.create()
     for tmp in run_dir.cleanup_temp():
         log.info("removed uncommitted temporary file %s", tmp.name)
     if not run_dir.exists():
         manifest = manifest_for(cfg, opts.config)
         run_dir.write_manifest(manifest)
-        return manifest
+        return OpenedRun(manifest)
     manifest = run_dir.read_manifest()
+    if committed_nothing(run_dir):
+        return rebind_unbound(cfg, opts, run_dir, manifest)
     identity = cfg.identity()
     check = check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts,
                            records=records_of_older(run_dir, manifest))
     # the source files: a changed size or mtime is drift only if the digest differs too (a copy is not drift)
     files = None if opts.refresh_prompts else check_source_files(cfg, manifest)
-    drift = check.drift + (files.drift if files else [])
-    if (files and files.drift) or any(line.startswith("prompts.") for line in check.drift):
-        drift.append("the prompt set changed: --refresh-prompts re-reads the sources into this run (done prompts "
-                     "are kept), --new-run starts a new run")
+    drift = with_prompt_advice(check.drift + (files.drift if files else []), bool(files and files.drift))
     if drift:
         raise DriftError(str(run_dir.path), drift)
     updated = resumed_manifest(manifest, identity, check)
@@ -144,7 +159,30 @@ def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> dict[str
                     ", ".join(f"{key} = {value!r}" for key, value in check.adopted.items()))
     if updated != manifest:
         run_dir.write_manifest(updated)
-    return updated
+    unrecorded = prompt_set_unrecorded(run_dir, manifest)
+    if unrecorded:
+        log.warning("the newest prompt set of %s was committed by a start killed before run.json recorded it: "
+                    "it is read again from the sources (done prompts are kept)", run_dir.path)
+    return OpenedRun(updated, unrecorded)
+
+
+def rebind_unbound(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any]) -> OpenedRun:
+    """A run with no record and no failure has no data to protect: it takes this config (logging the
+    difference), forgets what the preflight pinned, and reads its prompt set again if that changed."""
+    rebound = rebind(cfg, run_dir, manifest, manifest_for(cfg, opts.config), opts.refresh_prompts,
+                     now_utc().isoformat(timespec="seconds"))
+    if rebound.diff:
+        log.warning("%s has committed nothing yet, so it takes this config (a run's identity binds at its first "
+                    "commit); changed since its last start:", run_dir.path)
+        for line in rebound.diff:
+            log.warning("  %s", line)
+    if rebound.reset:
+        log.info("forgot what the earlier preflight pinned (%s): this session's preflight pins them again",
+                 ", ".join(f"{key} = {value!r}" for key, value in rebound.reset.items()))
+    if rebound.restage and manifest.get("prompts") is not None:
+        log.info("the prompt set is read again from the sources")
+    run_dir.write_manifest(rebound.manifest)
+    return OpenedRun(rebound.manifest, rebound.restage)
 
 
 def setup_logging(run_dir: RunDir) -> None:
@@ -156,6 +194,7 @@ def setup_logging(run_dir: RunDir) -> None:
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter("regen: %(message)s"))
+    console.addFilter(lambda record: not getattr(record, "file_only", False))  # e.g. progress beside a tqdm bar
     root.addHandler(file_handler)
     root.addHandler(console)
     root.propagate = False
@@ -194,42 +233,44 @@ def generate(opts: GenerateOptions) -> int:
     cfg.check_secrets()
     stop = StopFlag()
     stop.install()
-    identity = cfg.identity()
-
-    def resumable(run: RunDir) -> bool:
-        manifest = run.read_manifest()
-        if not check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts,
-                              records=records_of_older(run, manifest)).resumable:
-            return False
-        return opts.refresh_prompts or not check_source_files(cfg, manifest).drift
-
-    # --new-run resumes the newest run only if nothing of its identity changed, else starts a successor
-    run_dir = resolve_run_dir(cfg.output_dir, cfg.run_name, opts.new_run, resumable)
+    chosen = choose_run(cfg, new_run=opts.new_run, refresh_prompts=opts.refresh_prompts, run_dir=opts.run_dir)
     try:
-        return generate_in(cfg, opts, run_dir, stop)
+        return generate_in(cfg, opts, chosen, stop)
     except FleetDrift as drift:
         if not opts.new_run:
             raise
         run_dir = successor_run_dir(cfg.output_dir, cfg.run_name)
         log.warning("%s was made by another fleet (%s); --new-run: starting %s", drift.run_dir,
                     "; ".join(drift.diff), run_dir.path)
-        return generate_in(cfg, opts, run_dir, stop)
+        return generate_in(cfg, opts, ChosenRun(run_dir), stop)
 
 
-def generate_in(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, stop: StopFlag) -> int:
-    # a new run reads its sources before it writes anything: a source that fails leaves no run directory
-    staged = None if run_dir.exists() else stage_prompt_set(cfg)
-    if opts.new_run and run_dir.exists():
-        check_fleet_first(cfg, run_dir)
+def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: StopFlag) -> int:
+    run_dir = chosen.run_dir
+    if opts.new_run and run_dir.exists() and not committed_nothing(run_dir):
+        check_fleet_first(cfg, run_dir, opts.start_with_passing)
+    # the lock first: a second driver is refused at once, before it reads any source
     with RunLock(run_dir) as lock:
-        setup_logging(run_dir)
-        manifest = open_run(cfg, opts, run_dir)
-        if lock.previous_holder:
-            log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
-        log.info("run directory %s", run_dir.path)
+        # a new run reads its sources before it writes anything: a source that fails leaves no run directory
+        # (nor the folder a start killed here left: only its lock files are in it, removed under the lock)
         try:
-            prompts = materialise(cfg, run_dir, opts.refresh_prompts, staged)
-            return dispatch_pending(cfg, opts, run_dir, manifest, prompts, stop, lock)
+            staged = None if run_dir.exists() else stage_prompt_set(cfg)
+        except BaseException:
+            lock.remove_folder_on_release = not run_dir.exists()
+            raise
+        setup_logging(run_dir)
+        try:  # from here every way this session ends is the last line of the run's log (a refusal as drift too)
+            if chosen.notice:
+                log.warning("%s", chosen.notice)
+            if lock.previous_holder:
+                log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
+            log.info("run directory %s", run_dir.path)
+            opened = open_run(cfg, opts, run_dir)
+            prompts = materialise(cfg, run_dir, opts.refresh_prompts or opened.restage, staged)
+            return dispatch_pending(cfg, opts, run_dir, opened.manifest, prompts, stop, lock)
+        except BaseException as exc:
+            log_the_end(run_dir, exc)
+            raise
         finally:
             try:
                 run_dir.publish_logs()
@@ -253,13 +294,15 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     def progress() -> Progress:
         return Progress(run_dir, total=scan.total, already_done=scan.done,
                         failed_before=0 if opts.retry_failures else scan.failed,
-                        rejects=rejects, status_interval_s=cfg.status_interval_s)
+                        rejects=rejects, status_interval_s=cfg.status_interval_s,
+                        log_interval_s=cfg.progress_log_interval_s,
+                        goodput_before=Goodput.from_dict((run_dir.read_status() or {}).get("goodput")))
 
     # --new-run also looks at the weights a complete run is pinned to: other weights make a successor
     if not pending and not (opts.new_run and manifest.get("weight_version") is not None):
         return report_complete(run_dir, progress())
     with local_fleet(cfg.local_fleet, run_dir.local_logs()):
-        fleet = fleet_preflight(cfg, run_dir)
+        fleet = fleet_preflight(cfg, run_dir, opts.start_with_passing, tools=has_tools(prompts))
         if not pending:
             return report_complete(run_dir, progress())
         log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), scan.total, len(committed),
@@ -271,28 +314,45 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
         try:
             state = run_dispatch(cfg, run_dir, builder, pending, committer, run_progress, stop, fleet)
         except BaseException as exc:
-            salvage(committer, run_progress, "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+            salvage(committer, run_progress, "interrupted" if isinstance(exc, KeyboardInterrupt) else
+                    "stopped_by_quality_gate" if isinstance(exc, QualityGateStopped) else "failed")
             raise
     committer.flush()
     run_progress.extra["commit_s"] = round(committer.commit_seconds, 3)  # writing parts, over the whole session
     run_progress.close()
     run_progress.write(state)
+    log.info("%s", summary_line(run_progress.goodput_total().as_dict()))
+    session = (f"this session {run_progress.done} records, {run_progress.failed} failures in "
+               f"{duration(run_progress.elapsed())}")
     if state == "interrupted":
-        print(f"interrupted: {run_progress.done} new records committed; rerun to resume {run_dir.path}",
-              file=sys.stderr)
+        log.warning("run ended (exit %d): interrupted: %d new records committed; %s; rerun to resume %s",
+                    EXIT_INTERRUPTED, run_progress.done, counts_line(run_dir), run_dir.path)
         return EXIT_INTERRUPTED
-    print(f"run {run_dir.path} is complete: {run_progress.already_done + run_progress.done} records, "
-          f"{run_progress.failed_before + run_progress.failed} failures "
-          f"({committer.dropped_duplicates} late duplicates dropped)", file=sys.stderr)
+    log.info("run ended (exit 0): run %s is complete: %d records, %d failures (%d late duplicates dropped); %s",
+             run_dir.path, run_progress.already_done + run_progress.done, run_progress.failed_before
+             + run_progress.failed, committer.dropped_duplicates, session)
     return 0
 
 
 def report_complete(run_dir: RunDir, progress) -> int:
     progress.close()
-    progress.write("complete")
-    print(f"run {run_dir.path} is complete: {progress.already_done} records, "
-          f"{progress.failed_before} failures, nothing pending", file=sys.stderr)
+    progress.write_keeping_last_session("complete")
+    log.info("run ended (exit 0): run %s is complete: %d records, %d failures, nothing pending", run_dir.path,
+             progress.already_done, progress.failed_before)
     return 0
+
+
+def log_the_end(run_dir: RunDir, exc: BaseException) -> None:
+    """The last line of a run that an exception ends: interrupted or fatal, with the exit code the CLI returns.
+    Into the log file only: the CLI prints the error itself."""
+    if isinstance(exc, KeyboardInterrupt):
+        log.warning("run ended (exit %d): interrupted; %s", EXIT_INTERRUPTED, counts_line(run_dir),
+                    extra={"file_only": True})
+        return
+    code = exits.for_error(exc) if isinstance(exc, RegenError) else 1
+    message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line: the last
+    log.error("run ended (exit %d): fatal: %s: %s; %s", code, type(exc).__name__, message, counts_line(run_dir),
+              extra={"file_only": True})
 
 
 def salvage(committer: Committer, progress, state: str) -> None:
@@ -307,49 +367,3 @@ def salvage(committer: Committer, progress, state: str) -> None:
         log.error("%s; besides the error that stopped this run (below)", exc)
     except StorageError as exc:
         log.error("could not commit the last buffer (%s); it will be regenerated on resume", exc)
-
-
-
-
-def run_dispatch(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[PendingPrompt], committer: Committer,
-                 progress, stop: StopFlag, fleet: "FleetFacts") -> str:
-    from .dispatch.dispatcher import Dispatcher, client_settings, make_actor_factory
-
-    stop.graceful = True  # from here a signal ends the dispatch and the buffer is committed
-    try:
-        init_ray(cfg.ray.address)
-    except SystemExit as exc:  # ray.init's own SIGTERM handler, in place while it runs
-        if exc.code == signal.SIGTERM:
-            raise KeyboardInterrupt from None
-        raise
-    stop.install()  # again: ray.init replaced the SIGTERM handler
-    if stop():
-        return "interrupted"
-
-    def on_outcome(outcome: Outcome, attempts: int) -> None:
-        if outcome.kind == DONE:
-            committer.add_records(builder.records(outcome, attempts))
-            progress.record(True, sum(c.completion_tokens for c in outcome.completions))
-        else:
-            committer.add_failure(builder.failure(outcome, attempts))
-            progress.record(False, 0)
-            log.info("prompt %s failed terminally at %s: %s", outcome.prompt_id, outcome.endpoint, outcome.message)
-        committer.maybe_flush()
-
-    def on_tick(endpoints: dict[str, dict]) -> None:
-        committer.maybe_flush()
-        progress.tick(endpoints)
-
-    dispatcher = Dispatcher(cfg, pending, on_outcome, on_tick, stop,
-                            make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines, fleet.run_engines),
-                                               cfg.api_key),
-                            fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
-                            unreachable=fleet.unreachable, load=builder.work_items)
-    try:
-        dispatcher.run()
-    finally:
-        dispatcher.shutdown()
-    progress.extra = {"requeued": dispatcher.requeued, "actor_restarts": dispatcher.actor_restarts,
-                      "hedged": len(dispatcher.hedged), "dropped_duplicates": committer.dropped_duplicates,
-                      "fleet_changes": dispatcher.fleet_changes, "prompt_groups_read": builder.reader.groups_read}
-    return "interrupted" if stop() else "complete"

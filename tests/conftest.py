@@ -18,6 +18,7 @@ import pytest
 from tests.helpers import free_port, require_installed
 
 REPO = Path(__file__).resolve().parent.parent
+TOOL_TEMPLATE = REPO / "configs/templates/smollm2_tools.jinja"
 # Test credentials for the local S3 server (moto), set before the Ray head starts so that its workers (the
 # capture actors that write hidden-state parts) inherit them, as they would a node's real credentials.
 for _key, _value in {"AWS_ACCESS_KEY_ID": "regen-test", "AWS_SECRET_ACCESS_KEY": "regen-test",
@@ -109,13 +110,15 @@ def llama_fleet(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vllm_fleet(tmp_path_factory):
     """Two vLLM servers (its CPU build, SmolLM2-135M float32) on 127.0.0.1, one core each, 4 sequences of 1024
-    tokens. Yields the fleet config and its processes (a test may SIGKILL one: put that test last)."""
+    tokens, serving tools (configs/templates/smollm2_tools.jinja, --tool-call-parser hermes). Yields the fleet config and its processes (a test may SIGKILL one: put that test last)."""
     from pipeline.core.config import LocalFleet
     from pipeline.endpoints.localfleet import LocalFleetProcesses, vllm_model_dir, vllm_python
 
     if not vllm_python().exists() or not (vllm_model_dir() / "config.json").exists():
         require_installed(f"vLLM's venv ({vllm_python()}) or model ({vllm_model_dir()})")
-    fleet = LocalFleet(engine="vllm", servers=2, base_port=free_port(), slots=4, ctx_per_slot=1024, threads=1)
+    # with the project's tool template (tool-free chats render as SmolLM2's own) and the hermes tool-call parser
+    fleet = LocalFleet(engine="vllm", servers=2, base_port=free_port(), slots=4, ctx_per_slot=1024, threads=1,
+                       chat_template=str(TOOL_TEMPLATE), tool_call_parser="hermes")
     processes = LocalFleetProcesses(fleet, tmp_path_factory.mktemp("vllm-logs")).start()
     yield SimpleNamespace(fleet=fleet, processes=processes, model_dir=vllm_model_dir())
     processes.stop()

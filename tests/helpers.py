@@ -146,3 +146,41 @@ def require_installed(what: str) -> None:
     if os.environ.get("REGEN_VLLM_PYTHON"):
         pytest.fail(f"{what} is missing although `make test` installed it")
     pytest.skip(f"{what} is missing: run `make vllm`")
+
+
+def commit_a_failure(run: Path | str) -> None:
+    """Bind a run's identity as its first commit does: one terminal failure, committed as the run commits it (a
+    run that has committed nothing takes whatever config reruns it: docs/resume-and-drift.md)."""
+    import pyarrow as pa
+
+    from pipeline.store import schema
+    from pipeline.store.rundir import RunDir, now_utc
+
+    run_dir = RunDir(str(run))
+    prompts = run_dir.load_prompt_set()
+    prompt_id = prompts.column("prompt_id")[0].as_py() if prompts is not None and prompts.num_rows else "p0"
+    row = {"prompt_id": prompt_id, "source": "test", "error_class": "TerminalForPrompt", "status": 400,
+           "message": "committed by the test", "endpoint": "test", "attempts": 1, "config_fingerprint": None,
+           "created_at": now_utc()}
+    run_dir.write_part(run_dir.failures, pa.Table.from_pylist([row], schema=schema.FAILURES))
+
+
+def handed_out(table, cfg, folder: Path | str | None = None, fingerprint: str | None = None):
+    """A RecordBuilder over `table` as a run reads its prompt set (a pinned Parquet file, by position), with every
+    prompt handed out as the dispatcher hands them out: (builder, {prompt_id: WorkItem})."""
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    from pipeline.store.prompt_reader import PromptSetReader
+    from pipeline.store.records import RecordBuilder
+    from pipeline.store.storage import Location
+
+    folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="regen-prompts-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "prompts-000001.parquet"
+    pq.write_table(table, path)
+    reader = PromptSetReader(Location.at(path))
+    builder = RecordBuilder(reader, cfg, fingerprint=fingerprint)
+    pending = reader.pending(set(), set(), True, cfg.prefix_affinity_chars).pending
+    return builder, {item.prompt_id: item for item in builder.work_items(pending)}

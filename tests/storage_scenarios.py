@@ -331,7 +331,7 @@ class Lock(Scenario):
         run.path.mkdir()
         self.lost = threading.Event()
         # check_budget_s 0: a failed read of lock.json is not retried, so each injected fault ends its point at
-        # once (the retry has its own test in test_storage_defects.py)
+        # once (the retry has its own test in test_lease.py)
         self.lock = RunLock(run, on_lost=self.lost.set, renew_s=3600, settle_s=0, check_budget_s=0)
         self.lock._me["pid"] = dead_pid()  # so that a resume in this process may take a lease left behind
 

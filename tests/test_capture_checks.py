@@ -17,7 +17,7 @@ from pipeline.dispatch.capture_worker import Sample
 from pipeline.hidden.layout import CaptureLayout, default_aux_layers
 from pipeline.store.capture_ledger import capture_counts, capture_run_dir
 from tests.smollm2_run import add_part, make_smollm2_run, smollm2_records
-from tests.test_capture_fixes import captured_tiny_run, config_file, new_capture, tiny_llama, tok  # noqa: F401
+from tests.capture_helpers import captured_tiny_run, config_file, new_capture, tiny_llama, tok  # noqa: F401
 
 pytestmark = pytest.mark.torch
 

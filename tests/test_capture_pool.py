@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from pipeline.store.capture_ledger import capture_run_dir
 from tests.smollm2_run import make_smollm2_run, smollm2_records
-from tests.test_capture_fixes import config_file, tiny_llama, tok  # noqa: F401 (fixture)
+from tests.capture_helpers import config_file, tiny_llama, tok  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.torch
 

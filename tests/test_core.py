@@ -20,11 +20,12 @@ from pipeline.core.errors import (
 from pipeline.store.committer import Committer
 from pipeline.store.rundir import RunDir, RunLock, atomic_write, now_utc, resolve_run_dir
 
-BASE = """
+SAMPLE_SPEC = Path(__file__).resolve().parent.parent / "prompts_sources" / "sample_prompts.yaml"
+BASE = f"""
 run_name: r
 model: m
-sources: [{spec: prompts_sources/sample_prompts.yaml}]
-endpoints: [{url: "http://127.0.0.1:1/v1", concurrency: 2, api_key_env: REGEN_TEST_KEY}]
+sources: [{{spec: {SAMPLE_SPEC}}}]
+endpoints: [{{url: "http://127.0.0.1:1/v1", concurrency: 2, api_key_env: REGEN_TEST_KEY}}]
 """
 
 

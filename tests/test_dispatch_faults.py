@@ -7,8 +7,9 @@
 7. an error event inside an SSE stream bypassed the classifier (a 400 was retried);
 8. a prompt that made the server drop the connection was retried forever;
 13. endpoints unreachable at the preflight started "healthy".
-The narrow windows of dispatch (hedging, a torn endpoints file) are in
-test_dispatch_windows.py, and the property test of supervision in test_supervision.py.
+The narrow windows of dispatch are in test_tail_hedging.py (a hedged copy failing), test_fleet_changes.py (a torn
+endpoints file) and test_crash_blame.py (a crash charged to its prompt), and the property test of supervision in
+test_supervision.py.
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def test_an_exception_of_any_type_at_the_client_becomes_an_outcome(server, error
         worker = EndpointWorker(server.url, "emu", 1, SETTINGS, attempts_per_endpoint=1)
         real_chat, calls = worker.client.chat, []
 
-        async def chat(messages, seed):
+        async def chat(messages, seed, tools=None):
             calls.append(1)
             if len(calls) == 1:
                 raise error

@@ -15,7 +15,7 @@ nothing doubled, every committed file reads back whole and no temporary file is 
   seam adds the second SIGINT there too.
 - SIGKILL: tests/storage_kill_child.py forks a child per point that the seam SIGKILLs at the N-th call; the
   resume and the checks run here, in this process.
-What a single fault cannot reach (two faults in one commit, a lost lease) is in tests/test_storage_defects.py.
+What a single fault cannot reach (two faults in one commit, a lost lease) is in tests/test_atomic_commits.py and tests/test_lease.py.
 Set REGEN_FAULT_TABLE=path to write every point as JSON (tests/fault_table.py turns it into
 docs/storage-faults.md).
 """

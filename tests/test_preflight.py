@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -33,6 +34,7 @@ SERVERS = {
     "short_ctx": dict(preset="kimi", context_length=1000),
     "hung": dict(EAGLE3, health_ok_while_hung=True),
 }
+SAMPLE_SPEC = Path(__file__).resolve().parent.parent / "prompts_sources" / "sample_prompts.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +244,7 @@ def test_a_fleet_mixing_engines_is_refused():
 
 # --- the command ----------------------------------------------------------------------------------------------
 def write_config(tmp_path, urls: list[str], **overrides) -> str:
-    raw = {"run_name": "pf", "model": MODEL, "sources": [{"spec": "prompts_sources/sample_prompts.yaml"}],
+    raw = {"run_name": "pf", "model": MODEL, "sources": [{"spec": str(SAMPLE_SPEC)}],
            "endpoints": [{"url": u} for u in urls], "dead_fleet_deadline_s": 5, **overrides}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))

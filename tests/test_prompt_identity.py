@@ -18,7 +18,7 @@ from pipeline.core.config import load_config
 from pipeline.core.errors import DriftError
 from pipeline.run import GenerateOptions, materialise, open_run
 from pipeline.store.rundir import RunDir
-from tests.helpers import run_regen
+from tests.helpers import commit_a_failure, run_regen
 
 DEAD_ENDPOINT = [{"url": "http://127.0.0.1:9", "concurrency": 1}]  # never contacted: these runs stop before
 
@@ -70,7 +70,8 @@ def test_a_source_with_no_valid_prompt_exits_2_and_writes_nothing(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "regen: error: source 'sharegpt' has no valid prompt: all 4 records were rejected; the most common "
         "reasons: roles_not_alternating 4 (e.g. roles do not alternate: message 2 is user where assistant was "
-        "expected). Nothing was written to the run directory; check the spec's kind, format and field"]
+        "expected). Nothing was written to the run directory; the turns are not in conversation order (user, then "
+        "assistant, ...)"]
     assert not (tmp_path / "out" / "t").exists()
 
 
@@ -184,6 +185,7 @@ def test_a_changed_spec_is_drift_with_a_diff_and_refresh_takes_it(tmp_path):
     # Regression: the spec's content was not in the identity, so a fixed spec reused the stored (empty) set.
     config, spec, _ = setup_run(tmp_path, jsonl(rows(6)))
     run, prompts = start(config)
+    commit_a_failure(run.path)  # bound: a run that has committed nothing takes the changed spec
     assert prompts.num_rows == 6
     spec.write_text(spec.read_text() + "limit: 2\n")
     result = run_regen("generate", "--config", str(config), timeout=120)
@@ -198,6 +200,7 @@ def test_a_changed_spec_is_drift_with_a_diff_and_refresh_takes_it(tmp_path):
 def test_a_copied_dataset_is_not_drift_and_a_changed_one_is(tmp_path):
     config, _, data = setup_run(tmp_path, jsonl(rows(6)))
     run, _ = start(config)
+    commit_a_failure(run.path)
     recorded = manifest(run)["source_files"]
     entry = recorded[str(tmp_path / "sharegpt.yaml")]["data/sharegpt.jsonl"]
     assert (entry["size"], len(entry["sha256"])) == (data.stat().st_size, 64)
@@ -226,6 +229,7 @@ def test_a_copied_dataset_is_not_drift_and_a_changed_one_is(tmp_path):
 def test_a_run_json_written_before_these_keys_still_resumes(tmp_path):
     config, _, _ = setup_run(tmp_path, jsonl(rows(4)))
     run, _ = start(config)
+    commit_a_failure(run.path)
     old = manifest(run)
     for key in ("source_files", "prompt_report"):
         del old[key]
@@ -240,6 +244,7 @@ def test_a_run_json_written_before_these_keys_still_resumes(tmp_path):
 def test_a_refresh_that_fails_writes_nothing(tmp_path):
     config, _, data = setup_run(tmp_path, jsonl(rows(4)))
     run, _ = start(config)
+    commit_a_failure(run.path)
     before = manifest(run)
     data.write_bytes(jsonl(rows(5))[:-30])  # cut short
     with pytest.raises(Exception, match="ends in the middle of a record"):
@@ -316,9 +321,10 @@ def test_validate_reports_what_it_sees_in_each_source(tmp_path):
     data.write_bytes(data.read_bytes()[:-200])
     out = run_regen("validate", str(config))
     assert "first 20 records: 0 valid, rejected missing_field 20" in out.stdout
-    assert ("warning: the spec says format openai with field 'messages'; the records look like sharegpt under "
-            "'conversations'") in out.stdout
-    assert "warning: data/sharegpt.json does not end as a JSON document does: it looks cut short" in out.stdout
+    assert ("warning: the spec says format openai with field 'messages'; these records look like sharegpt "
+            "(prompts_sources/sharegpt.yaml): format sharegpt, field 'conversations'") in out.stdout
+    # cut short without `salvage: true`: refused as generate refuses it (issue 23), no longer only a warning
+    assert out.returncode == 2 and "  cannot read it: data/sharegpt.json ends in the middle of a record" in out.stdout
 
     spec.write_text(yaml.safe_dump({"name": "sharegpt", "kind": "jsonl", "path": "data/sharegpt.json",
                                     "format": "sharegpt"}))

@@ -18,6 +18,7 @@ from pipeline.core.work import affinity_key
 from pipeline.dispatch.routing import Router
 from pipeline.endpoints.probes import PROBE_RID_PREFIX
 from pipeline.prompts.prompt_set import normalise, prompt_id
+from pipeline.prompts.tool_calls import message_from_row
 from pipeline.store import prompt_reader, schema
 from pipeline.store.faults import Faults
 from pipeline.store.prompt_reader import ROUTE_KEY, PendingPrompt, PromptSetReader
@@ -189,9 +190,19 @@ def test_a_resume_sends_each_pending_prompt_its_own_messages_from_an_older_promp
         assert line["messages"] == expected[pid]
     records = [r for p in sorted((run / "data").glob("part-*.parquet")) for r in pq.read_table(p).to_pylist()]
     assert sorted(r["prompt_id"] for r in records) == sorted(expected), "nothing lost, nothing doubled"
-    assert all(r["messages"] == expected[r["prompt_id"]] for r in records)
+    assert all([message_from_row(m) for m in r["messages"]] == expected[r["prompt_id"]] for r in records)
 
 
 def _log_lines(server) -> list[dict]:
     path = Path(server.options["request_log"])
     return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()] if path.exists() else []
+
+
+def test_a_run_reads_the_prompt_set_version_its_run_json_records_not_a_newer_one(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.create()
+    for n in (3, 5):  # a refresh adds a newer version
+        run.write_prompt_set(prompt_table(expected_messages(conversations(n)), 0), schema.REJECTS.empty_table())
+    assert run.prompt_set_reader(1).num_rows == 3 and run.prompt_set_reader(1).name == "prompts-000001.parquet"
+    assert run.prompt_set_reader(2).num_rows == 5 and run.prompt_set_reader().num_rows == 5
+    assert run.prompt_set_reader(7).num_rows == 5, "a record past the versions there: the newest (resume restages)"

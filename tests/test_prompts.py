@@ -66,7 +66,8 @@ def test_all_turns_sends_the_whole_conversation_and_ids_only_system_and_user_tur
     ([{"role": "system", "content": "S"}], RejectCode.NOTHING_TO_SEND),
     ([{"role": "user", "content": ["parts"]}], RejectCode.NON_STRING_CONTENT),
     ([user("  ")], RejectCode.BLANK_CONTENT),
-    ([{"role": "tool", "content": "x"}], RejectCode.UNKNOWN_ROLE),
+    ([{"role": "tool", "content": "x"}], RejectCode.TOOL_RESULT_WITHOUT_CALL),  # issue 22: a role, not unknown
+    ([{"role": "narrator", "content": "x"}], RejectCode.UNKNOWN_ROLE),
     ([{"role": None, "content": "x"}], RejectCode.UNKNOWN_ROLE),
     ([user("a"), user("b")], RejectCode.NOT_ALTERNATING),
     ([user("a"), asst("b"), asst("c")], RejectCode.NOT_ALTERNATING),

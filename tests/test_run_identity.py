@@ -22,7 +22,8 @@ import yaml
 from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError
 from pipeline.emulator import start_emulator
-from tests.helpers import committed_ids, data_parts, free_port, regen_cmd, wait_for, write_config, write_prompts, write_source
+from tests.helpers import (commit_a_failure, committed_ids, data_parts, free_port, regen_cmd, wait_for, write_config,
+                           write_prompts, write_source)
 
 REPO = Path(__file__).resolve().parent.parent
 OLD_RUN = REPO / "tests" / "data" / "run_c15f75f"  # written by regen at c15f75f: see its config.yaml
@@ -59,6 +60,7 @@ def test_token_ids_and_streaming_are_part_of_the_identity(tmp_path, key, changed
     config = sample_config(tmp_path, **dead_fleet())
     fingerprint = load_config(config).fingerprint()
     assert regen("generate", "--config", str(config)).returncode == STOPPED_AT_PREFLIGHT
+    commit_a_failure(tmp_path / "out" / "t")  # bound: a run that has committed nothing takes any config
     other = sample_config(tmp_path, **{key: changed}, **dead_fleet())
     assert load_config(other).fingerprint() != fingerprint
     refused = regen("generate", "--config", str(other))
@@ -90,6 +92,7 @@ def test_a_key_older_code_did_not_record_is_adopted_but_a_users_template_key_is_
 # --- a run.json written by the code at c15f75f ------------------------------------------------------------
 def old_run_config(tmp_path: Path, servers, **changes) -> Path:
     cfg = yaml.safe_load((OLD_RUN / "config.yaml").read_text())
+    cfg["sources"] = [{**ref, "spec": str(REPO / ref["spec"])} for ref in cfg["sources"]]  # it ran from REPO
     cfg.update(output_dir=str(tmp_path / "out"), dead_fleet_deadline_s=20,
                endpoints=[{"url": s.url, "concurrency": 2, "name": f"emu-{i}"} for i, s in enumerate(servers)])
     for key, value in changes.items():
@@ -236,6 +239,7 @@ def test_a_successor_is_numbered_past_the_highest_even_after_one_was_deleted(tmp
     for temperature in (0.0, 0.1, 0.2):
         config = sample_config(tmp_path, sampling={"temperature": temperature, "max_tokens": 8}, **dead_fleet())
         assert regen("generate", "--config", str(config), "--new-run").returncode == STOPPED_AT_PREFLIGHT
+        commit_a_failure(max(out.iterdir(), key=lambda p: p.stat().st_mtime_ns))  # bound: else it is reused
     assert sorted(p.name for p in out.iterdir()) == ["t", "t-r2", "t-r3"]
     shutil.rmtree(out / "t-r2")
     r3 = (out / "t-r3" / "run.json").read_bytes()
@@ -295,6 +299,7 @@ def test_a_run_that_captured_hidden_states_while_generating_refuses_its_resume(t
     config = sample_config(tmp_path, **dead_fleet())
     assert regen("generate", "--config", str(config)).returncode == STOPPED_AT_PREFLIGHT
     run = tmp_path / "out" / "t"
+    commit_a_failure(run)
     old = manifest(run)
     old["generation"]["hidden_states"] = OLD_HIDDEN_IDENTITY
     (run / "run.json").write_bytes(orjson.dumps(old))

@@ -28,7 +28,8 @@ from pipeline.endpoints.client import ClientSettings, EndpointClient, classify
 from pipeline.endpoints.engines import SGLangAdapter
 from pipeline.endpoints.probes import check_endpoint
 from pipeline.tools.bench_endpoints import one_request
-from tests.conformance.sglang_source import as_pattern, render, templates_with
+from tests.conformance.sglang_source import as_pattern, render, server_arg_fields, templates_with
+from tests.conformance.sglang_tool_checks import CASES as TOOL_CASES, drive_tools
 from tests.helpers import prompt_source, run_regen, write_config
 
 VERSIONS = ("0.5.14", "0.5.17", "0.5.18", "0.5.23")
@@ -98,6 +99,7 @@ def version(request, tmp_path_factory):
                             request_log_bodies=True)
     try:
         reports = asyncio.run(drive_regen(server.url))
+        asyncio.run(drive_tools(server.url, request.param, MODEL))
         out = tmp / "results.json"
         done = subprocess.run(
             [sys.executable, "-m", "tests.conformance.sglang_checks", "--root", str(root), "--bodies", str(log),
@@ -134,6 +136,19 @@ def test_server_info_names_only_the_version_arguments(version):
 
 def test_kimi_split_matches_sglang_reasoning_parser(version):
     _check(version, "kimi_split", 10)
+
+
+def test_the_emulators_tool_calls_are_what_sglangs_detector_and_id_rule_make(version):
+    """Kimi's markup read by the version's KimiK2Detector, ids by its _process_tool_call_id (0.5.14 numbers the
+    calls with the model's own IDX, so the history counts twice), streamed and not (sglang_tool_checks.py)."""
+    result = version.results["tool_calls"]
+    assert result["ok"], f"SGLang {version.name}:\n  " + "\n  ".join(result["detail"])
+    assert result["checked"] == len(TOOL_CASES), result
+
+
+def test_the_preflight_can_read_the_tool_call_parser_of_every_version(version):
+    """/server_info dumps the server arguments: tool_call_parser is one in every version."""
+    assert "tool_call_parser" in server_arg_fields(version.root)
 
 
 def test_preflight_knows_the_version(version):

@@ -100,7 +100,7 @@ def inject(monkeypatch):
     holder: dict[str, Plan] = {}
     real_chat = EndpointClient.chat
 
-    async def chat(self, messages, seed):
+    async def chat(self, messages, seed, tools=None):
         holder["plan"].fire("client", messages[-1]["content"])
         return await real_chat(self, messages, seed)
 
@@ -214,7 +214,7 @@ def test_an_interrupt_raised_inside_a_worker_comes_back_as_the_prompts_error(ser
     calls: dict[str, int] = {}
     real_chat = EndpointClient.chat
 
-    async def chat(self, messages, seed):
+    async def chat(self, messages, seed, tools=None):
         text = messages[-1]["content"]
         calls[text] = calls.get(text, 0) + 1
         if text == "always" or (text == "once" and calls[text] == 1):

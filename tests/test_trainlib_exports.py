@@ -128,3 +128,28 @@ def test_train_only_last_turn_is_a_data_key_as_specforge_reads_it(tmp_path, run,
     assert load(base, settings["overrides"])["train_only_last_turn"] is True
     refused = load({**base, "train_only_last_turn": True})  # the old README's top-level key
     assert not refused["ok"] and "train_only_last_turn" in refused["message"]
+
+
+def test_specforge_reads_the_data_source_from_run_yaml_and_an_override_only_replaces_it(tmp_path, tokenizer_dir):
+    """The run.yaml of docs/exports-and-training.md: SpecForge validates the file before its overrides, so the
+    file names the one data source; an override replaces it, or adds a second one that SpecForge refuses."""
+    base = {"model": {"target_model_path": str(tokenizer_dir)}, "training": {"role": "auto"},
+            "deployment": {"mode": "disaggregated", "disaggregated": {
+                "control_dir": str(tmp_path / "control"), "backend": "mooncake",
+                "server_urls": ["http://127.0.0.1:30000"]}}}
+    cases = [({"prompts_path": "tok.jsonl"}, []),
+             ({"train_data_path": "sf.jsonl", "chat_template": "lfm", "train_only_last_turn": True}, []),
+             ({}, ["data.prompts_path=tok.jsonl"]),  # no source in the file
+             ({"train_data_path": "sf.jsonl"}, ["data.prompts_path=tok.jsonl"]),  # a second one by override
+             ({"train_data_path": "sf.jsonl"}, ["data.train_data_path=", "data.prompts_path=tok.jsonl"])]
+    configs = []
+    for i, (data, overrides) in enumerate(cases):
+        path = tmp_path / f"run{i}.yaml"
+        path.write_bytes(orjson.dumps({**base, "data": data}))  # JSON is YAML
+        configs.append({"yaml": str(path), "overrides": overrides})
+    tokens, conversations, none_in_file, two, switched = run_checks({"check": "specforge_configs",
+                                                                     "configs": configs})["results"]
+    assert tokens["ok"] and switched["ok"], (tokens, switched)
+    assert conversations == {"ok": True, "train_only_last_turn": True, "chat_template": "lfm"}
+    for refused in (none_in_file, two):
+        assert not refused["ok"] and "set exactly one of" in refused["message"], refused

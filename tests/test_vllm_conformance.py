@@ -29,6 +29,13 @@ from tests.helpers import require_installed
 
 WORKTREE = Path(__file__).resolve().parent.parent
 MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "Sunny."}]
 
 
 def vllm_env() -> SimpleNamespace:
@@ -98,6 +105,11 @@ async def drive_regen(url: str) -> SimpleNamespace:
             completions[stream] = await chat.chat(MESSAGES, seed=7)
         finally:
             await chat.close()
+    chat = EndpointClient(url, "e", ClientSettings(**base, tool_choice="required", engines={"e": report.engine}))
+    try:  # a conversation with a call and its result, sent with tools
+        await chat.chat(TOOL_CONVERSATION, None, [TOOL])
+    finally:
+        await chat.close()
     return SimpleNamespace(report=report, completions=completions)
 
 
@@ -156,11 +168,12 @@ def test_the_neutral_adapter_reads_vllm_answers_too(conformance):
 
 
 def test_every_body_regen_sends_is_declared_by_vllm(conformance):
-    assert len(conformance.bodies) == 3  # the preflight's chat probe, a chat answer, a stream
+    assert len(conformance.bodies) == 4  # the preflight's chat probe, a chat answer, a stream, one with tools
+    assert conformance.bodies[-1]["tools"] == [TOOL] and conformance.bodies[-1]["tool_choice"] == "required"
     assert all(body.get("return_token_ids") is True for body in conformance.bodies)
     assert all("request_id" in body and "rid" not in body for body in conformance.bodies)
     result = conformance.requests
-    assert result["ok"] and result["checked"] == 3, "\n".join(result["detail"])
+    assert result["ok"] and result["checked"] == 4, "\n".join(result["detail"])
 
 
 def test_every_vllm_error_text_is_classified(conformance):
@@ -185,3 +198,62 @@ def test_bench_reads_metric_names_vllm_declares(conformance):
     for name in vllm_engine.METRIC_COUNTERS:  # prometheus_client adds `_total` to a counter's name
         base = name.removesuffix("_total")
         assert base in templates_with(root, files, base), name
+
+
+def test_vllm_refusals_of_tool_requests_are_contract_errors_and_the_preflight_names_the_flags():
+    """Without --enable-auto-tool-choice --tool-call-parser, vLLM refuses every request with tools (its own texts,
+    renderers/online_renderer.py): the endpoint cannot serve a prompt set with tools, and the preflight's tool probe
+    says which flags fix it."""
+    from pipeline.core.errors import ContractError
+
+    root = vllm_env().root
+    source = ("vllm/renderers/online_renderer.py",)
+    texts = templates_with(root, source, '"auto" tool choice requires') + \
+        [t for t in templates_with(root, source, "requires --tool-call-parser to be set") if "\x00" in t]
+    assert len(texts) == 2, "vLLM renamed its tool refusals: the classifier needs the new texts"
+    refusals = [render(t, '"required"') for t in texts]
+    for text in refusals:
+        for engine in (VLLMAdapter(), None):
+            assert type(classify(400, text, "e", engine=engine)) is ContractError, text
+
+    class Refusing(VLLMShaped):
+        samples = {"models": {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "vllm",
+                                                         "max_model_len": 2048}]},
+                   "answer": {"id": "x", "object": "chat.completion", "model": "m", "choices": [
+                       {"index": 0, "message": {"role": "assistant", "content": "ready", "reasoning": "r"},
+                        "finish_reason": "stop", "token_ids": [1]}], "prompt_token_ids": [1],
+                       "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}}
+        bodies: list = []
+
+        def do_POST(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.bodies.append(body)
+            if body.get("tools"):  # vLLM's ErrorResponse, as create_error_response sends it
+                error = {"error": {"message": refusals[0], "type": "BadRequestError", "param": None, "code": 400}}
+                self._send(400, json.dumps(error).encode())
+            else:
+                self._send(200, json.dumps(self.samples["answer"]).encode())
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    cfg = RunConfig.model_validate({"run_name": "c", "model": "m", "thinking": True, "sources": [{"spec": "u.yaml"}],
+                                    "endpoints": [{"url": url, "name": "e"}], "sampling": {"max_tokens": 24}})
+
+    async def probe(tools: bool):
+        client = EndpointClient(url, "e", ClientSettings(model="m", temperature=0.0, top_p=1.0, max_tokens=24))
+        try:
+            return await check_endpoint(client, cfg, tools=tools)
+        finally:
+            await client.close()
+    try:
+        assert asyncio.run(probe(False)).ok
+        refused = asyncio.run(probe(True))
+    finally:
+        server.shutdown()
+        server.server_close()
+    [problem] = refused.problems
+    assert "the prompt set has tools" in problem and "--enable-auto-tool-choice --tool-call-parser" in problem
+    assert refusals[0] in problem
+    [probe_body] = [b for b in Refusing.bodies if b.get("tools")]
+    assert probe_body["tool_choice"] == "auto" and probe_body["tools"][0]["function"]["name"] == "get_time"

@@ -159,6 +159,87 @@ def test_bench_endpoints_reads_vllm_metrics(tmp_path, vllm_fleet):
     assert "speculative" not in result.stdout, "no spec-decode counters without --speculative-config"
 
 
+# --- tool calls: the fleet serves configs/templates/smollm2_tools.jinja with --tool-call-parser hermes -------------
+# strict: vLLM pins the arguments to the schema (its structural tag, VLLM_ENFORCE_STRICT_TOOL_CALLING); the enum makes
+# the forced call's arguments one of two known values. vLLM renders a tool as its FunctionDefinition dumps it
+# (name, description, parameters, strict: that key order), so the tool is written in that order here.
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Berlin"]}},
+                   "required": ["city"], "additionalProperties": False}, "strict": True}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def tool_client(vllm_fleet, **settings):
+    from pipeline.endpoints.client import ClientSettings, EndpointClient
+    from pipeline.endpoints.engines import VLLMAdapter
+
+    endpoint = vllm_fleet.fleet.endpoints()[0]
+    values = {"model": "SmolLM2-135M-Instruct", "temperature": 0.0, "top_p": 1.0, "max_tokens": 64,
+              "engines": {endpoint.label: VLLMAdapter(version="0.32.0")}, **settings}
+    return EndpointClient(endpoint.url, endpoint.label, ClientSettings(**values))
+
+
+async def ask(client, messages, tools):
+    try:
+        return await client.chat(messages, None, tools)
+    finally:
+        await client.close()
+
+
+def template_ids(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    from tests.conftest import TOOL_TEMPLATE
+
+    rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                             chat_template=TOOL_TEMPLATE.read_text())
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
+def test_a_forced_tool_call_round_trip_on_the_cpu_build(vllm_fleet, tokenizer):
+    """tools in the prompt ids, the call in the output ids and in tool_calls (unstreamed and streamed alike), then
+    the call and a spliced result sent back: the next step's prompt holds both, and the server answers it."""
+    import asyncio
+
+    called = asyncio.run(ask(tool_client(vllm_fleet, tool_choice="required"), ASK, [WEATHER_TOOL]))
+    assert called.prompt_token_ids == template_ids(tokenizer, ASK, [WEATHER_TOOL])
+    assert '"name": "get_weather"' in tokenizer.decode(called.prompt_token_ids), "the tools are in the prompt ids"
+    [call] = called.tool_calls
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather" and call["id"]
+    assert json.loads(call["function"]["arguments"]) in ({"city": "Paris"}, {"city": "Berlin"})
+    output = tokenizer.decode(called.output_token_ids)
+    assert "<tool_call>" in output and "get_weather" in output, f"the call's tokens are in the output ids: {output!r}"
+    assert called.finish_reason in ("tool_calls", "stop") and called.content == "", called
+    streamed = asyncio.run(ask(tool_client(vllm_fleet, tool_choice="required", stream=True), ASK, [WEATHER_TOOL]))
+    # vLLM re-serialises the arguments of an unstreamed call; a stream carries them as the model wrote them
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed.tool_calls] == \
+        [("get_weather", json.loads(call["function"]["arguments"]))], "the stream's fragments join to the call"
+    assert streamed.output_token_ids == called.output_token_ids
+
+    result = {"role": "tool", "tool_call_id": call["id"], "name": "get_weather", "content": "Sunny, 21 C."}
+    follow_up = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]}, result]
+    step = asyncio.run(ask(tool_client(vllm_fleet, tool_choice="none"), follow_up, [WEATHER_TOOL]))
+    assert step.prompt_token_ids == template_ids(tokenizer, follow_up, [WEATHER_TOOL])
+    prompt = tokenizer.decode(step.prompt_token_ids)
+    arguments = json.dumps(json.loads(call["function"]["arguments"]))
+    assert f'<|im_start|>assistant\n<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>' \
+        f"<|im_end|>\n<|im_start|>user\n<tool_response>\nSunny, 21 C.\n</tool_response><|im_end|>" in prompt
+    assert step.tool_calls is None and step.content, "tool_choice none: the next step is text"
+    assert tokenizer.decode(step.output_token_ids, skip_special_tokens=True) == step.content
+
+
+def test_tool_free_chats_render_as_smollm2s_own_template(tokenizer):
+    """The fleet's template changes nothing for a chat without tools: the ids of every other test stand."""
+    from tests.conftest import TOOL_TEMPLATE
+
+    ours = TOOL_TEMPLATE.read_text()
+    for messages in (ASK, [{"role": "system", "content": "Be terse."}, *ASK, {"role": "assistant", "content": "Mild."},
+                           {"role": "user", "content": "And\n\n tomorrow?"}], [{"role": "user", "content": ""}]):
+        for generation_prompt in (True, False):
+            own = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                 chat_template=ours) == own
+
+
 def test_driver_sigkill_mid_run_then_resume_nothing_lost_or_doubled(tmp_path, ray_cluster, vllm_fleet):
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 16)

@@ -22,6 +22,7 @@ from pipeline.endpoints.preflight import run_preflight_command
 from tests.helpers import free_port, wait_for
 
 STANDIN = Path(__file__).with_name("standin_vllm_server.py")
+SAMPLE_SPEC = Path(__file__).resolve().parent.parent / "prompts_sources" / "sample_prompts.yaml"
 
 
 def alive(pid: int) -> bool:
@@ -104,7 +105,7 @@ def test_a_vllm_that_does_not_start_says_why_with_its_log(tmp_path):
 def test_regen_preflight_keeps_the_log_of_a_server_that_did_not_start(tmp_path, capsys):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"run_name": "r", "model": "SmolLM2-135M-Instruct",
-                                      "sources": [{"spec": "prompts_sources/sample_prompts.yaml"}],
+                                      "sources": [{"spec": str(SAMPLE_SPEC)}],
                                       "local_fleet": broken_fleet(tmp_path)}))
     assert run_preflight_command(str(config)) == 1
     error = capsys.readouterr().err

@@ -103,8 +103,13 @@ def specforge_config(task):
     return {"ok": True, "train_only_last_turn": cfg.data.train_only_last_turn, "chat_template": cfg.data.chat_template}
 
 
+def specforge_configs(task):
+    """specforge_config on several {yaml, overrides} at once, in one interpreter."""
+    return {"results": [specforge_config(one) for one in task["configs"]]}
+
+
 CHECKS = {f.__name__: f for f in (specforge_rows, speculators_prepare, specforge_offline, speculators_hidden,
-                                  specforge_config)}
+                                  specforge_config, specforge_configs)}
 
 if __name__ == "__main__":
     job = json.loads(sys.argv[1])

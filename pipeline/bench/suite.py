@@ -40,7 +40,7 @@ from .cases import (
     saturation,
     stragglers,
 )
-from .capture import capture_throughput
+from .capture import capture_needs, capture_throughput
 from .env import REPO
 from .scale import memory, production, resume
 from .scale_run import scale
@@ -81,6 +81,9 @@ BENCHES = {"overhead": overhead, "saturation": saturation, "stragglers": straggl
            "simulator": simulator_accuracy, "production": production, "sources": materialise_json,
            "capture": capture_throughput, "scale": scale}
 ON_DEMAND = {"scale"}  # tens of minutes: run only when named in --only
+# What a case needs beyond the benchmarks' own (a reason string when this environment lacks it): the case is
+# skipped with that line instead of failing the whole command after the others have run.
+NEEDS = {"capture": capture_needs}
 
 
 def table(results: list[Result]) -> list[str]:
@@ -92,7 +95,8 @@ def table(results: list[Result]) -> list[str]:
     return lines
 
 
-def markdown(results: list[Result], ctx: Ctx, elapsed: float, args: argparse.Namespace, errors: list[str]) -> str:
+def markdown(results: list[Result], ctx: Ctx, elapsed: float, args: argparse.Namespace, errors: list[str],
+             skipped: dict[str, str] | None = None) -> str:
     head = ctx._head
     out = [
         "# regen benchmarks",
@@ -116,6 +120,8 @@ def markdown(results: list[Result], ctx: Ctx, elapsed: float, args: argparse.Nam
         out += [f"## {r.name}", ""] + [f"- {n}" for n in r.notes] + [""]
         if r.profile:
             out += ["### Profile (py-spy, an untimed run of the same workload)", "", r.profile, ""]
+    if skipped:
+        out += ["## Skipped", ""] + [f"- {name}: {why}" for name, why in skipped.items()] + [""]
     if errors:
         out += ["## Errors", ""] + [f"```\n{e}\n```" for e in errors] + [""]
     return "\n".join(out)
@@ -183,9 +189,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     results: list[Result] = []
     errors: list[str] = []
+    skipped: dict[str, str] = {}
     t0 = time.perf_counter()
     try:
         for name in names:
+            lacking = NEEDS[name]() if name in NEEDS else None
+            if lacking:
+                skipped[name] = lacking
+                print(f"bench: {name} skipped: it {lacking}", file=sys.stderr, flush=True)
+                continue
             print(f"bench: {name} ...", file=sys.stderr, flush=True)
             t = time.perf_counter()
             try:
@@ -200,13 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
     elapsed = time.perf_counter() - t0
-    report = markdown(results, ctx, elapsed, args, errors)
+    report = markdown(results, ctx, elapsed, args, errors, skipped)
     if args.merge and Path(args.out).exists():
         report = merged(report, Path(args.out).read_text(), {r.name for r in results})
     Path(args.out).write_text(report)
     print("\n".join(table(results)))
     if ctx._head is not None and ctx._head.startup_s is not None:
         print(f"Ray start-up (ray start --head): {ctx._head.startup_s:.1f} s (not in any timed figure)")
+    for name, why in skipped.items():
+        print(f"skipped {name}: it {why}")
     print(f"wrote {args.out} ({elapsed / 60:.1f} min)")
     return 1 if errors else 0
 

@@ -38,6 +38,11 @@ class RunLocked(RegenError):
     """Another live driver holds the run directory."""
 
 
+class QualityGateStopped(RegenError):
+    """`quality_gate: stop`: the first records of a session crossed a quality threshold (the message says which,
+    the setting to change and its cost). Committed work is kept; the run resumes."""
+
+
 class LeaseLost(RunLocked):
     """This driver's lease on its run (an object store's lock.json) was taken over or has expired: it must
     commit nothing more, since another driver may be committing the same prompts."""

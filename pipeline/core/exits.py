@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError, DriftError, RegenError, RunLocked
+from .errors import ConfigError, DriftError, QualityGateStopped, RegenError, RunLocked
 
 
 @dataclass(frozen=True)
@@ -17,15 +17,19 @@ class ExitCode:
 OK = ExitCode(0, "ok", "the command did what it was asked (a run: complete, every prompt committed or failed for good)")
 FAILED = ExitCode(1, "failed", "an error not listed below; the message on stderr says what (a capture with failed "
                                "samples ends here too)")
-CONFIG = ExitCode(2, "config", "bad input: the config, a source, an endpoint's contract, a missing secret",
+CONFIG = ExitCode(2, "config", "bad input: the config, a source, a missing API-key variable, a capture model or "
+                               "route that cannot be used (an endpoint that refuses regen's requests is 1)",
                   ConfigError)
 DRIFT = ExitCode(3, "drift", "the config no longer matches the run it would resume (the diff is printed)",
                  DriftError)
 LOCKED = ExitCode(4, "locked", "another regen holds the run's lock", RunLocked)
-INTERRUPTED = ExitCode(130, "interrupted", "stopped by Ctrl-C or SIGTERM; committed work is kept and the same command "
-                                           "resumes")
+QUALITY_GATE = ExitCode(5, "quality_gate", "`quality_gate: stop` stopped the run: its first records crossed a quality "
+                                           "threshold (cut at max_tokens, cut in the thinking, empty, repeating); "
+                                           "committed work is kept and the run resumes", QualityGateStopped)
+INTERRUPTED = ExitCode(130, "interrupted", "stopped by Ctrl-C (or, for generate and capture, SIGTERM); committed work "
+                                           "is kept and the same command resumes")
 
-TABLE: tuple[ExitCode, ...] = (OK, FAILED, CONFIG, DRIFT, LOCKED, INTERRUPTED)
+TABLE: tuple[ExitCode, ...] = (OK, FAILED, CONFIG, DRIFT, LOCKED, QUALITY_GATE, INTERRUPTED)
 
 
 def for_error(exc: RegenError) -> int:

@@ -22,6 +22,7 @@ record was shaped by nothing: the config's values are recorded for it as for any
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -34,6 +35,10 @@ import orjson
 IDENTITY_VERSION = 2
 SECTIONS = frozenset({"generation", "generation.sampling", "prompts"})
 INFORMATIONAL: frozenset[str] = frozenset()
+# Keys written into the identity only when they differ from their default (so that the runs made before them keep
+# their fingerprint): a document without one means the default, and a resume compares it as such.
+OMITTED_AT_DEFAULT: dict[str, object] = {"generation.tool_choice": "auto",
+                                         "generation.tool_reasoning_history": "current_turn"}
 
 # Features a run may have been made with that this regen no longer has: a stored value other than None refuses
 # the resume with the reason (the config can only say None: core/config.py refuses the key).
@@ -101,9 +106,14 @@ def _compare(stored: Any, current: Any, path: str, check: IdentityCheck) -> None
     if path in INFORMATIONAL:
         return
     if path in SECTIONS and isinstance(stored, dict) and isinstance(current, dict):
-        for key in sorted(current):
+        for key in sorted(set(current) | set(stored)):
             sub = f"{path}.{key}"
-            if key in stored:
+            if sub in OMITTED_AT_DEFAULT and (key in stored or key in current):
+                default = OMITTED_AT_DEFAULT[sub]
+                _compare(stored.get(key, default), current.get(key, default), sub, check)
+            elif key not in current:
+                continue  # a key only the stored document has is not compared
+            elif key in stored:
                 _compare(stored[key], current[key], sub, check)
             elif sub not in INFORMATIONAL:
                 check.adopted[sub] = current[key]
@@ -138,6 +148,9 @@ def check_identity(manifest: dict[str, Any], identity: dict[str, Any], *, refres
         check.drift.append(f"identity_version: {version} (run.json was written by a newer regen, which compares "
                            f"keys this one, at {IDENTITY_VERSION}, does not know: resume with that regen)")
         return check
+    if isinstance(stored.get("prompts"), dict) and not refresh_prompts:
+        stored = {**stored, "prompts": with_spec_keys(stored["prompts"], spec_renames(stored["prompts"],
+                                                                                     identity["prompts"]))}
     for section in ("generation", "prompts"):
         if section == "prompts" and refresh_prompts:
             continue
@@ -149,6 +162,41 @@ def check_identity(manifest: dict[str, Any], identity: dict[str, Any], *, refres
         _refuse_unrecorded(stored, identity, check)
     _refuse_retired(stored, check)
     return check
+
+
+def spec_renames(stored: dict[str, Any], current: dict[str, Any]) -> dict[str, str]:
+    """The stored spec paths -> the config's, source by source (the same position in `sources`): a spec is compared
+    by its content and its files' digests, not by the text of its path, which changes with the path rule of
+    core/paths.py (today's config names `../prompts_sources/x.yaml` or an absolute path where an older run
+    recorded `prompts_sources/x.yaml`). A run.json that did not record the specs' content renames a spec only if
+    its old path, taken from the working directory as the code that wrote it did, is the same file."""
+    old = [ref.get("spec") for ref in stored.get("sources") or [] if isinstance(ref, dict)]
+    new = [ref.get("spec") for ref in current.get("sources") or [] if isinstance(ref, dict)]
+    if len(old) != len(new) or len(set(old)) != len(old):
+        return {}
+    with_content = isinstance(stored.get("specs"), dict)
+    return {before: after for before, after in zip(old, new)
+            if isinstance(before, str) and isinstance(after, str) and before != after
+            and (with_content and before in stored["specs"] or _same_file(before, after))}
+
+
+def with_spec_keys(prompts: dict[str, Any], renames: dict[str, str]) -> dict[str, Any]:
+    """A stored prompt identity with its spec paths renamed (spec_renames)."""
+    if not renames:
+        return prompts
+    renamed = dict(prompts)
+    renamed["sources"] = [{**ref, "spec": renames.get(ref.get("spec"), ref.get("spec"))} if isinstance(ref, dict)
+                          else ref for ref in prompts.get("sources") or []]
+    if isinstance(prompts.get("specs"), dict):
+        renamed["specs"] = {renames.get(key, key): value for key, value in prompts["specs"].items()}
+    return renamed
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _refuse_retired(stored: dict[str, Any], check: IdentityCheck) -> None:

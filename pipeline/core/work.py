@@ -6,12 +6,23 @@ import hashlib
 from dataclasses import dataclass, field
 
 
-def affinity_key(messages: list[dict[str, str]], prefix_chars: int) -> int:
-    """A hash of the first `prefix_chars` characters of the conversation as sent (0: no affinity)."""
+def affinity_key(messages: list[dict], prefix_chars: int, tools_json: bytes | None = None) -> int:
+    """A hash of the first `prefix_chars` characters of the conversation as sent (0: no affinity). The tools come
+    first, as the chat templates render them (before or inside the system turn): prompts that share a tools list
+    share a cached prefix. A tool-free prompt keeps the key it always had; a message's call and result fields enter
+    only where present."""
     if prefix_chars <= 0:
         return 0
-    text = "\x1f".join(f"{m['role']}\x1e{m['content']}" for m in messages)[:prefix_chars]
+    text = "\x1f".join(f"{m['role']}\x1e{m['content'] or ''}" + _tool_fields(m) for m in messages)
+    if tools_json is not None:
+        text = f"tools\x1e{tools_json.decode()}\x1f{text}"
+    text = text[:prefix_chars]
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def _tool_fields(message: dict) -> str:
+    extra = [f"\x1d{key}\x1e{message[key]}" for key in ("tool_calls", "tool_call_id", "name") if message.get(key)]
+    return "".join(extra)
 
 
 @dataclass
@@ -63,6 +74,8 @@ class Outcome:
     # all_turns with tools: why the conversation ended before the source's last step (e.g. the target called
     # another tool than the cached result answers), and at which step; None: it ran to its end.
     conversation_end: str | None = None
+    # A failure: completion tokens of the turns generated before it, thrown away (the prompt is run again whole)
+    discarded_tokens: int = 0
 
 
 @dataclass

@@ -16,7 +16,8 @@ ACTOR_NAMESPACE = "regen"
 
 
 def client_settings(cfg: RunConfig, weight_version: str | None = None,
-                    engines: dict | None = None, run_engines: list[dict] | None = None) -> ClientSettings:
+                    engines: dict | None = None, run_engines: list[dict] | None = None,
+                    tools: bool = False) -> ClientSettings:
     """`engines`: each endpoint's engine adapter by label, as the preflight identified it; `run_engines`: the
     run's engines ([{"engine", "version"}], run.json), which a readmitted endpoint must run."""
     return ClientSettings(
@@ -33,6 +34,8 @@ def client_settings(cfg: RunConfig, weight_version: str | None = None,
         **cfg.sampling.explicit(),
         engines=dict(engines or {}),
         run_engines=tuple((e["engine"], e.get("version")) for e in run_engines or [] if e.get("engine")),
+        tool_choice=cfg.tool_choice,
+        needs_tool_calls=tools,
     )
 
 
@@ -59,6 +62,7 @@ def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callab
         ).remote(
             e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
             cfg.circuit_failures, readmission=cfg, start_open=start_open,
+            tool_reasoning_history=cfg.tool_reasoning_history,
         )
 
     return factory
@@ -70,6 +74,7 @@ def local_worker_factory(cfg: RunConfig, settings: ClientSettings, api_key: Call
 
     def factory(e: Endpoint, start_open: bool) -> EndpointWorker:
         return EndpointWorker(e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
-                              cfg.circuit_failures, readmission=cfg, start_open=start_open, **worker_options)
+                              cfg.circuit_failures, readmission=cfg, start_open=start_open,
+                              tool_reasoning_history=cfg.tool_reasoning_history, **worker_options)
 
     return factory

@@ -18,7 +18,7 @@ from ..hidden.bf16 import f32_to_bf16
 from ..hidden.layout import layout_shape
 from ..hidden.errors import CaptureSampleError
 from ..hidden.parts import HiddenPartWriter
-from ..hidden.routes import build_route
+from ..hidden.build import build_route
 from ..hidden.vllm_route import RequestOwner
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Mapping
 
 from ..core.config import Endpoint, RunConfig
 from ..core.errors import RunFatal
@@ -23,7 +23,9 @@ from ..core.work import DONE, DROPPED, RETRY, RETURNED, TERMINAL, Exchange, Outc
 from .actors import ACTOR_NAMESPACE, client_settings, make_actor_factory  # noqa: F401 - the run's imports
 from .isolation import Isolation
 from .routing import Router
+from .story import log_change
 from .transport import ActorLost, RayTransport, Transport
+from .waste import ThrownAway
 
 log = logging.getLogger("regen.dispatch")
 
@@ -72,6 +74,7 @@ class Dispatcher:
         fleet_watch: Callable[[], list[Endpoint] | None] | None = None,
         unreachable: Collection[str] = (),
         transport: Transport | None = None,
+        refused: Mapping[str, str] | None = None,
         load: Callable[[list[Any]], list[WorkItem]] | None = None,
     ):
         """`items`: WorkItems, or light pending prompts (a prompt_id and an affinity) that `load` turns into
@@ -86,10 +89,13 @@ class Dispatcher:
         self.unfinished = {item.prompt_id for item in items}
         self.on_outcome, self.on_tick, self.should_stop = on_outcome, on_tick, should_stop
         self.actor_factory, self.fleet_watch = actor_factory, fleet_watch
-        # An endpoint unreachable at the preflight starts with its circuit open: work once it passes it.
+        # An endpoint unreachable at the preflight starts with its circuit open: work once it passes it. So does one
+        # the preflight refused under --start-with-passing (`refused`: why), shown as `refused` until it passes.
+        self.refused = dict(refused or {})
         fleet = cfg.all_endpoints()
-        self.slots = {e.label: Slot(e, actor_factory(e, e.label in unreachable),
-                                    state="open" if e.label in unreachable else "healthy") for e in fleet}
+        held = set(unreachable) | set(self.refused)
+        self.slots = {e.label: Slot(e, actor_factory(e, e.label in held),
+                                    state="open" if e.label in held else "healthy") for e in fleet}
         self.router.set_endpoints(list(self.slots))
         self.router.add(items)
         self.calls: dict[Any, str] = {}
@@ -101,6 +107,7 @@ class Dispatcher:
         self.left_fatal: dict[str, Endpoint] = {}
         self.hedged: set[str] = set()  # prompts re-run on an idle endpoint at the tail of the run
         self.mean_latency: float | None = None  # moving average of a prompt's latency
+        self.waste = ThrownAway()  # generated tokens thrown away (store/goodput.py)
 
     # --- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -135,13 +142,19 @@ class Dispatcher:
         self._call(slot, [] if slot.draining else self._take(slot, exchange.demand))
 
     def fleet_status(self) -> dict[str, dict]:
-        return {label: {**s.stats, "state": "draining" if s.draining else s.state} for label, s in self.slots.items()}
+        return {label: {**s.stats, "state": "draining" if s.draining else s.state} if label not in self.refused else
+                {**s.stats, "state": "refused", "refused": f"the preflight refused it: {self.refused[label]}; it "
+                                                           "joins once it passes"} for label, s in self.slots.items()}
 
     def shutdown(self) -> None:
-        """End the actors. Work they still hold was never committed and stays pending."""
+        """End the actors. Work they still hold was never committed and stays pending; none is in flight after."""
+        self.waste.cancelled([(pid, t) for s in self.slots.values() for pid, t in s.sent_at.items()],
+                             self.unfinished, self.mean_latency)
         for slot in self.slots.values():
             if slot.handle is not None:
                 self.transport.kill(slot.handle)
+            if slot.stats:
+                slot.stats = {**slot.stats, "in_flight": 0}
 
     def _call(self, slot: Slot, work: list[WorkItem], wait_s: float = 0.5) -> None:
         now = time.monotonic()
@@ -222,7 +235,12 @@ class Dispatcher:
 
     # --- outcomes -----------------------------------------------------------------------------------
     def _absorb(self, slot: Slot, exchange: Exchange) -> None:
+        log_change(slot.label, slot.state, slot.stats, exchange.state, exchange.stats)
         slot.state, slot.stats = exchange.state, exchange.stats
+        if slot.label in self.refused and exchange.state in ("probing", "healthy"):
+            log.warning("endpoint %s now passes the preflight (refused at the start: %s): it joins the run",
+                        slot.label, self.refused.pop(slot.label))
+            self.fleet_changes.append(f"+{slot.label}")
         down = exchange.state in ("open", "fatal") or slot.losses > 0
         slot.down_since = (slot.down_since or time.monotonic()) if down else None
         for outcome in exchange.outcomes:
@@ -232,7 +250,9 @@ class Dispatcher:
             if outcome.kind == DONE:
                 latency = sum(c.latency_s for c in outcome.completions)
                 self.mean_latency = latency if self.mean_latency is None else 0.9 * self.mean_latency + 0.1 * latency
+                self.waste.done(outcome)
             if outcome.prompt_id not in self.unfinished:
+                self.waste.late(outcome)
                 continue  # a late answer for work already finished elsewhere
             attempts = self.attempts.get(outcome.prompt_id, 0) + outcome.attempts
             self.attempts[outcome.prompt_id] = attempts
@@ -244,11 +264,15 @@ class Dispatcher:
             if outcome.kind == DONE:
                 self._finish(outcome, attempts)
             elif self._held_elsewhere(outcome.prompt_id, slot):
+                self.waste.failed(outcome, terminal=False)
                 continue  # a hedged copy still runs elsewhere: that copy decides, this failure only counts
             elif self._terminal(outcome, attempts):
+                self.waste.failed(outcome, terminal=True)
                 self._finish(outcome, attempts)
-            elif item is not None:  # RETRY, RETURNED, DROPPED, ENDPOINT_FATAL: another endpoint will take it
-                self._requeue(item, failed_at=slot.label)
+            else:
+                self.waste.failed(outcome, terminal=False)
+                if item is not None:  # RETRY, RETURNED, DROPPED, ENDPOINT_FATAL: another endpoint will take it
+                    self._requeue(item, failed_at=slot.label)
         if exchange.state == "fatal":
             why = str(exchange.stats.get("last_error", "endpoint-fatal error"))
             if self.fleet_watch is not None:
@@ -297,7 +321,8 @@ class Dispatcher:
         """A dead actor's in-flight work is requeued (suspects of the crash, isolation.py) and a fresh actor
         takes its place: at once the first time, then with backoff until a replacement has run a prompt (an
         actor that dies on every start, or on every prompt it is given); meanwhile the endpoint counts as down."""
-        log.warning("actor for %s died (%s); requeueing %d prompts", slot.label, exc, len(slot.assigned))
+        why = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line in the log
+        log.warning("actor for %s died (%s); requeueing %d prompts", slot.label, why, len(slot.assigned))
         for prompt_id in slot.assigned:
             if self.isolation.ended(slot.label, prompt_id):
                 self.isolation.deaths[prompt_id] += 1
@@ -314,12 +339,14 @@ class Dispatcher:
         slot.losses += 1
         delay = 0.0 if slot.losses == 1 else min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (slot.losses - 2))
         slot.restart_at = time.monotonic() + delay
+        log.info("endpoint %s: a new actor starts in %.1fs (%d lost in a row)", slot.label, delay, slot.losses)
 
     def _restart_due(self) -> None:
         now = time.monotonic()
         for slot in self.slots.values():
             if slot.restart_at is not None and now >= slot.restart_at:
                 self.actor_restarts += 1
+                log.info("endpoint %s: actor restarted (%d restarts this session)", slot.label, self.actor_restarts)
                 slot.restart_at = None
                 slot.handle = self.actor_factory(slot.endpoint, False)
                 slot.created_at, slot.answered, slot.warned_unplaced = now, False, False
@@ -329,6 +356,7 @@ class Dispatcher:
         level = logging.INFO if slot.draining else logging.ERROR
         log.log(level, "endpoint %s leaves the fleet: %s", slot.label, why)
         self.fleet_changes.append(f"-{slot.label}")
+        self.refused.pop(slot.label, None)
         self._return_assigned(slot)
         for call, label in list(self.calls.items()):
             if label == slot.label:

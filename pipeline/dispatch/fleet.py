@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 from ..core.config import RunConfig
-from ..core.errors import DriftError
+from ..core.errors import DriftError, PreflightError
 from ..store.rundir import RunDir
 
 log = logging.getLogger("regen.fleet")
@@ -37,24 +37,55 @@ class FleetFacts:
     engines: dict  # each endpoint's engine adapter, by label
     unreachable: set[str]  # endpoints that did not answer: they start with their circuit open
     run_engines: list = field(default_factory=list)  # run.json's known engines: a readmission must run one
+    # --start-with-passing: endpoints the preflight refused, with why; they start with their circuit open and join
+    # once they pass the preflight again
+    refused: dict[str, str] = field(default_factory=dict)
+    tools: bool = False  # the prompt set has tools: a readmitted endpoint must return tool_calls too
 
 
-def fleet_preflight(cfg: RunConfig, run_dir: RunDir) -> FleetFacts:
+def fleet_preflight(cfg: RunConfig, run_dir: RunDir, start_with_passing: bool = False,
+                    tools: bool = False) -> FleetFacts:
     """Probe the fleet before any prompt; pin the run to the weight version it reports (or check it) and
-    record whether it is deterministic."""
+    record whether it is deterministic. `start_with_passing`: endpoints refused for problems of their own are
+    held out (FleetFacts.refused) instead of refusing the run; only the passing ones decide the pins. `tools`: the
+    prompt set has tools (the fleet must return tool_calls)."""
     from ..endpoints.preflight import preflight
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
-    reports = preflight(cfg, api_keys)
+    try:
+        reports = preflight(cfg, api_keys, start_with_passing=start_with_passing, tools=tools)
+    except PreflightError as refused:
+        log_verdicts(getattr(refused, "reports", []), getattr(refused, "fleet_problems", []))
+        raise
+    log_verdicts(reports, [])
     check_engines(run_dir, reports)
     weight_version = pin_weight_version(run_dir, reports)
     record_determinism(run_dir, reports)
     engines = record_engines(run_dir, reports)
     return FleetFacts(weight_version, {r.label: r.engine for r in reports if r.engine is not None},
-                      {r.label for r in reports if not r.reachable}, [e for e in engines if e.get("engine")])
+                      {r.label for r in reports if not r.reachable}, [e for e in engines if e.get("engine")],
+                      {r.label: "; ".join(r.problems) for r in reports if r.problems},
+                      tools)
 
 
-def check_fleet_first(cfg: RunConfig, run_dir: RunDir) -> None:
+def log_verdicts(reports, fleet_problems: list[str]) -> None:
+    """Each endpoint's preflight verdict, into the run's log (the console has the refusal or the warnings)."""
+    for r in reports:
+        if r.problems:
+            verdict = "REFUSED: " + "; ".join(r.problems)
+        elif not r.reachable:
+            verdict = f"unreachable ({r.down_reason}); it gets work once it answers and passes the preflight"
+        else:
+            engine = f"{r.engine.engine} {r.engine.version or '(version unknown)'}" if r.engine else "engine unknown"
+            verdict = (f"ok: {engine}, weight version {r.weight_version or 'not reported'}, context "
+                       f"{r.context or 'unknown'}")
+        level = logging.INFO if r.ok else logging.WARNING
+        log.log(level, "preflight: endpoint %s (%s) %s", r.label, r.url, verdict, extra={"file_only": True})
+    for problem in fleet_problems:
+        log.warning("preflight: fleet REFUSED: %s", problem, extra={"file_only": True})
+
+
+def check_fleet_first(cfg: RunConfig, run_dir: RunDir, start_with_passing: bool = False) -> None:
     """--new-run about to resume a run pinned to weights or made by a known engine: the fleet's are checked
     before anything of that run changes (run.json, the prompt set), so other weights or another engine start a
     successor and leave the old run as it was."""
@@ -66,7 +97,8 @@ def check_fleet_first(cfg: RunConfig, run_dir: RunDir) -> None:
     if pinned is None and not _known_engines(manifest):
         return
     with local_fleet(cfg.local_fleet, run_dir.local_logs()):
-        reports = preflight(cfg, {e.label: cfg.api_key(e) for e in cfg.all_endpoints()})
+        reports = preflight(cfg, {e.label: cfg.api_key(e) for e in cfg.all_endpoints()},
+                            start_with_passing=start_with_passing)
     check_engines(run_dir, reports)
     version = pinned_weight_version(reports)
     if pinned is not None and version is not None and version != pinned:

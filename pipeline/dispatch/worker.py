@@ -24,7 +24,7 @@ from ..core.work import (
     DONE, DROPPED, ENDPOINT_FATAL, RETRY, RETURNED, TERMINAL, Completion, Exchange, Outcome, WorkItem,
 )
 from ..endpoints.client import ClientSettings, EndpointClient, unexpected
-from ..prompts.conversation import turn_history, user_turns
+from ..prompts.conversation import DEFAULT_REASONING_HISTORY, AllTurns, normalised
 
 # Error class -> outcome kind, most specific first.
 OUTCOME_OF: tuple[tuple[type[RequestError], str], ...] = (
@@ -67,8 +67,10 @@ class EndpointWorker:
         backoff_max_s: float = 30.0,
         readmission: RunConfig | None = None,
         start_open: bool = False,
+        tool_reasoning_history: str = DEFAULT_REASONING_HISTORY,
     ):
         self.label, self.concurrency, self.mode = label, concurrency, mode
+        self.tool_reasoning_history = tool_reasoning_history
         self.client = EndpointClient(url, label, settings, api_key)
         self.attempts_per_endpoint = attempts_per_endpoint
         self.circuit_failures = circuit_failures
@@ -164,34 +166,47 @@ class EndpointWorker:
         Only failed attempts count against the prompt: a DONE costs one attempt plus the failures before it."""
         failed = 0
         completions: list[Completion] = []
+        conversation_end = None
         try:
-            messages = orjson.loads(item.messages_json)
+            messages = [normalised(m) for m in orjson.loads(item.messages_json)]  # as sent: tool fields only if set
+            tools = orjson.loads(item.tools_json) if item.tools_json is not None else None
             if self.mode == "all_turns":
-                system, users = user_turns(messages)
-                for k in range(len(users)):
-                    history = turn_history(system, users, [c.content for c in completions], k)
+                # Each generation is one step (a tool-calling step included); the whole conversation is one outcome,
+                # so a kill mid-conversation redoes all of it.
+                conversation = AllTurns(messages, self.tool_reasoning_history)
+                while (history := conversation.next_history()) is not None:
+                    k = conversation.generations
                     seed = None if item.seed is None else item.seed + k
-                    completion, used = await self._request(item.prompt_id, k, history, seed)
+                    completion, used = await self._request(item.prompt_id, k, history, seed, tools)
                     failed += used - 1
                     completions.append(completion)
+                    conversation.add(completion)
+                conversation_end = conversation.end
             else:
                 turn = sum(m["role"] == "assistant" for m in messages)
-                completion, used = await self._request(item.prompt_id, turn, messages, item.seed)
+                completion, used = await self._request(item.prompt_id, turn, messages, item.seed, tools)
                 failed += used - 1
                 completions.append(completion)
         except _Failed as failure:
-            return self._failed(item, failure.error, failed + failure.attempts)
+            return self._discarding(self._failed(item, failure.error, failed + failure.attempts), completions)
         except BaseException as exc:  # e.g. a conversation this code cannot read
             if _must_propagate(exc):
                 raise
-            return self._failed(item, unexpected(exc, self.label), failed + 1)
+            return self._discarding(self._failed(item, unexpected(exc, self.label), failed + 1), completions)
         self.consecutive_failures = 0
         if self.state == "probing":
             self.state = "healthy"
-        return Outcome(item.prompt_id, DONE, self.label, failed + 1, completions=completions)
+        return Outcome(item.prompt_id, DONE, self.label, failed + 1, completions=completions,
+                       conversation_end=conversation_end)
+
+    @staticmethod
+    def _discarding(outcome: Outcome, completions: list[Completion]) -> Outcome:
+        """The tokens of the turns done before a failure go with it: the driver counts them as thrown away."""
+        outcome.discarded_tokens = sum(c.completion_tokens for c in completions)
+        return outcome
 
     async def _request(self, prompt_id: str, turn_index: int, messages: list[dict[str, str]],
-                       seed: int | None) -> tuple[Completion, int]:
+                       seed: int | None, tools: list[dict] | None = None) -> tuple[Completion, int]:
         """One turn, with backoff and jitter on retryable errors, up to attempts_per_endpoint.
         Returns the completion and the attempts it took; raises _Failed with the attempts that count."""
         attempts = 0
@@ -207,7 +222,7 @@ class EndpointWorker:
                 with attempt:
                     self.requests += 1
                     attempts += 1
-                    completion = await self._attempt(prompt_id, turn_index, messages, seed)
+                    completion = await self._attempt(prompt_id, turn_index, messages, seed, tools)
         except RequestError as error:
             # an unreachable endpoint, or a dropped connection, is not the prompt's attempt
             raise _Failed(error, attempts - isinstance(error, EndpointDown)) from None
@@ -215,10 +230,10 @@ class EndpointWorker:
         return completion, attempts
 
     async def _attempt(self, prompt_id: str, turn_index: int, messages: list[dict[str, str]],
-                       seed: int | None) -> Completion:
+                       seed: int | None, tools: list[dict] | None = None) -> Completion:
         """The client boundary: what comes out is a completion or an error of the taxonomy."""
         try:
-            return await self.client.chat(messages, seed)
+            return await self.client.chat(messages, seed, tools)
         except RequestError:
             raise
         except BaseException as exc:
@@ -278,7 +293,7 @@ class EndpointWorker:
             return True
         from ..endpoints.preflight import check_endpoint, engine_refusal, fleet_problems
 
-        report = await check_endpoint(self.client, self.readmission)
+        report = await check_endpoint(self.client, self.readmission, tools=self.client.settings.needs_tool_calls)
         expected = self.client.settings.expected_weight_version
         problems = report.problems + fleet_problems([report], self.readmission)
         if expected is not None and report.weight_version not in (None, expected):

@@ -49,7 +49,7 @@ class EmulatorConfig:
     context_length: int = 262144
     num_layers: int = 61
     reasoning_parser: str | None = None           # "kimi_k2" splits reasoning at </think>
-    tool_call_parser: str | None = None
+    tool_call_parser: str | None = None           # "kimi_k2" cuts Kimi's calls out of content into tool_calls
     tp_size: int = 8
     # --- features ----------------------------------------------------------------------------
     speculative_algorithm: str | None = None      # "EAGLE3", "EAGLE", ...
@@ -175,7 +175,8 @@ _OPTIONS: list[tuple[str, Any, str]] = [
     ("context_length", int, "context length in tokens"),
     ("num_layers", int, "number of layers reported"),
     ("reasoning_parser", str, "reasoning parser (kimi_k2 splits at </think>)"),
-    ("tool_call_parser", str, "tool-call parser name (reported only)"),
+    ("tool_call_parser", str, "tool-call parser (kimi_k2 returns Kimi's calls in tool_calls; other names and none "
+                              "leave them in content, as SGLang does)"),
     ("tp_size", int, "tensor parallel size (reported only)"),
     ("speculative_algorithm", str, "speculative algorithm (EAGLE3, EAGLE, ...)"),
     ("enable_deterministic_inference", bool, "report --enable-deterministic-inference (seeds then reproduce)"),
@@ -220,7 +221,7 @@ _OPTIONS: list[tuple[str, Any, str]] = [
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.emulator",
+        prog="regen emulate",  # also `python -m pipeline.emulator`: the same options
         description="SGLang-faithful emulated server (deterministic answers, fault injection).",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,

@@ -18,11 +18,14 @@ from typing import Any
 
 import orjson
 
+from .tools import (KIMI_PARSERS, TOOL_SPECIAL, active_tools, history_calls, json_array_text, kimi_call_text,
+                    parse_calls, plan_calls, render_calls, render_tools, result_header, text_pieces)
+
 VOCAB_SIZE = 163840
 N_PLAIN = 163584                      # ids below this are plain words; the top 256 are special tokens
 SPECIAL = {
     "<|im_end|>": 163586, "<|im_user|>": 163587, "<|im_assistant|>": 163588, "<|im_system|>": 163594,
-    "<|im_middle|>": 163601, "<think>": 163606, "</think>": 163607,
+    "<|im_middle|>": 163601, "<think>": 163606, "</think>": 163607, **TOOL_SPECIAL,
 }
 EOS_ID = SPECIAL["<|im_end|>"]
 THINK_END_ID = SPECIAL["</think>"]
@@ -104,12 +107,18 @@ def _content_text(content: Any) -> str:
     raise ValueError("message content must be a string or a list of content parts")
 
 
-def render_chat(messages: list[dict], thinking: bool = True) -> str:
-    """Kimi-like chat template; the generation prompt ends with <think> (thinking) or <think></think>."""
-    out = []
+def render_chat(messages: list[dict], thinking: bool = True, tools: list[dict] | None = None) -> str:
+    """Kimi-like chat template; the generation prompt ends with <think> (thinking) or <think></think>. Tools,
+    calls and results as tools.py renders them (only where present: a tool-free chat renders as it always did)."""
+    out = [render_tools(tools)] if tools else []
     for m in messages:
         role = m.get("role")
-        out.append(f"{ROLE_TOKENS[role]}{role}<|im_middle|>{_content_text(m.get('content'))}<|im_end|>")
+        text = _content_text(m.get("content"))
+        if role == "tool":
+            text = result_header(m) + text
+        elif role == "assistant" and m.get("tool_calls"):
+            text += render_calls(m["tool_calls"])
+        out.append(f"{ROLE_TOKENS[role]}{role}<|im_middle|>{text}<|im_end|>")
     out.append("<|im_assistant|>assistant<|im_middle|><think>" + ("" if thinking else "</think>"))
     return "".join(out)
 
@@ -131,6 +140,8 @@ class Generation:
     n_reason: int                    # reasoning tokens in the natural (uncut) sequence
     finish: str                      # "stop" | "length" | "abort"
     thinking: bool
+    # A Kimi tool-call parser reads the answer: (calls in the history, whether calls are numbered per answer)
+    tool_parsing: tuple[int, bool] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -170,7 +181,20 @@ class Generation:
     def cut(self, n: int, finish: str) -> "Generation":
         """The first n tokens with another finish (used for aborts)."""
         return Generation(self.prompt_ids, self.output_ids[:n], self.pieces[:n], self.n_reason, finish,
-                          self.thinking)
+                          self.thinking, self.tool_parsing)
+
+    def answering(self, pieces: list[str], limit: int | None) -> "Generation":
+        """This generation with its answer replaced by `pieces` (then EOS), cut at `limit` tokens. A reasoning cut
+        before </think> never reaches the answer: unchanged."""
+        head = self.n_reason + 1 if self.thinking else 0
+        if len(self.output_ids) < head or (self.thinking and self.output_ids[head - 1] != THINK_END_ID):
+            return self
+        ids = self.output_ids[:head] + [token_id(p.strip()) for p in pieces] + [EOS_ID]
+        texts = self.pieces[:head] + pieces + [""]
+        finish = "stop"
+        if limit is not None and len(ids) > limit:
+            ids, texts, finish = ids[:limit], texts[:limit], "length"
+        return Generation(self.prompt_ids, ids, texts, self.n_reason, finish, self.thinking, self.tool_parsing)
 
 
 def _seed(prompt_key: bytes, temperature: float, seed: Any) -> int:
@@ -244,19 +268,44 @@ def chat_max_tokens(req: dict) -> int | None:
     return v
 
 
-def chat_generation(req: dict, context_length: int, default_budget: int = 512) -> tuple[str, Generation]:
-    """Render + generate for a (validated) chat request. Returns (prompt_text, generation)."""
+def chat_generation(req: dict, context_length: int, default_budget: int = 512, tool_parser: str | None = None,
+                    local_call_index: bool = True) -> tuple[str, Generation]:
+    """Render + generate for a (validated) chat request. Returns (prompt_text, generation). `tool_parser`: the
+    server's --tool-call-parser; `local_call_index`: its Kimi parser numbers an answer's calls from 0 (0.5.17+)."""
     thinking = thinking_enabled(req)
-    prompt_text = render_chat(req["messages"], thinking)
+    tools = active_tools(req)
+    prompt_text = render_chat(req["messages"], thinking, tools)
     prompt_ids = encode(prompt_text)
     max_tokens = chat_max_tokens(req)
     budget = None
     if max_tokens is None:
         max_tokens = max(1, context_length - len(prompt_ids))
         budget = min(default_budget, max_tokens // 2 or 1)
+    plan = plan_calls(req, tools)
+    if plan:  # the reasoning before a call is short enough to leave the call room (a quarter of the budget)
+        budget = max(1, min(budget or max_tokens, max_tokens // 4))
     gen = generate(prompt_text.encode(), prompt_ids, max_tokens, float(req.get("temperature") or 0.0),
                    req.get("seed"), thinking, bool(req.get("ignore_eos")), budget)
+    if plan:
+        history = history_calls(req["messages"])
+        kimi = tool_parser in KIMI_PARSERS
+        constrained = req.get("tool_choice") not in (None, "auto") and not kimi  # JSON schema, not Kimi's markup
+        text = json_array_text(plan) if constrained else kimi_call_text(plan, history)
+        gen = gen.answering(text_pieces(text), max_tokens)
+        gen.tool_parsing = (history, local_call_index) if kimi else None
     return prompt_text, gen
+
+
+def chat_answer(gen: Generation, parser: bool) -> tuple[str, str | None, list[dict] | None, str, int | None]:
+    """(content, reasoning_content, tool_calls, finish_reason, matched_stop) as the chat endpoint reports them."""
+    content, reasoning = split_reasoning(gen, parser)
+    if gen.tool_parsing is None:
+        return content, reasoning, None, gen.finish, gen.matched_stop
+    history, local_index = gen.tool_parsing
+    content, calls = parse_calls(content, history, local_index)
+    if calls and gen.finish == "stop":
+        return content, reasoning, calls, "tool_calls", None
+    return content, reasoning, calls, gen.finish, gen.matched_stop
 
 
 def split_reasoning(gen: Generation, parser: bool) -> tuple[str, str | None]:
@@ -273,17 +322,19 @@ def expected_chat(request_json: dict, cfg: Any = None) -> dict:
     prompt_tokens, completion_tokens (plus reasoning_tokens and the token ids)."""
     from .config import EmulatorConfig
     cfg = cfg or EmulatorConfig()
-    _, gen = chat_generation(request_json, cfg.context_length, cfg.default_max_tokens)
+    _, gen = chat_generation(request_json, cfg.context_length, cfg.default_max_tokens, cfg.tool_call_parser,
+                             cfg.behaviour.kimi_local_call_index)
     parser = cfg.thinking_parser
-    content, reasoning = split_reasoning(gen, parser)
+    content, reasoning, tool_calls, finish, matched_stop = chat_answer(gen, parser)
     return {
         "content": content,
         "reasoning_content": reasoning,
-        "finish_reason": gen.finish,
+        "tool_calls": tool_calls,
+        "finish_reason": finish,
         "prompt_tokens": gen.prompt_tokens,
         "completion_tokens": gen.completion_tokens,
         "reasoning_tokens": gen.reasoning_tokens if parser else 0,
-        "matched_stop": gen.matched_stop,
+        "matched_stop": matched_stop,
         "output_ids": gen.output_ids,
         "prompt_ids": gen.prompt_ids,
     }

@@ -9,7 +9,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from .model import ROLE_TOKENS, VOCAB_SIZE, Generation, split_reasoning
+from .model import ROLE_TOKENS, VOCAB_SIZE, Generation, chat_answer
+from .tools import SECTION_BEGIN, call_stream_deltas
 
 JSON = "application/json"
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
@@ -203,11 +204,11 @@ def weight_metadata(weight_version: str, n_output: int, spans: bool, switch: boo
 def chat_body(rid: str, model: str, gen: Generation, usage: dict, weight_version: str | dict, parser: bool,
               extra_choice: dict | None = None) -> dict:
     """`weight_version`: the version, or the whole metadata (weight_metadata)."""
-    content, reasoning = split_reasoning(gen, parser)
+    content, reasoning, tool_calls, finish, matched_stop = chat_answer(gen, parser)
     choice = {"index": 0,
               "message": {"role": "assistant", "content": content, "reasoning_content": reasoning,
-                          "tool_calls": None},
-              "logprobs": None, "finish_reason": gen.finish, "matched_stop": gen.matched_stop}
+                          "tool_calls": tool_calls},
+              "logprobs": None, "finish_reason": finish, "matched_stop": matched_stop}
     if extra_choice:
         choice.update(extra_choice)
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -229,11 +230,17 @@ def chunk_bytes(rid: str, created: int, model: str, delta: dict | None, finish: 
 
 
 def stream_deltas(gen: Generation, parser: bool) -> list[dict]:
-    """One delta per output token, as the reasoning parser splits them (EOS and </think> give no text)."""
+    """One delta per output token, as the reasoning parser splits them (EOS and </think> give no text). With a
+    Kimi tool-call parser, the tokens of the calls' section give no text but the tool_calls deltas."""
     out = []
     n_reason = gen.n_reason if gen.thinking else -1
+    _, _, calls, _, _ = chat_answer(gen, parser)
+    section = next((i for i, p in enumerate(gen.pieces) if p.strip() == SECTION_BEGIN), None) if calls else None
+    call_deltas = call_stream_deltas(gen.pieces, calls) if calls else {}
     for i, piece in enumerate(gen.pieces):
-        if not piece:
+        if section is not None and i >= section:
+            out.append(call_deltas.get(i, {}))
+        elif not piece:
             out.append({})
         elif gen.thinking and parser and i < n_reason:
             out.append({"reasoning_content": piece})

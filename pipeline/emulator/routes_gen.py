@@ -11,8 +11,8 @@ import orjson
 from aiohttp import web
 
 from .versions import contract_error
-from .model import THINK_START_ID, Generation, chat_generation, chat_max_tokens, generate, generate_prompt, \
-    native_finish
+from .model import THINK_START_ID, Generation, chat_answer, chat_generation, chat_max_tokens, generate, \
+    generate_prompt, native_finish
 from .protocol import (RequestInvalid, chat_body, chat_usage, check_context, chunk_bytes, json_response,
                        meta_info, native_error, openai_error, parse_json, stream_deltas, stream_error_event,
                        validate_chat, validate_generate, weight_metadata)
@@ -69,7 +69,8 @@ def _prepare_chat(st: ServerState, body: dict) -> Generation:
     cfg = st.cfg
     validate_chat(body, cfg.behaviour.return_token_ids)
     # No model-name check: SGLang's chat route echoes request.model (only /v1/models/{m} answers 404).
-    _, gen = chat_generation(body, cfg.context_length, cfg.default_max_tokens)
+    _, gen = chat_generation(body, cfg.context_length, cfg.default_max_tokens, cfg.tool_call_parser,
+                             cfg.behaviour.kimi_local_call_index)
     check_context(gen.prompt_tokens, chat_max_tokens(body), cfg.context_length)
     return gen
 
@@ -325,11 +326,12 @@ async def _stream(request: web.Request, st: ServerState, job: Job) -> web.Stream
         await resp.write_eof()
         return resp
     if chat:
+        _, _, _, finish, matched = chat_answer(gen, parser)
         buf.append(b"data: " + orjson.dumps(
             {"id": job.rid, "object": "chat.completion.chunk", "created": created, "model": model,
              "choices": [{"index": 0, "delta": {"role": None, "content": None, "reasoning_content": None,
                                                 "tool_calls": None},
-                          "logprobs": None, "finish_reason": gen.finish, "matched_stop": gen.matched_stop}],
+                          "logprobs": None, "finish_reason": finish, "matched_stop": matched}],
              "usage": None}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n")
         ext = _sglext_ids(cfg, job)
         if ext:

@@ -60,6 +60,12 @@ class Behaviour:
         return self._from(0, 5, 23)
 
     @property
+    def kimi_local_call_index(self) -> bool:
+        """KimiK2Detector numbers one answer's calls from 0; before 0.5.17 it took the IDX the model wrote (a
+        conversation-wide count, which serving_chat then offsets by the history again)."""
+        return self._from(0, 5, 17)
+
+    @property
     def generate_contract(self) -> bool:
         """/generate refuses unknown sampling_params fields with 400 {"error": "<text>"}."""
         return self._from(0, 5, 23)

@@ -25,6 +25,7 @@ from ..core.errors import (
     Unexpected,
 )
 from .engines import OpenAIAdapter, Sampling, StreamIds, error_texts
+from .toolcalls import ToolCallFragments, tool_calls_of
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 # Any engine: a 400 that names a model that does not exist (SGLang: "The model 'X' does not exist"; vLLM says so
@@ -139,6 +140,10 @@ class ClientSettings:
     engines: dict[str, OpenAIAdapter] = field(default_factory=dict)
     # The (engine, version) pairs the run's preflight admitted: a readmitted endpoint must run one of them.
     run_engines: tuple[tuple[str, str | None], ...] = ()
+    # Sent beside `tools`, only on a request whose prompt has tools (config `tool_choice`).
+    tool_choice: str = "auto"
+    # The run's prompt set has tools: an endpoint readmitted (or joining) must return tool_calls (the preflight's).
+    needs_tool_calls: bool = False
 
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty)
@@ -178,7 +183,7 @@ def parse_chat(body: dict[str, Any], latency_s: float, request_id: str,
         output_token_ids=engine.output_ids(choice),
         weight_versions=engine.weight_versions(metadata) or None,
         deterministic=engine.deterministic, engine=engine.engine, engine_version=engine.version,
-        **_usage_fields(body.get("usage") or {}),
+        tool_calls=tool_calls_of(message), **_usage_fields(body.get("usage") or {}),
     )
 
 
@@ -196,6 +201,7 @@ class StreamAccumulator:
     prompt_ids: list[int] | None = None  # where the engine sends them on a stream (StreamIds)
     output_ids: list[int] | None = None
     endpoint: str = ""
+    tool_calls: ToolCallFragments = field(default_factory=ToolCallFragments)
 
     def add(self, chunk: dict[str, Any]) -> None:
         if chunk.get("error"):  # SGLang reports a mid-stream error as a data event
@@ -215,6 +221,8 @@ class StreamAccumulator:
             reasoning = self.engine.reasoning(delta)
             if reasoning:
                 self.reasoning.append(reasoning)
+            if delta.get("tool_calls"):
+                self.tool_calls.add(delta["tool_calls"])
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
     def completion(self, latency_s: float) -> Completion:
@@ -224,7 +232,7 @@ class StreamAccumulator:
             finish_reason=self.finish_reason, model=self.model, weight_version=None,
             latency_s=latency_s, request_id=self.request_id, deterministic=self.engine.deterministic,
             engine=self.engine.engine, engine_version=self.engine.version, prompt_token_ids=self.prompt_ids,
-            output_token_ids=self.output_ids, **_usage_fields(self.usage),
+            output_token_ids=self.output_ids, tool_calls=self.tool_calls.joined(), **_usage_fields(self.usage),
         )
 
 
@@ -240,7 +248,10 @@ class EndpointClient:
         )
         self._http: aiohttp.ClientSession | None = None
 
-    async def chat(self, messages: list[dict[str, str]], seed: int | None) -> Completion:
+    async def chat(self, messages: list[dict[str, Any]], seed: int | None,
+                   tools: list[dict[str, Any]] | None = None) -> Completion:
+        """One generation. `tools`: the prompt's OpenAI tools list, sent with the run's `tool_choice`; None (or
+        empty: vLLM refuses `tools: []`) sends neither field."""
         s = self.settings
         rid = uuid.uuid4().hex  # fresh on every attempt: SGLang refuses a rid that is still running
         sampling = s.sampling().fields()
@@ -251,6 +262,8 @@ class EndpointClient:
         extra.update(self.engine.chat_extras(want_ids=s.return_token_ids, stream=s.stream))
         request = dict(model=s.model, messages=messages, max_tokens=s.max_tokens, temperature=s.temperature,
                        top_p=s.top_p, seed=seed, extra_body=extra)
+        if tools:
+            request.update(tools=tools, tool_choice=s.tool_choice)
         started = time.monotonic()
         try:
             if s.stream:

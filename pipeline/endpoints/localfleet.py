@@ -79,7 +79,16 @@ def vllm_command(fleet: LocalFleet, port: int, lifeline_fd: int) -> list[str]:
     return [str(python), str(VLLM_SERVE), "--lifeline-fd", str(lifeline_fd), "--",
             "--model", str(model), "--served-model-name", fleet.model_alias, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(fleet.ctx_per_slot),
-            "--max-num-seqs", str(fleet.slots), *hidden_states_arguments(fleet, model)]
+            "--max-num-seqs", str(fleet.slots), *tool_arguments(fleet), *hidden_states_arguments(fleet, model)]
+
+
+def tool_arguments(fleet: LocalFleet) -> list[str]:
+    """The chat template (a path, resolved here: the server runs in another directory's terms) and the tool-call
+    parser that makes vLLM answer with `tool_calls` (without it, it refuses `tool_choice: auto` with a 400)."""
+    arguments = ["--chat-template", str(Path(fleet.chat_template).resolve())] if fleet.chat_template else []
+    if fleet.tool_call_parser:
+        arguments += ["--enable-auto-tool-choice", "--tool-call-parser", fleet.tool_call_parser]
+    return arguments
 
 
 def hidden_layer_ids(fleet: LocalFleet, model: Path) -> list[int]:
@@ -116,6 +125,8 @@ def vllm_environment(fleet: LocalFleet, index: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
     if fleet.hidden_states_dir:  # only the connector's folder: vLLM imports nothing else of regen
         env["PYTHONPATH"] = str(VLLM_PLUGINS)
+    if fleet.tool_call_parser:  # "required" met by a structural tag in the parser's format (vLLM's default, pinned)
+        env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "1"
     return {**env, **VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(fleet.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
 
@@ -130,6 +141,8 @@ def check_vllm(fleet: LocalFleet) -> None:
     if not (model / "config.json").exists():
         raise ConfigError(f"local_fleet engine vllm: no model folder at {model} (local_fleet.model_path, else "
                           "REGEN_VLLM_MODEL, else the folder `make vllm` converts)")
+    if fleet.chat_template and not Path(fleet.chat_template).is_file():
+        raise ConfigError(f"local_fleet.chat_template: no file at {fleet.chat_template}")
 
 
 def serve(port: int, slots: int, ctx_per_slot: int, threads: int, alias: str, lifeline_fd: int | None = None) -> None:
@@ -346,10 +359,11 @@ def local_fleet(fleet: LocalFleet | None, log_dir: Path):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="regen serve-local", description=__doc__)
-    parser.add_argument("--port", type=int, default=18181)
+    parser.add_argument("--port", type=int, default=18181, help="port on 127.0.0.1 (default 18181)")
     parser.add_argument("--slots", type=int, default=4, help="parallel sequences (n_parallel)")
     parser.add_argument("--ctx-per-slot", type=int, default=1024, help="context tokens per slot")
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="CPU threads (default: half of this machine's cores)")
     parser.add_argument("--alias", default="SmolLM2-135M-Instruct", help="model name the server reports")
     parser.add_argument("--lifeline-fd", type=int, default=None,
                         help="stop when this pipe closes (set by regen: the server dies with its driver)")

@@ -13,7 +13,9 @@ import logging
 import random
 import sys
 import time
+from typing import Any
 
+from ..core import exits
 from ..core.config import RunConfig
 from .client import ClientSettings, EndpointClient
 from ..core.errors import ConfigError, PreflightError
@@ -136,10 +138,10 @@ def refusal_text(reports: list[EndpointReport], fleet: list[str]) -> str:
 def _settings(cfg: RunConfig) -> ClientSettings:
     return ClientSettings(model=cfg.model, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                           max_tokens=cfg.sampling.max_tokens, chat_template_kwargs=cfg.template_kwargs(),
-                          **cfg.sampling.explicit())
+                          tool_choice=cfg.tool_choice, **cfg.sampling.explicit())
 
 
-async def probe_fleet(cfg: RunConfig, api_keys: dict[str, str | None], **options) -> list[EndpointReport]:
+async def probe_fleet(cfg: RunConfig, api_keys: dict[str, str | None], **options: Any) -> list[EndpointReport]:
     """One round: every endpoint checked concurrently. `options`: check_endpoint's keywords."""
     settings = _settings(cfg)
     clients = [EndpointClient(e.url, e.label, settings, api_keys.get(e.label)) for e in cfg.all_endpoints()]
@@ -155,19 +157,37 @@ def _refuse(message: str, reports: list[EndpointReport], fleet: list[str]) -> Pr
     return error
 
 
-async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], **timeouts: float) -> list[EndpointReport]:
-    """`preflight` for callers already inside an event loop."""
+async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], announce: bool = True,
+                          start_with_passing: bool = False, **timeouts: Any) -> list[EndpointReport]:
+    """`preflight` for callers already inside an event loop. `announce`: log the fleet notes and each endpoint's
+    warnings once it passes (False: the caller prints them itself, as `regen preflight` does in its table).
+    `start_with_passing`: an endpoint with problems of its own is held out (named loudly) instead of refusing the
+    run, as long as another passes; the fleet checks then apply to the others."""
     deadline = time.monotonic() + cfg.dead_fleet_deadline_s
     delay = 1.0
     while True:
         reports = await probe_fleet(cfg, api_keys, **timeouts)
-        fleet = fleet_problems(reports, cfg)
-        if fleet or any(r.problems for r in reports):
-            raise _refuse(refusal_text(reports, fleet), reports, fleet)
-        if any(r.reachable for r in reports):
+        held = [r for r in reports if r.problems] if start_with_passing else []
+        rest = [r for r in reports if not (start_with_passing and r.problems)]
+        fleet = fleet_problems(rest, cfg)
+        if fleet or any(r.problems for r in rest):
+            raise _refuse(refusal_text(reports, fleet) + _passing_hint(reports, cfg), reports, fleet)
+        if held and not any(r.reachable for r in rest):
+            raise _refuse(refusal_text(reports, []) + "\nno endpoint passes it, so --start-with-passing has none to "
+                          "start with", reports, fleet)
+        if any(r.reachable for r in rest):
+            if not announce:
+                return reports
+            for r in held:
+                log.error("endpoint %s failed the preflight: %s. --start-with-passing: the run starts without it; it "
+                          "joins once it passes the preflight (checked again with backoff)", r.label,
+                          "; ".join(r.problems))
+            if held:
+                log.warning("starting with %d of %d endpoints (--start-with-passing); held out: %s",
+                            len(reports) - len(held), len(reports), ", ".join(r.label for r in held))
             for note in fleet_notes(reports, cfg):
                 log.warning("fleet: %s", note)
-            for r in reports:
+            for r in rest:
                 if not r.reachable:
                     log.warning("endpoint %s is unreachable (%s); it gets work once it answers and passes "
                                 "this preflight", r.label, r.down_reason)
@@ -187,13 +207,27 @@ async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], **tim
         delay = min(delay * 2, 30.0)
 
 
-def preflight(cfg: RunConfig, api_keys: dict[str, str | None], **timeouts: float) -> list[EndpointReport]:
+def _passing_hint(reports: list[EndpointReport], cfg: RunConfig) -> str:
+    """The way on when only some endpoints are misconfigured and the others agree with each other."""
+    passing = [r for r in reports if r.ok]
+    failing = [r for r in reports if r.problems]
+    if not passing or not failing or fleet_problems(passing, cfg):
+        return ""
+    return (f"\n{len(passing)} of {len(reports)} endpoints pass: `regen generate --start-with-passing` starts the run "
+            f"with them, and the {len(failing)} refused above join{'s' if len(failing) == 1 else ''} once fixed (each "
+            "is checked again with this preflight)")
+
+
+def preflight(cfg: RunConfig, api_keys: dict[str, str | None], announce: bool = True,
+              start_with_passing: bool = False, **timeouts: Any) -> list[EndpointReport]:
     """Check the fleet before any prompt is sent.
 
     Raises PreflightError naming each endpoint and mismatch; waits with backoff up to
     cfg.dead_fleet_deadline_s while no endpoint answers. Unreachable endpoints among working ones are
-    warnings (logged, and in the reports). `timeouts`: info_timeout_s, probe_timeout_s."""
-    return asyncio.run(preflight_async(cfg, api_keys, **timeouts))
+    warnings (logged, and in the reports); so are endpoints with problems under `start_with_passing` (their
+    reports keep the problems). `timeouts`: info_timeout_s, probe_timeout_s, and `tools=True` for a prompt set with tools (check_endpoint's
+    keywords)."""
+    return asyncio.run(preflight_async(cfg, api_keys, announce, start_with_passing, **timeouts))
 
 
 # --- `regen preflight CONFIG` ---------------------------------------------------------------------------
@@ -210,30 +244,30 @@ def run_preflight_command(config_path: str) -> int:
         api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
     except ConfigError as exc:
         print(f"regen: error: {exc}", file=sys.stderr)
-        return 2
+        return exits.CONFIG.code
     try:
         if cfg.local_fleet is not None:
             reports = _with_local_fleet(cfg, api_keys)
         else:
-            reports = preflight(cfg, api_keys)
+            reports = preflight(cfg, api_keys, announce=False)  # the table and the lines below say it all, once
     except PreflightError as exc:
         reports = getattr(exc, "reports", None)
         if reports:
             print(render_table(reports, cfg, getattr(exc, "fleet_problems", [])))
         print(f"regen: error: {exc}", file=sys.stderr)
-        return 1
+        return exits.FAILED.code
     except ConfigError as exc:
         print(f"regen: error: {exc}", file=sys.stderr)
-        return 2
+        return exits.CONFIG.code
     except Exception as exc:  # noqa: BLE001 - e.g. a local fleet that will not start (RunFatal)
         print(f"regen: error: {exc}", file=sys.stderr)
-        return 1
+        return exits.FAILED.code
     print(render_table(reports, cfg, []))
     for note in fleet_notes(reports, cfg):
         print(f"  fleet: {note}")
     ready = sum(r.ok for r in reports)
     print(f"preflight passed: {ready} of {len(reports)} endpoints ready for {cfg.model}")
-    return 0
+    return exits.OK.code
 
 
 def _with_local_fleet(cfg: RunConfig, api_keys: dict[str, str | None]) -> list[EndpointReport]:
@@ -248,7 +282,7 @@ def _with_local_fleet(cfg: RunConfig, api_keys: dict[str, str | None]) -> list[E
     logs = Path(tempfile.mkdtemp(prefix="regen-preflight-"))
     try:
         with LocalFleetProcesses(cfg.local_fleet, logs):
-            reports = preflight(cfg, api_keys)
+            reports = preflight(cfg, api_keys, announce=False)
     except RunFatal:
         if not any(logs.iterdir()):  # e.g. a port in use: nothing started, nothing to keep
             shutil.rmtree(logs, ignore_errors=True)

@@ -94,8 +94,9 @@ class _Findings:
 
 
 async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout_s: float = INFO_TIMEOUT_S,
-                         probe_timeout_s: float = PROBE_TIMEOUT_S) -> EndpointReport:
+                         probe_timeout_s: float = PROBE_TIMEOUT_S, tools: bool = False) -> EndpointReport:
     """Every check of one endpoint. Never raises for the endpoint's faults: they are in the report.
+    `tools`: the prompt set has prompts with tools, so the endpoint must return the target's calls in tool_calls.
 
     `report.ok` says whether the endpoint may get work; `report.reachable` False means it did not answer
     (or did not generate) and may come back; `report.problems` non-empty means it is misconfigured."""
@@ -204,6 +205,13 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
 
     # 4. The tiny generations, concurrently.
     probes = [_chat_probe(client, cfg, report, found, probe_timeout_s)]
+    if tools and cfg.tool_choice != "none":
+        if server_info is not None and "tool_call_parser" in server_info:  # SGLang: it refuses no request
+            if not server_info["tool_call_parser"]:
+                found.other.append(tool_refusal(report.engine, "the server reports tool_call_parser: null, so it "
+                                                "would leave the target's calls as text in content"))
+        else:
+            probes.append(_tool_probe(client, cfg, report, found, probe_timeout_s))
     if wants_output_ids(cfg) and cfg.stream:  # the ids on the run's own transport
         probes.append(_stream_ids_probe(client, cfg, report, found, probe_timeout_s))
     await asyncio.gather(*probes)
@@ -281,6 +289,36 @@ async def _stream_ids_probe(client: EndpointClient, cfg: RunConfig, report: Endp
         found.add("ids", f"a tiny streamed generation (the run streams) came back without them (the server is "
                          f"{engine}): set `stream: false` if it returns them unstreamed, or `return_token_ids: "
                          "false` to run without exact token ids")
+
+
+PROBE_TOOL = {"type": "function", "function": {"name": "get_time", "description": "The current time.",
+                                              "parameters": {"type": "object", "properties": {}}}}
+
+
+def tool_refusal(engine: OpenAIAdapter | None, why: str) -> str:
+    fix = (engine or OpenAIAdapter()).tool_calls_fix()
+    return f"the prompt set has tools, and this server cannot return the target's calls in tool_calls ({why}): {fix}"
+
+
+async def _tool_probe(client: EndpointClient, cfg: RunConfig, report: EndpointReport, found: _Findings,
+                      timeout_s: float) -> None:
+    """A prompt set with tools, on a server that does not report its tool-call parser: one tiny request with a
+    tool and the run's tool_choice (vLLM refuses it with a 400 when launched without a parser)."""
+    body: dict[str, Any] = {"model": cfg.model, "messages": PROBE_MESSAGES, "max_tokens": CHAT_PROBE_TOKENS,
+                            "temperature": 0.0, "tools": [PROBE_TOOL], "tool_choice": cfg.tool_choice,
+                            client.engine.request_id_field: probe_rid()}
+    if cfg.template_kwargs():
+        body["chat_template_kwargs"] = cfg.template_kwargs()
+    try:
+        status, answer = await client.post_json("/v1/chat/completions", body, timeout_s=timeout_s)
+    except EndpointDown:
+        return  # the chat probe reports a server that does not answer
+    if status == 200:
+        return
+    error = classify(status, _error_message(answer, f"HTTP {status}"), client.label, engine=client.engine)
+    if not isinstance(error, (Retryable, EndpointDown)):
+        found.other.append(tool_refusal(report.engine, f"a tiny request with tools was refused: {status} "
+                                                       f"{_error_message(answer, '')}"))
 
 
 def wants_output_ids(cfg: RunConfig) -> bool:

@@ -18,14 +18,17 @@ import orjson
 
 from ..core.errors import RegenError
 from ..prompts.report import report_table
+from ..store.goodput import ESTIMATED, KEPT, PURPOSES, THROWN_AWAY, Goodput
 from ..store.rundir import RunDir
 from ..store.storage import Location
+from ..store.tool_counts import ToolCounts, tool_counts
 from .jsonl import read_run_manifest
 
 CARD_DIR = "card"
 DATA_GLOB = "data/part-*.parquet"  # part-* rather than *: never a temporary file of a running writer
 CARD_COLUMNS = ["prompt_id", "source", "finish_reason", "flags", "prompt_tokens", "completion_tokens",
                 "reasoning_tokens", "reasoning_content", "endpoint", "model", "weight_version", "config_fingerprint"]
+GOODPUT_COLUMNS = ["content", "tool_calls", "turn_index"]  # what store/goodput.py reads beyond CARD_COLUMNS
 
 
 class MissingDependency(RegenError):
@@ -67,6 +70,7 @@ class RunContents:
     completion_tokens: list[int] = field(default_factory=list)
     reasoning_tokens: list[int] = field(default_factory=list)  # where the server reported them
     reasoning_words: list[int] = field(default_factory=list)  # fallback: records without reasoning_tokens
+    goodput: Goodput = field(default_factory=Goodput)  # the committed records' tokens by purpose
 
     def add(self, row: dict[str, Any]) -> None:
         self.records += 1
@@ -89,12 +93,15 @@ class RunContents:
             self.reasoning_words.append(len(row["reasoning_content"].split()))
 
 
-def gather(run_dir: RunDir) -> RunContents:
+def gather(run_dir: RunDir, whole_conversations: bool = False) -> RunContents:
+    """`whole_conversations`: an all_turns run, whose default export writes whole conversations (store/goodput.py)."""
     contents = RunContents()
     for part in RunDir.parts(run_dir.data):
         present = set(part.parquet_schema().names)
-        for row in part.read_parquet(columns=[c for c in CARD_COLUMNS if c in present]).to_pylist():
+        rows = part.read_parquet(columns=[c for c in CARD_COLUMNS + GOODPUT_COLUMNS if c in present]).to_pylist()
+        for row in rows:
             contents.add(row)
+        contents.goodput.add_records(rows, whole_conversations)  # a part holds every turn of its prompts
     return contents
 
 
@@ -209,6 +216,7 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         f"- sampling: `{_compact_json(generation.get('sampling') or {})}`",
         f"- chat_template_kwargs: `{_compact_json(generation.get('chat_template_kwargs') or {})}`",
         f"- created: {manifest.get('created_at')}; schema version {manifest.get('schema_version')}", "",
+        *_tool_lines(tool_counts(run_dir)),
         "## Sources", "", *_count_table("source", contents.by_source, contents.records), "",
         *_prompt_sources(manifest),
         "## Finish reasons", "", *_count_table("finish_reason", contents.finish_reasons, contents.records), "",
@@ -216,6 +224,7 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         f"{contents.flagged_records} of {contents.records} records carry at least one flag "
         "(a record may carry several).", "",
         *_count_table("flag", contents.flags, contents.records), "",
+        *_goodput_lines(run_dir, contents),
         "## Token statistics", "",
         *_stats_table([("prompt (tokens)", LengthStats.of(contents.prompt_tokens)),
                        ("completion (tokens)", LengthStats.of(contents.completion_tokens)), *reasoning_rows]), "",
@@ -238,6 +247,37 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         "Training files: `regen export RUN_DIR --format specforge|specforge-tokens|speculators --out FILE`.", "",
     ]
     return "\n".join(lines)
+
+
+def _goodput_lines(run_dir: RunDir, contents: RunContents) -> list[str]:
+    """Committed tokens by purpose from the parts; tokens thrown away from the run's own count (status.json)."""
+    thrown = Goodput.from_dict((run_dir.read_status() or {}).get("goodput"))
+    total = contents.goodput + Goodput(Counter({p: thrown.tokens[p] for p in THROWN_AWAY}),
+                                       Counter({p: thrown.items[p] for p in THROWN_AWAY}))
+    generated = total.generated()
+    if not generated:
+        return []
+    rows = ["| purpose | tokens | share | records or copies |", "|---|---:|---:|---:|"]
+    rows += [f"| {p}{' (estimated)' if p in ESTIMATED else ''} | {total.tokens[p]} | "
+             f"{100 * total.tokens[p] / generated:.1f}% | {total.items[p]} |" for p in PURPOSES if total.tokens[p]]
+    return ["## Goodput", "",
+            f"{100 * total.share():.1f}% of the {generated} completion tokens generated became training data "
+            f"(what `regen export --format specforge` keeps: {' + '.join(KEPT)}). Committed records are counted from "
+            "the parts; tokens thrown away (late duplicates, hedged copies cancelled at the end, turns before a "
+            "retry or a failure) from the run's own count in status.json (docs/goodput.md).", "", *rows, ""]
+
+
+def _tool_lines(counts: ToolCounts | None) -> list[str]:
+    if counts is None or not (counts.prompts_with_tools or counts.calls):
+        return []
+    lines = ["## Tool calls", "",
+             f"- prompts sent with tools: {len(counts.prompts_with_tools)}",
+             f"- the target's tool calls: {counts.calls}, in {counts.records_with_calls} records "
+             "(each tool-calling step is a record)",
+             f"- all_turns conversations cut short: {sum(counts.cut_short.values())}"
+             + ("" if not counts.cut_short else " — " + ", ".join(f"{reason} {n}" for reason, n
+                                                                  in counts.cut_short.most_common())), ""]
+    return lines
 
 
 def _capture_lines(run_dir: RunDir) -> list[str]:
@@ -263,7 +303,7 @@ def _named(prompt_ids: list[str]) -> str:
 def write_card(run_dir: str | Path | Location) -> Location:
     run = RunDir(run_dir)
     manifest = read_run_manifest(run)
-    contents = gather(run)
+    contents = gather(run, (manifest.get("generation") or {}).get("mode") == "all_turns")
     write_histograms(run, contents)
     path = run.path / "README.md"
     path.write_atomic(render_card(run, manifest, contents).encode())

@@ -38,7 +38,7 @@ from ..store.capture_ledger import capture_run_dir
 from ..store.rundir import RunDir, atomic_write
 from ..store.storage import Location
 from . import folders
-from .jsonl import Filters
+from .formats import Filters
 
 FORMATS = ("specforge-offline", "speculators-hidden")
 GROUP = 2000

@@ -5,9 +5,10 @@ output id is ever emitted twice, and the output appears atomically (streamed to 
 the same directory, fsynced, renamed). `<out>.manifest.json` is written next to it.
 
 Formats (row builders in formats.py):
-    specforge         conversations JSONL. all_turns: one whole conversation per prompt, or with
-                      --per-turn one row per assistant turn; last_turn: per-turn rows only, because
-                      the history's assistant turns were written by the source dataset.
+    specforge         conversations JSONL (with `tools` and the steps' `tool_calls` where the run has them).
+                      all_turns: one whole conversation per prompt, or with --per-turn one row per
+                      assistant step; last_turn: per-turn rows only, because the history's assistant
+                      turns were written by the source dataset.
     specforge-tokens  {"id", "input_ids", "loss_mask"}; needs token ids.
     speculators       speculators' regeneration rows; needs token ids.
 """
@@ -24,21 +25,22 @@ from typing import Any, Iterator
 import orjson
 
 from ..core.errors import ConfigError, StorageError
+from ..store.goodput import FOLLOWS_DROPPED
 from ..store.rundir import TMP_PREFIX, RunDir, atomic_write, now_utc
 from ..store.storage import Location
+from ..store.quality import lacks_content, whole_conversation_cut
 from . import formats
+from .formats import FLAGGED, SOURCE_NOT_SELECTED, TRUNCATED, Filters  # noqa: F401 (the record filter)
+from .templates import CHAT_TEMPLATE_NOTE, template_advice
 
 FORMATS = ("specforge", "specforge-tokens", "speculators")
 TOKEN_FORMATS = ("specforge-tokens", "speculators")
 
 # Why a record was not exported. Every record read lands in exactly one reason or is exported.
 DUPLICATE = "duplicate"
-SOURCE_NOT_SELECTED = "source_not_selected"
-TRUNCATED = "truncated"
-FLAGGED = "flagged"
 EMPTY_CONTENT = "empty_content"
 NO_TOKEN_IDS = "token_ids_unavailable"
-FOLLOWS_DROPPED_TURN = "follows_dropped_or_missing_turn"
+FOLLOWS_DROPPED_TURN = FOLLOWS_DROPPED  # store/goodput.py counts these turns' tokens by the same name
 HISTORY_NOT_TARGET = "history_not_target_written"
 INVALID_CONVERSATION = "invalid_conversation"
 
@@ -46,13 +48,6 @@ TRAIN_ONLY_LAST_TURN_NOTE = ("train SpecForge with `data.train_only_last_turn: t
                              "YAML, or the override data.train_only_last_turn=true; a top-level key is rejected): "
                              "each row's earlier assistant turns are history{why}, only its last assistant turn is a "
                              "training target")
-# SpecForge renders conversations with the tokenizer's own chat template; its template entry adds only a system
-# prompt and the loss-mask markers (specforge/data/template.py).
-CHAT_TEMPLATE_NOTE = ("SpecForge re-renders these conversations: its `qwen` template injects its own system prompt "
-                      "(\"You are a helpful assistant.\") into rows without one, which the target never saw; `lfm` "
-                      "injects none, so for a ChatML model such as SmolLM2 `data.chat_template: lfm` renders the "
-                      "server's exact prompt ids. Rendering closes every assistant turn with an end-of-turn token; "
-                      "records cut at max_tokens are therefore dropped unless --keep-truncated")
 TRUNCATED_MASK_NOTE = ("records cut at max_tokens keep their ids as generated, and their last position has loss_mask "
                        "0: no library trains an end-of-turn there that the model never generated")
 
@@ -89,27 +84,6 @@ class ExportSummary:
         lines += [f"  {'dropped: ' + reason:<36}{count:>10}" for reason, count in sorted(self.dropped.items())]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class Filters:
-    drop_truncated: bool = False
-    drop_flagged: bool = False
-    sources: frozenset[str] | None = None
-
-    def reason_to_drop(self, record: dict[str, Any]) -> str | None:
-        if self.sources is not None and record.get("source") not in self.sources:
-            return SOURCE_NOT_SELECTED
-        truncated = record.get("finish_reason") == "length" or "truncated" in (record.get("flags") or [])
-        if self.drop_truncated and truncated:
-            return TRUNCATED
-        if self.drop_flagged and record.get("flags"):
-            return FLAGGED
-        return None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"drop_truncated": self.drop_truncated, "drop_flagged": self.drop_flagged,
-                "sources": sorted(self.sources) if self.sources is not None else None}
 
 
 # --- reading ---------------------------------------------------------------------------------------
@@ -192,8 +166,10 @@ def manifest_path(out: Path) -> Path:
 # --- the export ------------------------------------------------------------------------------------
 class _Exporter:
     def __init__(self, fmt: str, mode: str, sampling: dict[str, Any], filters: Filters, per_turn: bool,
-                 writer: AtomicJsonlWriter, summary: ExportSummary):
+                 writer: AtomicJsonlWriter, summary: ExportSummary, reasoning_history: str = "current_turn"):
         self.fmt, self.mode, self.sampling, self.filters = fmt, mode, sampling, filters
+        # all_turns: the reasoning that went back with the target's tool-calling steps (the run's setting)
+        self.reasoning_history = reasoning_history if mode == "all_turns" else "none"
         self.per_turn = per_turn or mode != "all_turns"  # last_turn: per-turn rows only
         self.writer, self.summary = writer, summary
         self.seen: set[tuple[str, int]] = set()
@@ -209,8 +185,8 @@ class _Exporter:
     def _reason_to_drop(self, record: dict[str, Any]) -> str | None:
         """The user's filters, then the format's own needs."""
         reason = self.filters.reason_to_drop(record)
-        if reason is None and self.fmt == "specforge" and not (record.get("content") or "").strip():
-            reason = EMPTY_CONTENT  # SpecForge needs non-empty content
+        if reason is None and self.fmt == "specforge" and lacks_content(record):
+            reason = EMPTY_CONTENT  # SpecForge needs non-empty content (or, for a tool-calling step, its calls)
         if reason is None and self.fmt in TOKEN_FORMATS and not formats.has_token_ids(record):
             reason = NO_TOKEN_IDS
         return reason
@@ -238,11 +214,18 @@ class _Exporter:
             for turns in conversations_in(records):
                 self._whole_conversation(turns)
             return
+        reasoning = {(r["prompt_id"], r["turn_index"]): r.get("reasoning_content") for r in records} \
+            if self.reasoning_history != "none" else {}
         for record in records:
             if not self._keep(record):
                 continue
             if self.fmt == "specforge":
-                self._emit(formats.specforge_per_turn_row(record), 1)
+                if self.reasoning_history == "none":
+                    self._emit(formats.specforge_per_turn_row(record), 1)
+                else:
+                    pid = record["prompt_id"]
+                    self._emit(formats.specforge_per_turn_row(record, lambda j: reasoning.get((pid, j)),
+                                                              self.reasoning_history), 1)
             elif self.fmt == "specforge-tokens":
                 self._emit(formats.specforge_tokens_row(record), 1)
             else:
@@ -253,19 +236,13 @@ class _Exporter:
     def _whole_conversation(self, turns: list[dict[str, Any]]) -> None:
         """Cut the conversation before its first dropped or missing turn: later turns' histories hold it."""
         unique = [record for record in turns if not self._is_duplicate(record)]
-        kept: list[dict[str, Any]] = []
-        for position, record in enumerate(unique):
-            followers = len(unique) - position
-            if record["turn_index"] == position:
-                reason = self._reason_to_drop(record)
-                if reason is None:
-                    kept.append(record)
-                    continue
-                self.summary.drop(reason)
-                followers -= 1
-            if followers:
-                self.summary.drop(FOLLOWS_DROPPED_TURN, followers)
-            break
+        n_kept, reason = whole_conversation_cut(unique, self._reason_to_drop)
+        kept, followers = unique[:n_kept], len(unique) - n_kept
+        if reason is not None:
+            self.summary.drop(reason)
+            followers -= 1
+        if followers:
+            self.summary.drop(FOLLOWS_DROPPED_TURN, followers)
         if not kept:
             return
         try:
@@ -282,17 +259,22 @@ def _settings(last_turn: bool) -> dict[str, Any]:
     return {"data": {"train_only_last_turn": last_turn}, "overrides": [f"data.train_only_last_turn={value}"]}
 
 
-def _notes_and_settings(fmt: str, mode: str, per_turn: bool) -> tuple[list[str], dict[str, Any]]:
+def _notes_and_settings(fmt: str, mode: str, per_turn: bool, model: str = "") -> tuple[list[str], dict[str, Any]]:
     if fmt == "specforge":
-        if mode != "all_turns":
-            why = " written by the source dataset (last_turn run)"
-            return [TRAIN_ONLY_LAST_TURN_NOTE.format(why=why), CHAT_TEMPLATE_NOTE], _settings(True)
-        if per_turn:
-            return [TRAIN_ONLY_LAST_TURN_NOTE.format(why=" (per-turn rows)"), CHAT_TEMPLATE_NOTE], _settings(True)
-        return (["whole all_turns conversations: every assistant turn is target-written and trainable",
-                 CHAT_TEMPLATE_NOTE], _settings(False))
-    return ([f"{fmt}: loss_mask is 1 exactly on the tokens the target generated; the prompt "
-             "(including any source-written history) is masked out", TRUNCATED_MASK_NOTE], {})
+        notes, settings = _specforge_notes_and_settings(mode, per_turn)
+        return notes + [f"chat template: {template_advice(model)['specforge']}"], settings
+    return ([f"{fmt}: loss_mask is 1 exactly on the tokens the target generated (tool calls included); the prompt "
+             "(including any source-written history and every tool result) is masked out", TRUNCATED_MASK_NOTE], {})
+
+
+def _specforge_notes_and_settings(mode: str, per_turn: bool) -> tuple[list[str], dict[str, Any]]:
+    if mode != "all_turns":
+        why = " written by the source dataset (last_turn run)"
+        return [TRAIN_ONLY_LAST_TURN_NOTE.format(why=why), CHAT_TEMPLATE_NOTE], _settings(True)
+    if per_turn:
+        return [TRAIN_ONLY_LAST_TURN_NOTE.format(why=" (per-turn rows)"), CHAT_TEMPLATE_NOTE], _settings(True)
+    return (["whole all_turns conversations: every assistant turn is target-written and trainable",
+             CHAT_TEMPLATE_NOTE], _settings(False))
 
 
 def export_run(run_dir: str | Path | Location, fmt: str, out: Path, *, drop_truncated: bool = False, drop_flagged: bool = False,
@@ -309,10 +291,11 @@ def export_run(run_dir: str | Path | Location, fmt: str, out: Path, *, drop_trun
     mode = generation.get("mode", "last_turn")
     out = Path(out)
     filters = Filters(drop_truncated, drop_flagged, frozenset(sources) if sources else None)
-    notes, settings = _notes_and_settings(fmt, mode, per_turn)
+    notes, settings = _notes_and_settings(fmt, mode, per_turn, generation.get("model") or "")
     summary = ExportSummary(format=fmt, mode=mode, out=out, notes=notes, specforge_settings=settings)
     with AtomicJsonlWriter(out) as writer:
-        exporter = _Exporter(fmt, mode, generation.get("sampling") or {}, filters, per_turn, writer, summary)
+        exporter = _Exporter(fmt, mode, generation.get("sampling") or {}, filters, per_turn, writer, summary,
+                             generation.get("tool_reasoning_history", "current_turn"))
         for records in committed_part_records(run):
             exporter.add_part(records)
     atomic_write(manifest_path(out), orjson.dumps({
@@ -328,9 +311,7 @@ def export_run(run_dir: str | Path | Location, fmt: str, out: Path, *, drop_trun
         "counts": summary.counts(),
         "notes": summary.notes,
         "specforge_settings": summary.specforge_settings,
-        "chat_template": ({"specforge": "lfm for ChatML models such as SmolLM2 (renders the server's exact prompt "
-                                        "ids); not qwen (it injects its own system prompt)", "note": CHAT_TEMPLATE_NOTE}
-                          if fmt == "specforge" else None),
+        "chat_template": template_advice(generation.get("model") or "") if fmt == "specforge" else None,
         "created_at": now_utc().isoformat(timespec="seconds"),
     }, option=orjson.OPT_INDENT_2))
     return summary

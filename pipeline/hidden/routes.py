@@ -6,6 +6,7 @@ stores it (hidden/parts.py). Routes:
   output_hidden_states[i], the final post-norm state is its last entry (transformers applies the final norm
   there), and the pre-norm last layer is taken with a forward hook on the last decoder layer.
 - `vllm`: hidden/vllm_route.py (the server writes the states into a safetensors file).
+hidden/build.py picks the route a capture config names.
 """
 from __future__ import annotations
 
@@ -93,17 +94,6 @@ class TransformersRoute:
             elif state.kind == LAST_PRE_NORM:
                 picked.append(seen["pre"][0])
         return torch.stack(picked, dim=1).float().cpu().numpy()
-
-
-def build_route(cfg, owner=None) -> CaptureRoute:
-    """The route a capture config names (`cfg`: core.capture_config.CaptureConfig), built in the actor. `owner`
-    (vllm_route.RequestOwner): the capture and session that name route vllm's server-side files."""
-    if cfg.route == "transformers":
-        return TransformersRoute(TransformersOptions(cfg.model, tuple(cfg.aux_layer_ids or ()) or None,
-                                                     cfg.torch_dtype, cfg.torch_threads, cfg.weights_identity))
-    from .vllm_route import VllmRoute
-
-    return VllmRoute(cfg, owner)
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json", ".bin.index.json")

@@ -1,39 +1,209 @@
 """What is sent for each regenerated turn. Pure: shared by the endpoint worker and the record builder.
 
-`last_turn`: one request, the conversation as normalised (it ends with a user turn).
-`all_turns`: the source's assistant turns are dropped; user turn k is sent with the target's own earlier
-replies as history, as SpecForge's regenerator does. Reasoning is never sent back in history.
+`last_turn`: one request, the conversation as normalised (it ends with a user turn, or with tool results: then the
+target writes the next assistant step).
+`all_turns`: the source's assistant turns are dropped; the target answers each user turn with the target's own
+earlier steps as history, as SpecForge's regenerator does. With tools, each step of the target is one generation
+(one record): when the target calls the tool(s) that the source's next cached result(s) answer (by name, in order),
+those results are spliced in under the target's own call ids and the target writes the next step. When it calls
+another tool, answers where the source called one, or calls where the source has no result left, the cached
+results no longer apply: the conversation ends there (`AllTurns.end` says why and at which step). A tool result is
+never invented. (speculators' regeneration moves on to the next user turn after such an answer; regen stops, so
+that no later turn follows a history the target did not write.)
+
+Reasoning is never sent back for a plain answer. For the target's tool-calling steps, `tool_reasoning_history`
+says which go back with their `reasoning_content` (docs/tool-calls.md):
+    current_turn  the steps since the last user turn (default: DeepSeek's and Moonshot's API rule for thinking
+                  with tools; Kimi-K2's template renders reasoning only after the last plain answer: unverified
+                  here, the template is on the Hugging Face hub)
+    every_turn    every tool-calling step of the conversation (DeepSeek V4's API rule)
+    none          none (a plain answer's rule, applied to tool steps too)
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import orjson
+
+from .tool_calls import canonical_json
+
+REASONING_HISTORY = ("current_turn", "every_turn", "none")
+DEFAULT_REASONING_HISTORY = "current_turn"
+
+# Why an all_turns conversation with tools ended before the source's last step (`conversation_end` prefix).
+END_OTHER_TOOL = "other_tool"  # the target called other tools than the cached results answer
+END_ANSWERED = "answered"  # the target answered where the source called a tool
+END_TRUNCATED = "truncated"  # the target was cut at max_tokens where the source called a tool
+END_NO_RESULT = "no_result"  # the target called a tool where the source has no result left
+END_REASONS = (END_OTHER_TOOL, END_ANSWERED, END_TRUNCATED, END_NO_RESULT)
+_OPTIONAL_KEYS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
+
+
+class Generated(Protocol):
+    """What the conversation needs of one answer (core/work.py Completion has it)."""
+
+    content: str
+    reasoning_content: str | None
+    finish_reason: str
+    tool_calls: list[dict] | None
+
+
+# --- message forms ---------------------------------------------------------------------------------------------
+def normalised(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as sent: role and content, plus only the tool keys it has (a `tool_calls` held as JSON text, as the
+    records' MESSAGE struct keeps it, becomes the list again). A tool-free message stays exactly {role, content}."""
+    out = {"role": message["role"], "content": message.get("content")}
+    for key in _OPTIONAL_KEYS:
+        value = message.get(key)
+        if value is not None:
+            out[key] = orjson.loads(value) if key == "tool_calls" and isinstance(value, str) else value
+    return out
+
+
+def call_of(call: dict[str, Any]) -> dict[str, Any]:
+    """One of the target's calls in OpenAI form, without the stream's `index` or other extras; `arguments` stays the
+    target's own text (sent back as it was written)."""
+    function = call.get("function") or {}
+    return {"id": call.get("id"), "type": call.get("type") or "function",
+            "function": {"name": function.get("name"), "arguments": function.get("arguments")}}
+
+
+def calls_json(calls: list[dict] | None) -> str | None:
+    """The records' `tool_calls` column: canonical JSON of the target's calls, None when it called none."""
+    return canonical_json([call_of(c) for c in calls]) if calls else None
+
+
+def _names(items: Sequence[dict[str, Any]]) -> str:
+    names = [(item.get("function") or {}).get("name") if "function" in item else item.get("name") for item in items]
+    return ", ".join(str(name) for name in names)
+
+
+# --- the source's conversation -------------------------------------------------------------------------------
+@dataclass
+class _UserTurn:
+    content: str
+    # The cached results of each of the source's tool-calling steps after this user message, in order: results[j]
+    # answers the source's step j (one tool message per call).
+    results: list[list[dict[str, Any]]] = field(default_factory=list)
+
+
+def _split(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[_UserTurn]]:
+    """The leading system message (if any) and the user turns with their cached tool results."""
+    system = [{"role": "system", "content": m["content"]} for m in messages[:1] if m["role"] == "system"]
+    turns: list[_UserTurn] = []
+    expecting_results = False  # the previous assistant step called tools
+    for message in messages:
+        role = message["role"]
+        if role == "user":
+            turns.append(_UserTurn(message["content"]))
+            expecting_results = False
+        elif not turns:
+            continue
+        elif role == "assistant":
+            expecting_results = bool(message.get("tool_calls"))
+            if expecting_results:
+                turns[-1].results.append([])
+        elif role == "tool" and expecting_results:
+            turns[-1].results[-1].append(normalised(message))
+    for turn in turns:  # a call the source has no result for (it ends the conversation) leaves nothing to splice
+        turn.results = [results for results in turn.results if results]
+    return system, turns
 
 
 def user_turns(messages: Sequence[dict[str, str]]) -> tuple[list[dict[str, str]], list[str]]:
     """The leading system message (if any) and the user turns' contents."""
-    system = [dict(m) for m in messages[:1] if m["role"] == "system"]
-    return system, [m["content"] for m in messages if m["role"] == "user"]
+    system, turns = _split(messages)
+    return system, [turn.content for turn in turns]
 
 
-def turn_history(system: list[dict[str, str]], users: list[str], replies: Sequence[str], k: int) -> list[dict[str, str]]:
-    """Messages sent to regenerate assistant turn k (replies[:k] are the target's earlier answers)."""
-    history = list(system)
-    for i in range(k):
-        history += [{"role": "user", "content": users[i]}, {"role": "assistant", "content": replies[i]}]
-    history.append({"role": "user", "content": users[k]})
-    return history
+# --- all_turns, step by step ---------------------------------------------------------------------------------
+class AllTurns:
+    """One prompt's all_turns conversation: `next_history()` is the next request (None: finished), `add()` takes
+    what the target generated for it. Pure and deterministic, so the record builder replays what the worker sent."""
+
+    def __init__(self, messages: Sequence[dict[str, Any]], reasoning_history: str = DEFAULT_REASONING_HISTORY):
+        if reasoning_history not in REASONING_HISTORY:
+            raise ValueError(f"tool_reasoning_history {reasoning_history!r} is not one of {REASONING_HISTORY}")
+        self.reasoning_history = reasoning_history
+        self.system, self.turns = _split([normalised(m) for m in messages])
+        self.sent: list[tuple[int, dict[str, Any]]] = []  # (user turn, message) of the conversation so far
+        self.turn = 0  # the user turn being answered
+        self.step = 0  # the target's step within it
+        self.generations = 0
+        self.end: str | None = None  # why the conversation stopped before the source's end (None: it did not)
+        self.finished = not self.turns
+        self._asked = -1  # the last user turn whose message is in `sent`
+
+    def next_history(self) -> list[dict[str, Any]] | None:
+        if self.finished:
+            return None
+        if self._asked != self.turn:
+            self._asked = self.turn
+            self.sent.append((self.turn, {"role": "user", "content": self.turns[self.turn].content}))
+        return [*self.system, *(self._as_sent(turn, m) for turn, m in self.sent)]
+
+    def _as_sent(self, turn: int, message: dict[str, Any]) -> dict[str, Any]:
+        if "reasoning_content" not in message:
+            return message
+        keep = self.reasoning_history == "every_turn" or (
+            self.reasoning_history == "current_turn" and turn == self.turn)
+        return message if keep else {k: v for k, v in message.items() if k != "reasoning_content"}
+
+    def add(self, answer: Generated) -> None:
+        """The target's answer to the last `next_history()`."""
+        if self.finished:
+            raise ValueError("the conversation has ended: no answer was asked for")
+        k, self.generations = self.generations, self.generations + 1
+        results = self.turns[self.turn].results
+        cached = results[self.step] if self.step < len(results) else None
+        calls = [call_of(c) for c in answer.tool_calls or []]
+        if not calls:
+            if cached is not None:
+                why = END_TRUNCATED if answer.finish_reason == "length" else END_ANSWERED
+                verb = "was cut at max_tokens" if why == END_TRUNCATED else "answered"
+                return self._stop(f"{why}: step {k} {verb} where the source called {_names(cached)}")
+            self.sent.append((self.turn, {"role": "assistant", "content": answer.content}))
+            self.turn, self.step = self.turn + 1, 0
+            self.finished = self.turn == len(self.turns)
+            return
+        if cached is None:
+            return self._stop(f"{END_NO_RESULT}: step {k} called {_names(calls)}, the source has no result for it")
+        if [c["function"]["name"] for c in calls] != [r.get("name") for r in cached]:
+            return self._stop(f"{END_OTHER_TOOL}: step {k} called {_names(calls)}, "
+                              f"the cached result answers {_names(cached)}")
+        step = {"role": "assistant", "content": answer.content, "tool_calls": calls}
+        if answer.reasoning_content:
+            step["reasoning_content"] = answer.reasoning_content
+        self.sent.append((self.turn, step))
+        for call, result in zip(calls, cached):
+            self.sent.append((self.turn, {"role": "tool", "content": result["content"], "tool_call_id": call["id"],
+                                          "name": result.get("name")}))
+        self.step += 1
+
+    def _stop(self, why: str) -> None:
+        self.end, self.finished = why, True
 
 
-def histories(mode: str, messages: Sequence[dict[str, str]], replies: Sequence[str]) -> list[list[dict[str, str]]]:
-    """Every request of a finished prompt, in order (one per regenerated turn)."""
+def histories(mode: str, messages: Sequence[dict[str, Any]], answers: Sequence[Generated],
+              reasoning_history: str = DEFAULT_REASONING_HISTORY) -> tuple[list[list[dict[str, Any]]], str | None]:
+    """Every request of a finished prompt, in order (one per generation), and why an all_turns conversation ended
+    early (None: it did not). Replays the conversation the worker ran from its answers."""
     if mode != "all_turns":
-        return [list(messages)]
-    system, users = user_turns(messages)
-    return [turn_history(system, users, replies, k) for k in range(len(users))]
+        return [[normalised(m) for m in messages]], None
+    conversation = AllTurns(messages, reasoning_history)
+    sent = []
+    for answer in answers:
+        history = conversation.next_history()
+        if history is None:
+            raise ValueError(f"{len(answers)} answers for a conversation of {len(sent)} steps")
+        sent.append(history)
+        conversation.add(answer)
+    return sent, conversation.end
 
 
 def seed_for(prompt_id: str, temperature: float) -> int | None:
     """At temperature > 0 the seed is derived from the prompt, so a rerun sends the same seed (SGLang reproduces
     the record from it only when launched with --enable-deterministic-inference).
-    Turn k of an all_turns conversation uses seed + k."""
+    Generation k of an all_turns conversation (its turn_index: each tool-calling step counts) uses seed + k."""
     return int(prompt_id[:8], 16) & 0x7FFFFFFF if temperature > 0 else None

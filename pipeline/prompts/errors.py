@@ -32,8 +32,32 @@ class TruncatedSource(SourceError):
                          f"{cut.records_kept:,} complete records and {cut.what_is_dropped}")
 
 
+_SHAPE = "check the spec's kind, format and field (`regen validate` shows what the records look like)"
+_TOOLS = ("the records' tool calls do not line up with their results (docs/sources-tool-calls.md says what a "
+          "valid tool-calling conversation is)")
+# The advice for the most common reject reason (a RejectCode value).
+REJECT_HINTS = {
+    "bad_json": "the file is not JSON Lines (or `kind` is wrong)",
+    "not_object": _SHAPE, "missing_field": _SHAPE, "bad_conversation": _SHAPE, "bad_message": _SHAPE,
+    "unknown_role": _SHAPE + "; the roles regen reads are listed in docs/sources-tool-calls.md",
+    "non_string_content": "the contents are not plain text (lists of content parts are not read)",
+    "roles_not_alternating": "the turns are not in conversation order (user, then assistant, ...)",
+    "system_not_first": "a system message may only come first",
+    "empty_conversation": "the conversations are empty", "blank_content": "the messages are blank",
+    "no_user_turn": "the conversations have no user turn", "nothing_to_send": "the conversations hold only a "
+                                                                              "system message",
+    "prompt_too_long": "the prompts are longer than max_prompt_tokens: raise it, or pick shorter records",
+    "tool_result_without_call": _TOOLS, "missing_tool_result": _TOOLS, "tool_result_mismatch": _TOOLS,
+    "duplicate_call_id": _TOOLS,
+    "arguments_not_json": "the tool calls' arguments are not JSON objects",
+    "arguments_not_object": "the tool calls' arguments are not JSON objects",
+    "bad_tool_call": "the tool calls have no function name", "bad_tools": "the records' tools lists cannot be read",
+}
+
+
 class NoValidPrompts(ConfigError):
-    """A source gave no prompt at all: a run of it would do nothing and call itself complete."""
+    """A source gave no prompt at all: a run of it would do nothing and call itself complete. The hint follows
+    the most common reason."""
 
     def __init__(self, source: str, read: int, top_reasons: list[tuple[str, int, str]]):
         self.source, self.read, self.top_reasons = source, read, top_reasons
@@ -42,8 +66,9 @@ class NoValidPrompts(ConfigError):
         else:
             reasons = "; ".join(f"{code} {count:,} (e.g. {example})" for code, count, example in top_reasons)
             detail = f"all {read:,} records were rejected; the most common reasons: {reasons}"
+        hint = REJECT_HINTS.get(top_reasons[0][0], _SHAPE) if read and top_reasons else _SHAPE
         super().__init__(f"source {source!r} has no valid prompt: {detail}. "
-                         "Nothing was written to the run directory; check the spec's kind, format and field")
+                         f"Nothing was written to the run directory; {hint}")
 
 
 @dataclass(frozen=True)

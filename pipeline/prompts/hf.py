@@ -19,7 +19,9 @@ from typing import Any, Iterator
 from .errors import SourceError, read_error
 from .records import RawRecord, Reject
 from .jsonarray import json_lines
-from .sources import ReadStats, SourceSpec, read_file
+from .localfiles import read_file
+from .reading import ReadStats
+from .spec import SourceSpec
 
 DATA_EXTENSIONS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -55,6 +57,59 @@ def local_data_files(spec: SourceSpec) -> list[Path]:
         return _matching(spec, local)
     return sorted(p for p in local.rglob("*") if p.is_file()
                   and not any(part.startswith(".") for part in p.relative_to(local).parts))
+
+
+def is_hub_dataset(spec: SourceSpec) -> bool:
+    """A kind-hf source naming a dataset on the hub (not a local file or folder)."""
+    return spec.kind == "hf" and not spec.local_path().exists() and not _looks_local(spec.path)
+
+
+def own_reader_files(spec: SourceSpec) -> list[Path]:
+    """The local files of a kind-hf source that regen's own readers read (the others go through `datasets`)."""
+    local = spec.local_path()
+    if local.is_file():
+        return [local]
+    if local.is_dir() and spec.data_files and not _saved_to_disk(local):
+        try:
+            return _matching(spec, local)
+        except SourceError:
+            return []
+    return []
+
+
+HUB_CONNECT_TIMEOUT_S = 3.0
+
+
+def hub_unreachable(timeout_s: float = HUB_CONNECT_TIMEOUT_S) -> str | None:
+    """Why the Hugging Face hub cannot be reached now; None: a TCP connect to it succeeded within `timeout_s`.
+    HF_HUB_OFFLINE counts as unreachable without trying. (The hub client retries for most of a minute before it
+    says so itself.) Read from the environment, as the hub client will read it once imported."""
+    import os
+    import socket
+    from urllib.parse import urlsplit
+
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return "HF_HUB_OFFLINE is set"
+    parts = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"{host}:{port} did not answer within {timeout_s:.0f} s: {exc.strerror or type(exc).__name__}"
+
+
+def hub_cache_only() -> None:
+    """Read hub datasets from the local cache only, in this process: no retries against a hub that does not answer.
+    Takes effect where `datasets` is imported after it (the validate command imports it later)."""
+    import os
+    import sys
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if "datasets" in sys.modules:
+        import datasets.config
+
+        datasets.config.HF_HUB_OFFLINE = True
 
 
 def _looks_local(path: str) -> bool:

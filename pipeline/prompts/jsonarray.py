@@ -19,7 +19,8 @@ import orjson
 
 from .errors import Cut, SourceError
 from .records import RAW_MAX_CHARS, RawRecord, Reject, RejectCode
-from .sources import BOM, ReadStats, SourceSpec, cut_or_salvage, first_bytes
+from .reading import BOM, ReadStats, cut_or_salvage, first_bytes
+from .spec import SourceSpec
 
 log = logging.getLogger("regen")
 

@@ -8,12 +8,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from .adapters import to_messages
+from .presets import Preset, recognise
 from .prompt_set import normalise
-from .errors import NoValidPrompts, SourceError
+from .errors import NoValidPrompts, SourceError, TruncatedSource
 from .records import InvalidRecord, RawRecord, Reject
 from .report import SourceReport
-from .sources import BOM, ReadStats, SourceSpec, read_records, resolve_files
+from .sources import BOM, ReadStats, SourceSpec, read_file, read_records, resolve_files
 
 PROBE_RECORDS = 20
 
@@ -27,9 +30,12 @@ class Probe:
     keys: Counter = field(default_factory=Counter)  # top-level keys of the records
     containers: dict[str, str] = field(default_factory=dict)
     looks_like: tuple[str, str] | None = None  # (format, conversation field) the records seem to be
+    presets: Counter = field(default_factory=Counter)  # the preset each of the first records looks like
     warnings: list[str] = field(default_factory=list)
     # the first records all rejected: the rest was read, and none is valid (as `regen generate` refuses it)
     no_valid: NoValidPrompts | None = None
+    # a file cut short without `salvage: true`: read to its end, as `regen generate` refuses it
+    truncated: TruncatedSource | None = None
 
     def lines(self) -> list[str]:
         seen = "; ".join(f"{name}: {what}" for name, what in self.containers.items()) or "nothing"
@@ -79,6 +85,9 @@ def _valid(spec: SourceSpec, rec: Reject | RawRecord, report: SourceReport, prob
         if probe is not None and isinstance(rec.data, dict):
             probe.keys.update(rec.data.keys())
             probe.looks_like = probe.looks_like or guess_format(rec.data)
+            preset = recognise(rec.data)
+            if preset is not None:
+                probe.presets[preset] += 1
         try:
             normalise(to_messages(spec, rec.data))
             return True
@@ -91,6 +100,12 @@ def _valid(spec: SourceSpec, rec: Reject | RawRecord, report: SourceReport, prob
 
 
 def guess_format(data: dict[str, Any]) -> tuple[str, str] | None:
+    if isinstance(data.get("question"), str) and isinstance(data.get("answer"), str):
+        return "question_answer", "question"
+    for key, value in data.items():
+        if isinstance(data.get("output"), str) and isinstance(value, list) and value and isinstance(value[0], dict) \
+                and "role" in value[0] and "content" in value[0]:
+            return "input_output", key
     for key, value in data.items():
         if isinstance(value, list) and value and isinstance(value[0], dict):
             if "from" in value[0] and "value" in value[0]:
@@ -107,25 +122,72 @@ def _check(probe: Probe) -> None:
     spec = probe.spec
     if probe.read == 0:
         probe.warnings.append("no records at all")
-    if probe.looks_like and probe.valid < probe.read:
+    said = f"the spec says format {spec.format} with field {spec.conversation_field!r}"
+    preset: Preset | None = probe.presets.most_common(1)[0][0] if probe.presets else None
+    if preset is not None and (preset.format, preset.field) != (spec.format, spec.conversation_field):
+        probe.warnings.append(f"{said}; these records look like {preset.name} ({preset.spec_file}): format "
+                              f"{preset.format}, field {preset.field!r}")
+    elif probe.looks_like and probe.valid < probe.read:
         fmt, key = probe.looks_like
         if (fmt, key) != (spec.format, spec.conversation_field):
-            probe.warnings.append(f"the spec says format {spec.format} with field {spec.conversation_field!r}; "
-                                  f"the records look like {fmt} under {key!r}")
+            probe.warnings.append(f"{said}; the records look like {fmt} under {key!r}")
     if probe.keys and spec.conversation_field not in probe.keys:
         probe.warnings.append(f"no record has the field {spec.conversation_field!r} (set `field`)")
-    if spec.kind == "json":
-        for file in resolve_files(spec):
-            if not _ends_whole(file, b"}" if spec.records_field else b"]"):
-                probe.warnings.append(f"{spec.shown(file)} does not end as a JSON document does: it looks cut "
-                                      "short (a run names the cut; `salvage: true` keeps the complete records)")
+    for file, kind in _json_files(spec):
+        if _ends_whole(file, kind, spec):
+            continue
+        if spec.salvage:
+            probe.warnings.append(f"{spec.shown(file)} looks cut short: `salvage: true` keeps its complete records "
+                                  "(the run names the cut)")
+            continue
+        try:  # the same reader generate uses, to the end of the file: it names the cut exactly
+            for _ in read_file(spec, file, kind, ReadStats()):
+                pass
+        except TruncatedSource as exc:
+            probe.truncated = probe.truncated or exc
+        except SourceError:
+            pass  # another problem further on: generate reports it; the probe says what it saw
+        else:
+            probe.warnings.append(f"{spec.shown(file)} does not end as a JSON document does, but reads to its end")
 
 
-def _ends_whole(file: Path, closing: bytes) -> bool:
+def _json_files(spec: SourceSpec) -> list[tuple[Path, str]]:
+    """The local JSON and JSON Lines files of a source, with the reader each gets."""
+    if spec.kind in ("json", "jsonl"):
+        try:
+            return [(file, spec.kind) for file in resolve_files(spec)]
+        except SourceError:
+            return []
+    if spec.kind == "hf":
+        from .hf import DATA_EXTENSIONS, own_reader_files
+        from .jsonarray import json_lines
+
+        out = []
+        for file in own_reader_files(spec):
+            kind = DATA_EXTENSIONS.get(file.suffix.lower())
+            if kind == "json" and not spec.records_field and json_lines(file, spec.conversation_field):
+                kind = "jsonl"
+            if kind in ("json", "jsonl"):
+                out.append((file, kind))
+        return out
+    return []
+
+
+def _ends_whole(file: Path, kind: str, spec: SourceSpec) -> bool:
+    """Does the file end as a whole document does? JSON: its closing bracket; JSON Lines: a newline, or a last
+    line that parses. A cheap look at the tail; only a file that fails it is read to its end."""
     with file.open("rb") as fh:
         fh.seek(max(0, file.stat().st_size - 4096))
-        tail = fh.read().removeprefix(BOM).rstrip()
-    return tail.endswith(closing)
+        tail = fh.read().removeprefix(BOM)
+    if kind == "jsonl":
+        if not tail.strip() or tail.endswith(b"\n"):
+            return True
+        try:
+            orjson.loads(tail.rsplit(b"\n", 1)[-1])
+        except orjson.JSONDecodeError:
+            return False
+        return True
+    return tail.rstrip().endswith(b"}" if spec.records_field else b"]")
 
 
 __all__ = ["Probe", "probe_source", "guess_format"]

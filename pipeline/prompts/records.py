@@ -2,7 +2,7 @@
 prompts stage uses these."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -26,6 +26,15 @@ class RejectCode(str, Enum):
     SYSTEM_NOT_FIRST = "system_not_first"
     NOTHING_TO_SEND = "nothing_to_send"
     TOO_LONG = "prompt_too_long"  # over max_prompt_tokens, counted with the target's tokenizer
+    # tool calling (docs/sources-tool-calls.md)
+    TOOL_RESULT_WITHOUT_CALL = "tool_result_without_call"  # a tool result with no unanswered call before it
+    MISSING_TOOL_RESULT = "missing_tool_result"  # a call whose result never comes, with more conversation after it
+    TOOL_RESULT_MISMATCH = "tool_result_mismatch"  # a result whose id or name answers none of the step's calls
+    ARGUMENTS_NOT_JSON = "arguments_not_json"  # a call's arguments (or a Hermes <tool_call>) are not JSON
+    ARGUMENTS_NOT_OBJECT = "arguments_not_object"  # JSON, but not an object of named arguments
+    BAD_TOOL_CALL = "bad_tool_call"  # a call that is not an object, or has no function name
+    DUPLICATE_CALL_ID = "duplicate_call_id"  # two calls of one step share an id: their results cannot be told apart
+    BAD_TOOLS = "bad_tools"  # the tools list (a column, or a Hermes <tools> block) cannot be read
 
 
 class InvalidRecord(ValueError):
@@ -34,6 +43,29 @@ class InvalidRecord(ValueError):
     def __init__(self, code: RejectCode, reason: str):
         super().__init__(reason)
         self.code, self.reason = code, reason
+
+
+@dataclass
+class Tally:
+    """What normalising one record counted (merged into its source's report only if the record is kept).
+
+    dropped: turns and characters taken out (leading_assistant, blank_system, blank_reference, nul, ...).
+    uncarried: fields of the record that regen does not carry, by name (`record.KEY`, `message.KEY`,
+    `tool_call.KEY`): the no-silent-drop rule of the readers.
+    tools: tool-calling counts (tool_calls, tool_results, made_call_ids, calls_without_schema, ...)."""
+
+    dropped: dict[str, int] = field(default_factory=dict)
+    uncarried: dict[str, int] = field(default_factory=dict)
+    tools: dict[str, int] = field(default_factory=dict)
+
+    def drop(self, kind: str, n: int = 1) -> None:
+        self.dropped[kind] = self.dropped.get(kind, 0) + n
+
+    def uncarry(self, name: str, n: int = 1) -> None:
+        self.uncarried[name] = self.uncarried.get(name, 0) + n
+
+    def tool(self, kind: str, n: int = 1) -> None:
+        self.tools[kind] = self.tools.get(kind, 0) + n
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .records import Tally
 
 
 @dataclass
@@ -24,10 +27,25 @@ class SourceReport:
     nul_removed: int = 0  # NUL characters taken out of kept messages (escaped \u0000 and raw bytes)
     containers: dict[str, str] = field(default_factory=dict)  # file or dataset -> what it turned out to be
     cuts: list[dict[str, Any]] = field(default_factory=list)  # salvaged files: offset, records kept, bytes dropped
+    # fields of kept records that regen does not carry, by name (record.KEY, message.KEY, tool_call.KEY) -> records
+    # or messages that had them: nothing that shapes what the model sees is dropped without a count
+    uncarried: dict[str, int] = field(default_factory=dict)
+    tool_counts: dict[str, int] = field(default_factory=dict)  # tool_calls, made_call_ids, ... (docs/sources-tool-calls.md)
 
     def reject(self, code: str, reason: str) -> None:
         self.rejected_by_reason[code] = self.rejected_by_reason.get(code, 0) + 1
         self.reason_examples.setdefault(code, reason)
+
+    def count(self, tally: "Tally") -> None:
+        """What normalising one kept record counted."""
+        if not (tally.dropped or tally.uncarried or tally.tools):
+            return
+        dropped = dict(tally.dropped)
+        self.nul_removed += dropped.pop("nul", 0)
+        for target, counts in ((self.dropped_turns, dropped), (self.uncarried, tally.uncarried),
+                               (self.tool_counts, tally.tools)):
+            for kind, n in counts.items():
+                target[kind] = target.get(kind, 0) + n
 
     def top_reasons(self, n: int = 3) -> list[tuple[str, int, str]]:
         counts = Counter(self.rejected_by_reason).most_common(n)
@@ -53,7 +71,9 @@ def report_lines(reports: list[dict[str, Any]], indent: str = "  ") -> list[str]
                 + (f" ({reasons})" if reasons else "")
                 + f", selected {r.selected:,}, duplicates {r.duplicates:,}"
                 + (f"; dropped turns: {dropped}" if dropped else "")
-                + (f"; NUL characters removed: {r.nul_removed:,}" if r.nul_removed else ""))
+                + (f"; NUL characters removed: {r.nul_removed:,}" if r.nul_removed else "")
+                + (f"; tool calls: {_counts(r.tool_counts)}" if r.tool_counts else "")
+                + (f"; fields not carried: {_counts(r.uncarried)}" if r.uncarried else ""))
         lines.append(line)
         for cut in r.cuts:
             lines.append(f"{indent}  salvaged {cut['file']}: {cut['problem']}; kept {cut['records_kept']:,} "
@@ -63,19 +83,27 @@ def report_lines(reports: list[dict[str, Any]], indent: str = "  ") -> list[str]
     return lines
 
 
+def _counts(counts: dict[str, int], most: int = 20) -> str:
+    """`name n, ...` by count, the rest summed up."""
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    text = ", ".join(f"{name} {n:,}" for name, n in ranked[:most])
+    return text + (f" and {len(ranked) - most} more" if len(ranked) > most else "")
+
+
 def report_table(reports: list[dict[str, Any]]) -> list[str]:
     """Markdown for the dataset card."""
-    lines = ["| source | read | valid | rejected | selected | duplicates | dropped turns | rejected by reason |",
-             "|---|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| source | read | valid | rejected | selected | duplicates | dropped turns | rejected by reason |"
+             " tool calls | fields not carried |",
+             "|---|---:|---:|---:|---:|---:|---|---|---|---|"]
     for data in reports:
         r = SourceReport.from_dict(data)
         reasons = ", ".join(f"{code} {n}" for code, n, _ in r.top_reasons(len(r.rejected_by_reason))) or "-"
         dropped = ", ".join(f"{kind} {n}" for kind, n in sorted(r.dropped_turns.items()) if n) or "-"
         lines.append(f"| {r.name} | {r.read} | {r.valid} | {r.rejected} | {r.selected} | {r.duplicates} | "
-                     f"{dropped} | {reasons} |")
+                     f"{dropped} | {reasons} | {_counts(r.tool_counts) or '-'} | {_counts(r.uncarried) or '-'} |")
         for cut in r.cuts:
             lines.append(f"| {r.name}: salvaged `{cut['file']}` | | | | | | | {cut['problem']}: kept "
                          f"{cut['records_kept']} records up to byte {cut['offset']}, "
-                         + ("nothing of a record lost |" if cut.get("unclosed") else
-                            f"{cut['bytes_dropped']} bytes dropped |"))
+                         + ("nothing of a record lost | | |" if cut.get("unclosed") else
+                            f"{cut['bytes_dropped']} bytes dropped | | |"))
     return lines

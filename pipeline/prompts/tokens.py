@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import orjson
+
 from .records import InvalidRecord, RejectCode
 
 log = logging.getLogger("regen")
@@ -25,27 +27,39 @@ class PromptLength:
         self.tokenizer, self.max_tokens, self.name = tokenizer, max_tokens, name
         self.tokenized = 0  # conversations that had to be tokenized (the rest fit by their byte length)
 
-    def count(self, messages: tuple[dict[str, str], ...]) -> int:
+    def count(self, messages: tuple[dict[str, Any], ...], tools: list[dict] | None = None) -> int:
         self.tokenized += 1
         if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True)
+            # the tools as the server renders them: passed to the template, which places them
+            ids = self.tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=True,
+                                                     add_generation_prompt=True)
             if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding in newer transformers
                 ids = ids["input_ids"]
             return len(ids)
-        # no template to apply: the contents' tokens, a lower bound of what the server counts
-        return sum(len(self.tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
+        # no template to apply: the texts' tokens, a lower bound of what the server counts
+        return sum(len(self.tokenizer.encode(text, add_special_tokens=False)) for text in _texts(messages, tools))
 
-    def __call__(self, messages: tuple[dict[str, str], ...]) -> None:
+    def __call__(self, messages: tuple[dict[str, Any], ...], tools: list[dict] | None = None) -> None:
+        """`tools`: the prompt's OpenAI tools list, which the template renders into the prompt."""
         allowance = TEMPLATE_ALLOWANCE + MESSAGE_ALLOWANCE * len(messages)
-        chars = sum(len(m["content"]) for m in messages)
-        if 4 * chars + allowance <= self.max_tokens:  # a character is at most 4 UTF-8 bytes
+        texts = _texts(messages, tools)
+        if 4 * sum(map(len, texts)) + allowance <= self.max_tokens:  # a character is at most 4 UTF-8 bytes
             return
-        if sum(len(m["content"].encode()) for m in messages) + allowance <= self.max_tokens:
+        if sum(len(text.encode()) for text in texts) + allowance <= self.max_tokens:
             return
-        tokens = self.count(messages)
+        tokens = self.count(messages, tools)
         if tokens > self.max_tokens:
             raise InvalidRecord(RejectCode.TOO_LONG, f"the prompt is {tokens:,} tokens ({self.name}'s tokenizer), "
                                                      f"over max_prompt_tokens {self.max_tokens:,}")
+
+
+def _texts(messages: tuple[dict[str, Any], ...], tools: list[dict] | None) -> list[str]:
+    """Every text the template renders: contents, calls (arguments as JSON) and the tools' schemas."""
+    texts = [m.get("content") or "" for m in messages]
+    texts += [orjson.dumps(m["tool_calls"]).decode() for m in messages if m.get("tool_calls")]
+    if tools:
+        texts.append(orjson.dumps(tools).decode())
+    return texts
 
 
 def load_length_check(max_tokens: int | None, tokenizer: str) -> PromptLength | None:

@@ -4,10 +4,11 @@ looking (`committed_part`); SIGINT and SIGTERM wait until a commit is settled (`
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 
@@ -15,6 +16,8 @@ from . import schema
 from ..core.errors import PartExists, StorageError
 from .lock import RunLock
 from .rundir import RunDir, committed_part
+
+log = logging.getLogger("regen.commit")
 
 
 @contextlib.contextmanager
@@ -64,6 +67,8 @@ class Committer:
         self.commit_seconds = 0.0  # time spent writing parts (the commit overhead)
         # kind -> (part, its prompt ids, its rows) of a commit whose outcome is not known yet
         self._unsettled: dict[str, tuple[Location, frozenset[str], int]] = {}
+        # told the rows of each records part once it is known committed (the goodput count, store/goodput.py)
+        self.on_committed: Callable[[list[dict[str, Any]]], None] | None = None
 
     def _accept(self, prompt_id: str) -> bool:
         if prompt_id in self.done or prompt_id in self.buffered:
@@ -131,6 +136,7 @@ class Committer:
                 self.run_dir.write_part(folder, pa.Table.from_pylist(rows, schema=part_schema), path)
                 self._settle(kind, ids, len(rows))
                 self._unsettled.pop(kind, None)
+            log.info("committed %d %s in %s", len(rows), kind, getattr(path, "name", path), extra={"file_only": True})
         except PartExists:
             self._unsettled.pop(kind, None)  # that name was never ours: nothing of this buffer was committed
             raise
@@ -147,6 +153,8 @@ class Committer:
         if not ids <= self.done:
             if kind == "records":
                 self.committed += n_rows
+                if self.on_committed is not None:
+                    self.on_committed([row for row in self.records if row["prompt_id"] in ids])
             else:
                 self.committed_failures += n_rows
         self.done |= ids

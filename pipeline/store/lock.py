@@ -69,6 +69,9 @@ class RunLock:
         self._lost = threading.Event()
         self._stop_renewing = threading.Event()
         self._renewer: threading.Thread | None = None
+        # set by a driver whose new run failed before it wrote anything (a source that fails): the folder it
+        # created for the lock is removed on release, so the failure leaves no run directory
+        self.remove_folder_on_release = False
 
     def holder(self) -> dict[str, Any] | None:
         """The holder record; None if there is none (or it is unreadable JSON). StorageError if the store
@@ -241,11 +244,20 @@ class RunLock:
             except StorageError as exc:
                 log.warning("could not remove %s (%s); the next driver takes it over", self.holder_path, exc)
             finally:
+                if self.remove_folder_on_release:
+                    self._remove_empty_folder()  # still holding the lock: no other driver is in it
                 os.close(self._os_lock)  # closing the descriptor releases the lock
                 self._os_lock = None
         elif self._leased:
             self._leased = False
             self._drop_own_lease()
+
+    def _remove_empty_folder(self) -> None:
+        try:
+            os.unlink(self.folder / "run.lock")
+            os.rmdir(self.folder)  # only if empty: anything else in it is not this driver's to remove
+        except OSError as exc:
+            log.warning("could not remove %s (%s)", self.folder, exc)
 
     def __enter__(self) -> "RunLock":
         return self.acquire()

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from ..core.errors import StorageError
 from ..core.work import affinity_key
+from ..prompts.tool_calls import message_from_row
 from .seam import io_seam, storage_errors
 from .storage import Location
 
@@ -52,9 +53,9 @@ class PromptRow:
     prompt_id: str
     position: int
     source: str | None
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]]  # normalised (prompts/tool_calls.py message_from_row)
     reference: str | None
-    tools: list[dict[str, Any]] | None
+    tools: str | None  # canonical JSON of the tools list, as stored; None: the prompt has none
     affinity: int
 
 
@@ -141,6 +142,12 @@ class PromptSetReader:
         for group, start in enumerate(self.starts[:-1]):
             yield start, self.read_group(group, present)
 
+    def has_tools(self) -> bool:
+        """Some prompt has tools (a set written before tool calls has no such column: none has)."""
+        if "tools" not in self.schema.names:
+            return False
+        return any(table.column(0).null_count < table.num_rows for _, table in self.scan(["tools"]))
+
     def ids(self) -> set[str]:
         ids: set[str] = set()
         for _, table in self.scan(["prompt_id"]):
@@ -159,14 +166,18 @@ class PromptSetReader:
         if listed:
             log.info("prompt set %s: %d prompts in %d row groups, pinned for this run", self.name, self.num_rows,
                      len(self.group_rows))
-        columns = ["prompt_id"] + ([ROUTE_KEY] if stored else ["messages"] if affinity_chars > 0 else [])
+        columns = ["prompt_id"] + ([ROUTE_KEY] if stored else ["messages", "tools"] if affinity_chars > 0 else [])
         scan = PendingScan([], 0, 0, 0)
         for start, table in self.scan(columns):
             ids = table.column("prompt_id").to_pylist()
             if stored:
                 keys = table.column(ROUTE_KEY).fill_null(0).to_pylist()
             elif affinity_chars > 0:
-                keys = [affinity_key(m, affinity_chars) for m in table.column("messages").to_pylist()]
+                tools = (table.column("tools").to_pylist() if "tools" in table.column_names
+                         else [None] * table.num_rows)
+                keys = [affinity_key([message_from_row(m) for m in messages], affinity_chars,
+                                     None if t is None else t.encode())
+                        for messages, t in zip(table.column("messages").to_pylist(), tools)]
             else:
                 keys = [0] * len(ids)
             for offset, (pid, key) in enumerate(zip(ids, keys)):
@@ -205,7 +216,8 @@ class PromptSetReader:
                 if ids[r].as_py() != p.prompt_id:
                     raise StorageError(f"{self.where}: row {p.position} holds prompt {ids[r].as_py()}, not "
                                        f"{p.prompt_id}: the prompt set changed under the run")
-                out[i] = PromptRow(p.prompt_id, p.position, sources[r].as_py(), messages[r].as_py(),
+                out[i] = PromptRow(p.prompt_id, p.position, sources[r].as_py(),
+                                   [message_from_row(m) for m in messages[r].as_py()],
                                    references[r].as_py(), tools[r].as_py() if tools is not None else None,
                                    p.affinity)
         return out  # type: ignore[return-value]
@@ -223,6 +235,12 @@ class PromptSetReader:
         return table
 
 
-def pinned_reader(versions: list[Location]) -> PromptSetReader | None:
-    """The newest version of a run's prompt set, pinned: the run reads that file whatever is added later."""
-    return PromptSetReader(versions[-1]) if versions else None
+def pinned_reader(versions: list[Location], version: int | None = None) -> PromptSetReader | None:
+    """One version of a run's prompt set, pinned: the run reads that file whatever is added later. `version`: the
+    count of versions when it was committed (run.json's `prompt_set_version`); None, or a count no longer there:
+    the newest (resume.py restages a set whose record does not match)."""
+    if not versions:
+        return None
+    if version is not None and 1 <= version <= len(versions):
+        return PromptSetReader(versions[version - 1])
+    return PromptSetReader(versions[-1])

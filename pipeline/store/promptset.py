@@ -17,11 +17,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..core.config import RunConfig
+from ..core.errors import ConfigError
+from ..core.identity import spec_renames
 from ..core.work import affinity_key
 from ..prompts.errors import SourceError
 from ..prompts.fileid import FilesCheck, compare_files, file_identity
 from ..prompts.prompt_set import BuildResult, Prompt, Reject, build_into
 from ..prompts.sources import SourceSpec, load_source_spec
+from ..prompts.tool_calls import canonical_json, has_tool_fields, message_from_row, message_row
 from ..prompts.tokens import load_length_check
 from . import schema
 from .prompt_reader import route_schema
@@ -71,12 +74,22 @@ class StagedPromptSet:
         self.closed = False
         self.result: BuildResult | None = None
         self.files: dict[str, dict[str, dict[str, Any]]] = {}  # the source files' identity, taken before reading
+        self.with_tools = 0  # prompts with tools, calls or results (a run of records schema < 5 cannot store them)
 
     def add_prompt(self, p: Prompt) -> None:
-        chars = sum(len(m["content"]) for m in p.messages) + len(p.reference or "")
+        tools = canonical_json(list(p.tools)) if p.tools else None
+        if tools is not None or has_tool_fields(p.messages) or p.reference_tool_calls is not None:
+            self.with_tools += 1
+        chars = (sum(len(m["content"] or "") + len(m.get("tool_calls") or ()) for m in p.messages)
+                 + len(p.reference or "") + len(tools or ""))
+        rows = [message_row(m) for m in p.messages]
+        # the key of the messages as a run reads them back (message_from_row), so it is the one dispatch would compute
+        route_key = affinity_key([message_from_row(m) for m in rows], self.affinity_chars,
+                                 None if tools is None else tools.encode())
         self.prompts.add({"prompt_id": p.prompt_id, "source": p.source, "origin": p.origin,
-                          "source_ref": p.source_ref, "messages": list(p.messages), "reference": p.reference,
-                          "route_key": affinity_key(p.messages, self.affinity_chars)}, chars)
+                          "source_ref": p.source_ref, "messages": rows,
+                          "reference": p.reference, "reference_tool_calls": p.reference_tool_calls,
+                          "tools": tools, "route_key": route_key}, chars)
 
     def add_reject(self, r: Reject) -> None:
         self.rejects.add({"source": r.source, "origin": r.origin, "reason": r.reason, "raw": r.raw,
@@ -106,6 +119,18 @@ class StagedPromptSet:
         self._tmp.cleanup()
 
 
+def check_schema_takes_tools(staged: StagedPromptSet, schema_version: int | None) -> None:
+    """A run keeps its records schema: prompts with tools cannot go into a run created before schema 5 (the staged
+    set is discarded: nothing is written)."""
+    version = schema_version or 1
+    if staged.with_tools and version < schema.TOOLS_VERSION:
+        staged.discard()
+        raise ConfigError(f"{staged.with_tools:,} prompts of the sources call tools, which this run (created at "
+                          f"records schema {version}) cannot store: tool calls need records schema "
+                          f"{schema.TOOLS_VERSION}. Start a new run for them (regen generate --new-run, or another "
+                          "run_name); nothing was written to this run")
+
+
 def source_specs(cfg: RunConfig) -> dict[str, tuple[SourceSpec, int | None]]:
     """Each source of the config by its spec path as the config names it, with its limit (the run's, else the
     spec's)."""
@@ -123,7 +148,7 @@ def stage_prompt_set(cfg: RunConfig) -> StagedPromptSet:
     staged = StagedPromptSet(cfg.prefix_affinity_chars)
     try:
         staged.files = file_identity({key: spec for key, (spec, _) in specs.items()})
-        check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer or cfg.model)
+        check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path())
         staged.result = build_into(staged, list(specs.values()), mode=cfg.mode, seed=cfg.selection_seed,
                                    length_check=check)
         _check_every_listed_file_was_read(specs, staged)
@@ -157,7 +182,9 @@ def check_source_files(cfg: RunConfig, manifest: dict[str, Any]) -> FilesCheck:
     if stored is None:
         return FilesCheck(recorded=file_identity(specs),
                           notes=["run.json recorded no source files (written by older regen): recorded them now"])
-    return compare_files(stored, specs)
+    # recorded under the spec paths run.json names: compared with the config's spec in the same place
+    renames = spec_renames(manifest.get("prompts") or {}, cfg.prompt_identity())
+    return compare_files({renames.get(key, key): files for key, files in stored.items()}, specs)
 
 
 def report_document(staged: StagedPromptSet) -> dict[str, Any]:

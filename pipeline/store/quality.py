@@ -6,7 +6,8 @@ Flags, always in this order:
     truncated_thinking  ... and the output ended inside the thinking: empty content, non-empty reasoning
     context_capped      ... with fewer completion tokens than the request's max_tokens: the context ran out
                         first (vLLM cuts max_tokens to what the context leaves, without an error)
-    empty               content and reasoning both blank
+    empty               content and reasoning both blank, and no tool call (a pure tool call, finish_reason
+                        `tool_calls`, is an answer: its tokens are in the output ids)
     leaked_think        a `<think>` or `</think>` marker inside content or reasoning_content
                         (the server's reasoning parser did not split the output)
     repetition          a repetition loop in content or reasoning_content, by either rule:
@@ -80,8 +81,10 @@ def is_repetitive(text: str | None) -> bool:
 
 
 def quality_flags(content: str, reasoning_content: str | None, finish_reason: str,
-                  completion_tokens: int | None = None, max_tokens: int | None = None) -> list[str]:
-    """`completion_tokens` and `max_tokens` (the request's): a length finish short of max_tokens is capped."""
+                  completion_tokens: int | None = None, max_tokens: int | None = None,
+                  tool_calls: list | None = None) -> list[str]:
+    """`completion_tokens` and `max_tokens` (the request's): a length finish short of max_tokens is capped.
+    `tool_calls`: the target's calls in this answer (None or empty: it called none)."""
     flags: list[str] = []
     content = content or ""
     if finish_reason == "length":
@@ -90,10 +93,45 @@ def quality_flags(content: str, reasoning_content: str | None, finish_reason: st
             flags.append(TRUNCATED_THINKING)
         if completion_tokens is not None and max_tokens is not None and 0 < completion_tokens < max_tokens:
             flags.append(CONTEXT_CAPPED)
-    if _blank(content) and _blank(reasoning_content):
+    if _blank(content) and _blank(reasoning_content) and not tool_calls:
         flags.append(EMPTY)
     if any(marker in text for text in (content, reasoning_content or "") for marker in THINK_MARKERS):
         flags.append(LEAKED_THINK)
     if is_repetitive(content) or is_repetitive(reasoning_content):
         flags.append(REPETITION)
     return flags
+
+
+# --- what the default exports drop (one definition: export/ and the goodput accounting read these) -----------
+def cut_at_max_tokens(record: dict) -> bool:
+    """Cut at max_tokens: the conversation export drops it unless --keep-truncated (a token export masks its end)."""
+    return record.get("finish_reason") == "length" or TRUNCATED in (record.get("flags") or [])
+
+
+def lacks_content(record: dict) -> bool:
+    """No answer text and no tool call: the conversation export drops it (SpecForge needs non-empty content, or a
+    tool-calling step's calls)."""
+    return not (record.get("content") or "").strip() and not record.get("tool_calls")
+
+
+def whole_conversation_cut(turns: list[dict], reason_to_drop) -> tuple[int, str | None]:
+    """all_turns, the whole-conversation export: `turns` are one conversation's records in turn order. It keeps
+    them up to the first turn dropped or missing (a later turn's history holds that one): returns how many it
+    keeps, and why the first one left out is dropped (None: nothing is left out, or a turn is missing there)."""
+    for position, record in enumerate(turns):
+        if record["turn_index"] != position:
+            return position, None
+        reason = reason_to_drop(record)
+        if reason is not None:
+            return position, reason
+    return len(turns), None
+
+
+def default_export_drop(record: dict) -> str | None:
+    """Why `regen export --format specforge` with no option drops a record: `truncated_thinking` (cut inside the
+    thinking), `truncated` (cut at max_tokens), `empty` (no answer text); None: it is exported."""
+    if cut_at_max_tokens(record):
+        return TRUNCATED_THINKING if TRUNCATED_THINKING in (record.get("flags") or []) else TRUNCATED
+    if lacks_content(record):
+        return EMPTY
+    return None

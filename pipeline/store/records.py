@@ -9,7 +9,8 @@ import pyarrow.compute as pc
 from ..core.config import RunConfig
 from ..core.identity import StoredRecords
 from ..core.work import Outcome, WorkItem
-from ..prompts.conversation import histories, seed_for
+from ..prompts.conversation import calls_json, histories, seed_for
+from ..prompts.tool_calls import message_row
 from .prompt_reader import PendingPrompt, PromptRow, PromptSetReader
 from .quality import quality_flags
 from .rundir import RunDir, now_utc
@@ -27,6 +28,7 @@ class RecordBuilder:
         self.fingerprint = fingerprint or cfg.fingerprint()
         self.temperature, self.mode = cfg.sampling.temperature, cfg.mode
         self.max_tokens = cfg.sampling.max_tokens
+        self.tool_reasoning_history = cfg.tool_reasoning_history
 
     def work_items(self, batch: list[PendingPrompt | WorkItem]) -> list[WorkItem]:
         """The dispatcher's `load`: pending prompts become work items, their rows read from the prompt set in one
@@ -36,23 +38,37 @@ class RecordBuilder:
         return [self.work_item(next(rows)) if isinstance(item, PendingPrompt) else item for item in batch]
 
     def work_item(self, row: PromptRow) -> WorkItem:
+        """The row's messages (normalised: a tool-free message is exactly {"role", "content"}) and tools travel
+        with the in-flight item; its routing key is the prompt set's `route_key` (tools included)."""
         self.in_flight[row.prompt_id] = row
+        tools_json = None if row.tools is None else row.tools.encode()
         return WorkItem(row.prompt_id, orjson.dumps(row.messages), seed_for(row.prompt_id, self.temperature),
-                        row.affinity)
+                        row.affinity, tools_json)
 
     def records(self, outcome: Outcome, attempts: int) -> list[dict[str, Any]]:
+        """One row per generation. all_turns: the conversation is replayed from the answers (each tool-calling step
+        is a generation, turn_index counts them); its last row says why it ended early, if it did."""
         row = self.in_flight.pop(outcome.prompt_id)
-        sent = histories(self.mode, row.messages, [c.content for c in outcome.completions])
+        sent, _ = histories(self.mode, row.messages, outcome.completions, self.tool_reasoning_history)
         seed = seed_for(outcome.prompt_id, self.temperature)
+        tools, last = row.tools, len(outcome.completions) - 1  # canonical JSON text, as stored
         rows = []
         for k, (messages, c) in enumerate(zip(sent, outcome.completions)):
+            extra = {}  # the tool columns (records schema 5) only where a value is set: older schemas lack them
+            if tools is not None:
+                extra["tools"] = tools
+            if c.tool_calls:
+                extra["tool_calls"] = calls_json(c.tool_calls)
+            if k == last and outcome.conversation_end is not None:
+                extra["conversation_end"] = outcome.conversation_end
             rows.append({
-                "prompt_id": outcome.prompt_id, "source": row.source, "messages": messages,
+                "prompt_id": outcome.prompt_id, "source": row.source,
+                "messages": [message_row(m) for m in messages],
                 "turn_index": k if self.mode == "all_turns" else sum(m["role"] == "assistant" for m in messages),
                 "n_turns": len(outcome.completions), "reference": row.reference if self.mode != "all_turns" else None,
                 "content": c.content, "reasoning_content": c.reasoning_content, "finish_reason": c.finish_reason,
                 "flags": quality_flags(c.content, c.reasoning_content, c.finish_reason, c.completion_tokens,
-                                       self.max_tokens),
+                                       self.max_tokens, c.tool_calls),
                 "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
                 "cached_tokens": c.cached_tokens, "reasoning_tokens": c.reasoning_tokens,
                 "endpoint": outcome.endpoint, "model": c.model, "weight_version": c.weight_version,
@@ -60,7 +76,7 @@ class RecordBuilder:
                 "seed": None if seed is None else seed + (k if self.mode == "all_turns" else 0),
                 "deterministic": c.deterministic, "engine": c.engine, "engine_version": c.engine_version,
                 "request_id": c.request_id, "prompt_token_ids": c.prompt_token_ids,
-                "output_token_ids": c.output_token_ids, "created_at": now_utc(),
+                "output_token_ids": c.output_token_ids, "created_at": now_utc(), **extra,
             })
         return rows
 

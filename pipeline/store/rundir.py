@@ -201,9 +201,10 @@ class RunDir:
         versions = self.prompt_set_versions()
         return versions[-1].read_parquet() if versions else None
 
-    def prompt_set_reader(self) -> PromptSetReader | None:
-        """The newest version, pinned (a refresh adds a newer one), read by position a row group at a time."""
-        return pinned_reader(self.prompt_set_versions())
+    def prompt_set_reader(self, version: int | None = None) -> PromptSetReader | None:
+        """One version, pinned (a refresh adds a newer one), read by position a row group at a time. `version`: the
+        one run.json records (`prompt_set_version`, counted as store/resume.py counts it); None: the newest."""
+        return pinned_reader(self.prompt_set_versions(), version)
 
     def rejects_count(self) -> int:
         """Rows of the newest rejects file, from its footer."""

@@ -6,24 +6,37 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 4  # 2: `deterministic`; 3: `engine`, `engine_version`; 4: no `hidden_part`, `hidden_row`
-RECORDS_ADDED = {"deterministic": 2, "engine": 3, "engine_version": 3}  # column -> the version that added it
+SCHEMA_VERSION = 5  # 2: `deterministic`; 3: `engine`, `engine_version`; 4: no `hidden_part`, `hidden_row`;
+# 5: tool calls (`tools`, `tool_calls`, the MESSAGE struct's tool fields), `sample_index`, `conversation_end`
+RECORDS_ADDED = {"deterministic": 2, "engine": 3, "engine_version": 3,  # column -> the version that added it
+                 "tools": 5, "tool_calls": 5, "sample_index": 5, "conversation_end": 5}
+TOOLS_VERSION = 5  # the first records schema that can store a prompt with tools
 # column -> the first version without it. hidden_part/hidden_row named the generating request's hidden parts (a
 # route retired for `regen capture`, whose ledger names its own parts): null in every row regen writes now.
 RECORDS_RETIRED = {"hidden_part": 4, "hidden_row": 4}
 
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])  # records schemas 1-4
+# Records schema 5 and the prompt set: a message with its tool fields, null where absent (a tool-free message has
+# role and content only). `tool_calls`: canonical JSON text of the assistant step's calls (OpenAI objects, each
+# `arguments` a JSON string); `tool_call_id`, `name`: a tool result's call and the tool called. `content` is null
+# for a pure call.
+TOOL_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.string()),
+                          ("tool_call_id", pa.string()), ("name", pa.string())])
 
+# The materialised prompt set. `tools`, `reference_tool_calls` and the messages' tool fields came with issue 22;
+# an older prompt set (MESSAGE messages, no tools columns) still reads: readers take what is there.
 PROMPTS = pa.schema(
     [
         ("prompt_id", pa.string()),
         ("source", pa.string()),
         ("origin", pa.string()),
         ("source_ref", pa.string()),
-        ("messages", pa.list_(MESSAGE)),
-        ("reference", pa.string()),
-        # The routing key (core/work.py affinity_key) for the prefix length in the schema's metadata
-        # (prompt_reader.ROUTE_CHARS); a set staged without it has it computed when a run reads it.
+        ("messages", pa.list_(TOOL_MESSAGE)),
+        ("reference", pa.string()),  # the text of the source's final assistant step (last_turn)
+        ("reference_tool_calls", pa.string()),  # that step's calls, canonical JSON; null: it called none
+        ("tools", pa.string()),  # canonical JSON of the OpenAI tools list; null: the prompt has none
+        # The routing key (core/work.py affinity_key, tools included) for the prefix length in the schema's
+        # metadata (prompt_reader.ROUTE_CHARS); a set staged without it has it computed when a run reads it.
         ("route_key", pa.uint64()),
     ]
 )
@@ -34,11 +47,15 @@ _EVERY_RECORD_COLUMN = pa.schema(
         ("turn_index", pa.int32()),  # which assistant turn of the conversation this row regenerated (0-based)
         ("n_turns", pa.int32()),  # assistant turns regenerated for this prompt (all_turns: the whole conversation)
         ("source", pa.string()),
-        ("messages", pa.list_(MESSAGE)),  # exactly what was sent
+        ("messages", pa.list_(MESSAGE)),  # exactly what was sent (schema 5: TOOL_MESSAGE, see records_schema)
         ("reference", pa.string()),  # the source's original final assistant turn, if any
+        # The tools sent with the request (canonical JSON of the list; null: none).
+        ("tools", pa.string()),
         ("content", pa.string()),
         ("reasoning_content", pa.string()),
         ("finish_reason", pa.string()),
+        # The target's calls in this row (canonical JSON list of OpenAI calls, `arguments` JSON strings; null: none).
+        ("tool_calls", pa.string()),
         ("flags", pa.list_(pa.string())),  # quality flags: truncated, empty, leaked_think, repetition
         ("prompt_tokens", pa.int32()),
         ("completion_tokens", pa.int32()),
@@ -64,6 +81,10 @@ _EVERY_RECORD_COLUMN = pa.schema(
         ("hidden_part", pa.string()),
         ("hidden_row", pa.int32()),
         ("created_at", pa.timestamp("ms", tz="UTC")),
+        # Reserved for several samples of one prompt (issue 25): null for now.
+        ("sample_index", pa.int32()),
+        # all_turns: on the last row of a conversation cut short, why and at which step; null otherwise.
+        ("conversation_end", pa.string()),
     ]
 )
 
@@ -135,8 +156,11 @@ REJECTS = pa.schema(
 def records_schema(version: int | None) -> pa.Schema:
     """The record columns of a run created at schema `version` (runs from before versions were kept are 1)."""
     version = version or 1
-    return pa.schema([f for f in _EVERY_RECORD_COLUMN
-                      if RECORDS_ADDED.get(f.name, 1) <= version < RECORDS_RETIRED.get(f.name, version + 1)])
+    fields = [f for f in _EVERY_RECORD_COLUMN
+              if RECORDS_ADDED.get(f.name, 1) <= version < RECORDS_RETIRED.get(f.name, version + 1)]
+    if version >= TOOLS_VERSION:
+        fields = [pa.field("messages", pa.list_(TOOL_MESSAGE)) if f.name == "messages" else f for f in fields]
+    return pa.schema(fields)
 
 
 RECORDS = records_schema(SCHEMA_VERSION)  # what a new run writes

@@ -11,13 +11,16 @@ import orjson
 from ..prompts.fileid import file_states
 from ..prompts.report import report_lines
 from .capture_ledger import capture_counts
+from .goodput import summary_line
+from .progress import duration
 from .prompt_reader import PendingScan
 from .rundir import RunDir, RunLock
+from .tool_counts import tool_counts
 
 
 def ledger_counts(run_dir: RunDir) -> dict[str, Any]:
     """Counted from the prompt set's id column, a row group at a time: the set is never loaded whole."""
-    prompts = run_dir.prompt_set_reader()
+    prompts = run_dir.prompt_set_reader(run_dir.read_manifest().get("prompt_set_version"))
     committed = run_dir.committed_ids()
     failed = run_dir.failed_ids() - committed
     scan = PendingScan([], 0, 0, 0)
@@ -32,6 +35,15 @@ def ledger_counts(run_dir: RunDir) -> dict[str, Any]:
         "vanished_with_records": len(committed) - scan.done,
         "parts": len(run_dir.parts(run_dir.data)),
     }
+
+
+def counts_line(run_dir: RunDir) -> str:
+    """The ledger's counts in a line, for the end of a run's log (never raises: the run is ending)."""
+    try:
+        counts = ledger_counts(run_dir)
+    except Exception as exc:  # noqa: BLE001 - a store that cannot be read is named; the run still ends
+        return f"counts unavailable ({exc})"
+    return f"{counts['done']} done, {counts['failed']} failed, {counts['pending']} pending of {counts['total']}"
 
 
 def run_state(run_dir: RunDir, counts: dict[str, Any]) -> str:
@@ -55,10 +67,20 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
     manifest = run_dir.read_manifest()
     sources = (manifest.get("prompt_report") or {}).get("sources", [])
     files = file_states(manifest.get("source_files") or {})
-    report = {"run_dir": str(path), "state": run_state(run_dir, counts), **counts,
+    state = run_state(run_dir, counts)
+    endpoints = live.get("endpoints") or {}
+    if not state.startswith("running"):  # a driver killed mid-run left its in-flight work in status.json
+        endpoints = {label: {**stats, "in_flight": 0} for label, stats in endpoints.items()}
+    report = {"run_dir": str(path), "state": state, **counts,
               "fingerprint": manifest.get("fingerprint"), "sources": sources, "source_files": files,
-              "last_update": live.get("updated_at"), "endpoints": live.get("endpoints", {}),
-              "this_session": live.get("this_session", {}), "capture": capture_counts(run_dir)}
+              "last_update": live.get("updated_at"), "endpoints": endpoints,
+              "this_session": live.get("this_session", {}), "rates": live.get("rates", {}),
+              "eta_s": live.get("eta_s") if state.startswith("running") else None,
+              "metrics_url": live.get("metrics_url") if state.startswith("running") else None,
+              "capture": capture_counts(run_dir),
+              "goodput": live.get("goodput"), "quality_gate": live.get("quality_gate")}
+    tools = tool_counts(run_dir)
+    report["tools"] = tools.as_dict() if tools is not None else None
     if as_json:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
@@ -67,12 +89,25 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
           f"pending {counts['pending']}; rejected inputs {counts['rejects']}; parts {counts['parts']}")
     for line in report_lines(sources) + [f"  {line}" for line in files]:
         print(line)
+    if tools is not None and (tools.prompts_with_tools or tools.calls):
+        print(f"  {tools.summary()}")
     if not sources and counts["total"]:
         print("  (no source report: the prompt set was built by an older regen)")
     session = report["this_session"]
     if session:
-        print(f"  last session: {session.get('done', 0)} records, {session.get('tok_s', 0)} tok/s, "
-              f"{session.get('elapsed_s', 0)}s (status of {report['last_update']})")
+        print(f"  {'this' if state.startswith('running') else 'last'} session: {session.get('done', 0)} records, "
+              f"{session.get('tok_s', 0)} tok/s, {duration(session.get('elapsed_s'))} "
+              f"(status of {report['last_update']})")
+    for window, rates in report["rates"].items():
+        print(f"  {window} rate: {rates.get('prompts_s', 0):.2f} prompts/s, {rates.get('tok_s', 0):.0f} tok/s "
+              f"(over {duration(rates.get('window_s'))})")
+    if state.startswith("running"):
+        print(f"  ETA {duration(report['eta_s'])} at the recent rate"
+              + (f"; metrics at {report['metrics_url']}" if report["metrics_url"] else ""))
+    if report["goodput"]:
+        print(f"  {summary_line(report['goodput'])}")
+    for finding in (report["quality_gate"] or {}).get("findings", []):
+        print(f"  QUALITY GATE ({report['quality_gate']['action']}): {finding['message']}")
     cap = report["capture"]
     if cap:
         print(f"  capture ({cap['route']}, {cap['fingerprint']}): {cap['state']}; {cap['captured']} of "
@@ -82,8 +117,13 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
         if cap["failed_prompt_ids"]:
             print(f"  capture failed prompts (tried again by the next run): {', '.join(cap['failed_prompt_ids'][:10])}"
                   + (" ..." if len(cap["failed_prompt_ids"]) > 10 else ""))
+    if report["endpoints"]:
+        print("  endpoints (throughput of the session):")
     for label, stats in report["endpoints"].items():
-        print(f"  {label:<28} {stats.get('state', '?'):<8} on {stats.get('node', '?'):<15} "
-              f"in flight {stats.get('in_flight', 0):>4}  "
-              f"{stats.get('tok_s', 0):>8} tok/s  errors {stats.get('errors', {})}")
+        # a status.json of an older regen has no session figures per endpoint: "-", not a false 0
+        done, prompts_s = stats.get("session_done", "-"), stats.get("session_prompts_s")
+        print(f"  {label:<28} {stats.get('state', '?'):<10} on {stats.get('node', '?'):<15} "
+              f"in flight {stats.get('in_flight', 0):>4}  {done:>7} done  "
+              f"{'-' if prompts_s is None else f'{prompts_s:.2f}':>7} prompts/s  "
+              f"{stats.get('session_tok_s', stats.get('tok_s', 0)):>8} tok/s  errors {stats.get('errors', {})}")
     return 0

@@ -224,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
-    parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=1024,
+                        help="tokens generated per prompt, greedy (default 1024)")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), choices=range(5, len(PROMPTS) + 1),
-                        metavar=f"5..{len(PROMPTS)}")
+                        metavar=f"5..{len(PROMPTS)}", help="how many of the fixed prompts to send (default: all)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests at once in the second pass")
     parser.add_argument("--baseline", help="endpoint label to compare against (speed-up ratios)")
     args = parser.parse_args(argv)

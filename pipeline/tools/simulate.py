@@ -74,6 +74,8 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
                 raw.pop(key, None)
             raw.update(output_dir=str(work / "out"), run_name="simulated", sources=[{"spec": str(spec)}],
                        endpoints=[{"url": s.url, "concurrency": per_endpoint} for s in servers])
+            if raw.get("tokenizer"):  # the copy lives elsewhere: a tokenizer folder is named whole
+                raw["tokenizer"] = cfg.tokenizer_path()
             sim_cfg = work / "config.yaml"
             sim_cfg.write_text(yaml.safe_dump(raw))
             started = time.monotonic()
@@ -133,4 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     prediction = simulate(args.config, args.endpoints, args.tok_s, args.sample, args.speedup, args.concurrency,
                           args.mean_completion_tokens)
     print(prediction.table())
+    print(emulated_only(args.config, args.endpoints))
     return 0
+
+
+def emulated_only(config: str, endpoints: int) -> str:
+    """What a simulation did not check: the real fleet."""
+    cfg = load_config(config)
+    real = [e.label for e in cfg.static_endpoints()] + ([f"the endpoints in {cfg.endpoints_file}"]
+                                                        if cfg.endpoints_file else [])
+    named = ", ".join(real[:4]) + (f" and {len(real) - 4} more" if len(real) > 4 else "")
+    return (f"this ran against {endpoints} emulated SGLang endpoint{'s' if endpoints != 1 else ''} on 127.0.0.1, "
+            f"serving {cfg.model}: none of the config's real endpoints ({named}) was contacted or checked. "
+            f"`regen preflight {config}` checks them (model, weights, context, reasoning parser) without sending a "
+            "prompt")

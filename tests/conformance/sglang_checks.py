@@ -8,7 +8,8 @@
   would ignore it without a word.
 - every emulator answer to those bodies, and its information endpoints, against this version's response models
   (a key they do not declare is a failure too: the emulator invented it).
-- the emulator's Kimi reasoning split against this version's own ReasoningParser("kimi_k2").
+- the emulator's Kimi reasoning split against this version's own ReasoningParser("kimi_k2");
+- the emulator's tool calls against this version's own KimiK2Detector and call-id rule (sglang_tool_checks.py).
 Writes {check: {"ok": bool, "detail": [...]}}.
 """
 from __future__ import annotations
@@ -211,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--emulator", required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    checker = Checker(args.root, args.emulator)
+    from tests.conformance.sglang_tool_checks import ToolChecker
+
+    checker = ToolChecker(args.root, args.emulator)
     for line in args.bodies.read_text().splitlines():
         entry = json.loads(line)
         route, body = entry["route"], entry.get("body")
@@ -219,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         checker.report("requests", checker.request(route, body), 1)
         checker.report("responses", checker.response(route, body), 1)
+        if body.get("tools") and not body.get("stream"):  # tool_answer asks for the stream itself
+            checker.report("tool_calls", checker.tool_answer(body), 1)
     checker.info_endpoints()
     checker.kimi_split()
     args.out.write_text(json.dumps(checker.results, indent=1))

@@ -165,3 +165,7 @@ class OpenAIAdapter:
 
     def version_warning(self) -> str | None:
         return None
+
+    def tool_calls_fix(self) -> str:
+        """How to launch the server so that it returns the model's calls in `tool_calls`."""
+        return "launch it with its tool-call parser on, so that it returns the model's calls in tool_calls"

@@ -136,6 +136,9 @@ class SGLangAdapter(OpenAIAdapter):
                 "on; 0.5.18+ answers in choices[0].response_token_ids): upgrade the server to 0.5.17 or later, "
                 "or set `return_token_ids: false` to run without exact token ids")
 
+    def tool_calls_fix(self) -> str:
+        return "launch it with --tool-call-parser NAME (kimi_k2 for Kimi-K2.5)"
+
     def context_fix(self, needed: int) -> str:
         return f"launch with --context-length {needed} or more"
 

@@ -10,6 +10,10 @@ against them, tests/test_vllm_engine.py against the running server).
 - Reasoning is `message.reasoning` / `delta.reasoning` (it renamed `reasoning_content`, then dropped the old name
   from its answers).
 - The request id is `request_id`; an undeclared field (SGLang's `rid`) is ignored with a warning in its log.
+- Tools: without --enable-auto-tool-choice --tool-call-parser, `tool_choice: auto` is refused with 400 '"auto" tool
+  choice requires --enable-auto-tool-choice and --tool-call-parser to be set' and "required" with 'tool_choice=
+  "required" requires --tool-call-parser to be set'. With a parser whose format xgrammar knows (hermes) and
+  VLLM_ENFORCE_STRICT_TOOL_CALLING on (its default), "required" is met by a structural tag in that format.
 - 400 "This model's maximum context length is N tokens. However, your prompt contains ..." for a prompt over the
   context (renderers/params.py); a prompt of exactly the context length gets 400 "max_tokens must be at least 1,
   got 0" (sampling_params.py), since it leaves no room for output. prompt + max_tokens over the context is not an
@@ -30,7 +34,14 @@ SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 SPEC_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens_total"
 METRIC_COUNTERS = (GENERATION_TOKENS, SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED_TOKENS)
-ERRORS = ErrorTexts(context_overflow=("this model's maximum context length is", "max_tokens must be at least 1, got 0"))
+ERRORS = ErrorTexts(
+    context_overflow=("this model's maximum context length is", "max_tokens must be at least 1, got 0"),
+    # renderers/online_renderer.py: a request with tools to a server launched without a tool-call parser ("auto"
+    # needs --enable-auto-tool-choice too); every request of a prompt set with tools would get it
+    contract=('"auto" tool choice requires', "requires --tool-call-parser to be set"),
+)
+# The launch flags that make it answer with `tool_calls` (the preflight names them).
+TOOL_FLAGS = "--enable-auto-tool-choice --tool-call-parser NAME (e.g. hermes; local_fleet.tool_call_parser)"
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,9 @@ class VLLMAdapter(OpenAIAdapter):
 
     def stream_chunk_ids(self, chunk: dict[str, Any]) -> StreamIds | None:
         return self._per_chunk_ids(chunk)
+
+    def tool_calls_fix(self) -> str:
+        return f"launch it with {TOOL_FLAGS}"
 
     def context_fix(self, needed: int) -> str:
         return f"launch with --max-model-len {needed} or more (local_fleet.ctx_per_slot for the local fleet)"

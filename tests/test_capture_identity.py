@@ -1,23 +1,30 @@
-"""Review 2 of the capture stage: an older capture.json's identity upgraded in place, a prompt that always gets a
-Retryable, the sampled / full weights identity, request owners unique to the run, and the low items."""
+"""The capture's identity is its model's, not its name: a replaced model folder, a weight file changed in the
+middle, a capture made by an older regen (upgraded in place when it is the same folder, drift when not), and a
+model whose name differs from the run's. Tiny random Llamas with SmolLM2's vocabulary (built here, a few MB) stand
+in for a real model wherever the states' values do not matter; records carry SmolLM2's real token ids."""
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
 
 from pipeline.capture import open_capture
 from pipeline.core.capture_config import load_capture_config
 from pipeline.core.errors import DriftError
 from pipeline.hidden.layout import CaptureLayout, capture_fingerprint
+from pipeline.hidden.parts import hidden_parts
 from pipeline.store.capture_ledger import capture_run_dir
+from tests.capture_helpers import (  # noqa: F401 (fixtures by name)
+    capture_in_process, config_file, new_capture, tiny_llama, tok,
+)
 from tests.smollm2_run import make_smollm2_run, smollm2_records
-from tests.test_capture_fixes import capture_in_process, config_file, new_capture, tiny_llama, tok  # noqa: F401
+
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.torch
 
@@ -38,7 +45,67 @@ def as_unversioned_capture(run, model: Path) -> dict:
     return old
 
 
-# --- 1: a capture.json of the older identity form resumes on the same untouched folder -----------------------------
+def identity(model, mode="sampled"):
+    from transformers import AutoConfig
+
+    from pipeline.hidden.routes import model_identity
+
+    return model_identity(str(model), AutoConfig.from_pretrained(model), mode)
+
+
+def flipped_copy(model: Path, dest: Path, offset: int) -> Path:
+    """The model with one byte of its safetensors file inverted at `offset` (same size, same header)."""
+    import shutil
+
+    shutil.copytree(model, dest)
+    with (dest / "model.safetensors").open("r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return dest
+
+
+def test_a_replaced_model_folder_is_drift_but_its_path_spelled_otherwise_is_not(tmp_path, tok):
+    model = tiny_llama(tmp_path / "model")
+    run = make_smollm2_run(tmp_path / "run", [smollm2_records(tok)[:1]])
+    new_capture(run, load_capture_config(config_file(tmp_path, model)))
+    open_capture(run, load_capture_config(config_file(tmp_path, f"{model}/")))  # the same folder: no drift
+    with pytest.raises(DriftError, match="compute_dtype"):
+        open_capture(run, load_capture_config(config_file(tmp_path, model, torch_dtype="bfloat16")))
+    tiny_llama(model, hidden=32)  # another model behind the same path: other width
+    with pytest.raises(DriftError, match="hidden_size: 64 -> 32"):
+        open_capture(run, load_capture_config(config_file(tmp_path, model)))
+    tiny_llama(model, seed=1)  # the same shape again, other weights
+    with pytest.raises(DriftError, match="model_identity.weights"):
+        open_capture(run, load_capture_config(config_file(tmp_path, model)))
+
+
+def test_an_actor_refuses_a_model_replaced_after_the_driver_checked_it(tmp_path, tok):
+    model = tiny_llama(tmp_path / "model")
+    records = smollm2_records(tok)[:1]
+    run = make_smollm2_run(tmp_path / "run", [records])
+    cfg = load_capture_config(config_file(tmp_path, model))
+    _, manifest = new_capture(run, cfg)
+    tiny_llama(model, hidden=32)  # replaced between the driver's check and the actor's load
+    with pytest.raises(DriftError, match="hidden_size"):
+        capture_in_process(run, cfg, records, expected=manifest)
+    assert hidden_parts(capture_run_dir(run)) == []  # nothing stored
+
+
+def test_a_capture_model_named_otherwise_than_the_runs_is_warned_about(tmp_path, tok, caplog):
+    run = make_smollm2_run(tmp_path / "run", [smollm2_records(tok)[:1]])  # generation.model SmolLM2-135M-Instruct
+    with caplog.at_level("WARNING", logger="regen"):
+        new_capture(run, load_capture_config(config_file(tmp_path, tiny_llama(tmp_path / "tiny8"))))
+    assert any("tiny8" in r.message and "SmolLM2-135M-Instruct" in r.message for r in caplog.records)
+    caplog.clear()
+    same = tiny_llama(tmp_path / "SmolLM2-135M-Instruct")
+    run2 = make_smollm2_run(tmp_path / "run2", [smollm2_records(tok)[:1]])
+    with caplog.at_level("WARNING", logger="regen"):
+        new_capture(run2, load_capture_config(config_file(tmp_path, f"{same}/")))
+    assert not [r for r in caplog.records if "generated this run" in r.message]
+
+
 def test_an_unversioned_capture_on_the_same_folder_is_upgraded_and_resumes(tmp_path, tok, caplog):
     model = tiny_llama(tmp_path / "model")
     records = smollm2_records(tok)[:2]
@@ -66,28 +133,6 @@ def test_an_unversioned_capture_whose_folder_was_touched_is_drift(tmp_path, tok)
     with pytest.raises(DriftError, match="model_identity.weights"):
         open_capture(run, cfg)
     assert capture_run_dir(run).read_manifest() == old  # left as it was
-
-
-# --- 3: weights changed in the middle of a file -------------------------------------------------------------------
-def identity(model, mode="sampled"):
-    from transformers import AutoConfig
-
-    from pipeline.hidden.routes import model_identity
-
-    return model_identity(str(model), AutoConfig.from_pretrained(model), mode)
-
-
-def flipped_copy(model: Path, dest: Path, offset: int) -> Path:
-    """The model with one byte of its safetensors file inverted at `offset` (same size, same header)."""
-    import shutil
-
-    shutil.copytree(model, dest)
-    with (dest / "model.safetensors").open("r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    return dest
 
 
 def test_a_middle_of_file_change_is_drift_under_full_and_under_sampled_when_it_falls_in_a_window(tmp_path, tok):
@@ -118,34 +163,6 @@ def test_a_middle_of_file_change_is_drift_under_full_and_under_sampled_when_it_f
         open_capture(run, cfg)
     with pytest.raises(DriftError, match="model_identity.weights_identity: 'full' -> 'sampled'"):
         open_capture(run, load_capture_config(config_file(tmp_path, model)))
-
-
-# --- 5: `regen status` text shows the capture's failed prompts and both refusals -----------------------------------
-def test_status_text_shows_failed_prompts_and_count_mismatched_refusals(tmp_path, tok, capsys):
-    from pipeline.store.status import print_status
-
-    model = tiny_llama(tmp_path / "model")
-    records = smollm2_records(tok)[:3]
-    records[1]["completion_tokens"] = 999  # its ids disagree with its own count: refused
-    run = make_smollm2_run(tmp_path / "run", [records])
-    new_capture(run, load_capture_config(config_file(tmp_path, model)))
-    capture_run_dir(run).write_status({"state": "finished", "failed_prompts": 1, "failed_prompt_ids": ["p2"]})
-    assert print_status(run.path) == 0
-    text = capsys.readouterr().out
-    assert "capture (transformers" in text and "finished; 0 of 2 samples captured" in text
-    assert "1 prompts failed" in text and "1 whose ids disagree with their counts" in text and "p2" in text
-
-
-# --- 9: a model too small for the default aux layers (the empty hidden_states section: test_run_identity.py) ---
-def test_a_model_too_small_for_the_default_aux_layers_is_told_to_set_them(tmp_path):
-    from pipeline.core.errors import ConfigError
-    from pipeline.hidden.routes import layout_for
-
-    model = tiny_llama(tmp_path / "model", layers=3)
-    with pytest.raises(ConfigError) as refused:
-        layout_for(load_capture_config(config_file(tmp_path, model)))
-    message = str(refused.value)
-    assert "3 decoder layers" in message and "set aux_layer_ids" in message and "[2, 1, 0]" not in message
 
 
 def test_an_unversioned_capture_of_a_hub_model_is_upgraded_by_its_revision(tmp_path):

@@ -1,0 +1,120 @@
+"""One session's dispatch: the opt-in /metrics, Ray, the Dispatcher and its callbacks that build, commit and count
+each outcome (goodput, the quality gate). Called by pipeline/run.py once the run directory, the prompt set and the
+fleet's preflight are settled."""
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+from typing import Any
+
+from ..core.errors import QualityGateStopped
+from ..core.work import DONE, Outcome
+from ..store.committer import Committer
+from ..store.gate import QualityGate
+from ..store.goodput import DUPLICATE
+from ..store.prompt_reader import PendingPrompt
+from ..store.records import RecordBuilder
+from ..store.rundir import RunDir
+from .cluster import EndpointsFileWatch, init_ray
+from .fleet import FleetFacts
+
+log = logging.getLogger("regen")
+
+
+def run_dispatch(cfg: Any, run_dir: RunDir, builder: RecordBuilder, pending: list[PendingPrompt], committer: Committer,
+                 progress, stop: Any, fleet: FleetFacts) -> str:
+    from .metrics import serve_metrics
+
+    stop.graceful = True  # from here a signal ends the dispatch and the buffer is committed
+    # the opt-in /metrics is bound before Ray starts: a port already taken stops the run at once, no actor started
+    metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
+    if metrics is None:
+        return dispatch_with_ray(cfg, run_dir, builder, pending, committer, progress, stop, fleet, None)
+    progress.extra["metrics_url"] = metrics.url
+    metrics.status(progress.status("running"))  # the run's counts from the first scrape, while Ray starts
+    try:
+        return dispatch_with_ray(cfg, run_dir, builder, pending, committer, progress, stop, fleet, metrics)
+    finally:
+        metrics.close()
+        progress.extra.pop("metrics_url", None)  # status.json names no dead address
+
+
+def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[PendingPrompt], committer: Committer,
+                      progress, stop: Any, fleet: FleetFacts, metrics) -> str:
+    from .dispatcher import Dispatcher, client_settings, make_actor_factory
+
+    try:
+        init_ray(cfg.ray.address)
+    except SystemExit as exc:  # ray.init's own SIGTERM handler, in place while it runs
+        if exc.code == signal.SIGTERM:
+            raise KeyboardInterrupt from None
+        raise
+    stop.install()  # again: ray.init replaced the SIGTERM handler
+    if stop():
+        return "interrupted"
+
+    gate = QualityGate(cfg.quality_gate, cfg.quality_gate_records, cfg.quality_thresholds.model_dump(),
+                       cfg.sampling.max_tokens)
+    kept: list[dict] = []  # the records of this outcome that the committer took (for the quality gate)
+    gate_stopped: list[QualityGateStopped] = []  # raised once the dispatch has stopped: salvaged, then the run ends
+
+    def on_outcome(outcome: Outcome, attempts: int) -> None:
+        kept.clear()
+        if outcome.kind == DONE:
+            rows, tokens = builder.records(outcome, attempts), sum(c.completion_tokens for c in outcome.completions)
+            if committer.add_records(rows):
+                kept.extend(rows)  # counted for goodput once committed (committer.on_committed)
+            else:  # a prompt committed already: this copy's tokens are thrown away
+                progress.goodput.add(DUPLICATE, tokens)
+            progress.record(True, tokens, outcome.endpoint)
+        else:
+            committer.add_failure(builder.failure(outcome, attempts))
+            progress.record(False, 0, outcome.endpoint)
+            log.info("prompt %s failed terminally at %s: %s", outcome.prompt_id, outcome.endpoint, outcome.message)
+        if metrics is not None:
+            metrics.outcome(outcome)
+        committer.maybe_flush()
+        progress.write_counted()  # status.json carries the counts to the next session: right after a commit
+        try:
+            gate.observe(kept)
+        except QualityGateStopped as exc:  # `quality_gate: stop`: the rest of this batch is committed first
+            gate_stopped.append(exc)
+        finally:
+            progress.quality_gate = gate.verdict
+
+    def on_tick(endpoints: dict[str, dict]) -> None:
+        committer.maybe_flush()
+        progress.write_counted()
+        progress.tick(endpoints)
+        if metrics is not None:
+            metrics.status({**progress.status("running"), "requeued": dispatcher.requeued})
+
+    # light pending prompts: each prompt's row is read from the prompt set as it is handed out (`load`)
+    dispatcher = Dispatcher(cfg, pending, on_outcome, on_tick,
+                            lambda: stop() or bool(gate_stopped),
+                            make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines,
+                                                                    fleet.run_engines, fleet.tools), cfg.api_key),
+                            fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
+                            unreachable=fleet.unreachable, refused=fleet.refused, load=builder.work_items)
+    progress.thrown_away = dispatcher.waste.goodput
+    # all_turns: the default export writes whole conversations, cut before a dropped turn (store/goodput.py)
+    committer.on_committed = functools.partial(progress.committed, whole_conversations=cfg.mode == "all_turns")
+    log.info("dispatch: %d prompts to %d endpoints", len(pending), len(dispatcher.slots))
+    progress.begin()
+    try:
+        dispatcher.run()
+    finally:
+        dispatcher.shutdown()
+        progress.endpoints = dispatcher.fleet_status()  # as the actors were ended: nothing in flight
+        progress.stopped()
+    if gate_stopped:
+        raise gate_stopped[0]
+    if dispatcher.refused:
+        log.warning("endpoints held out by the preflight never passed it this session, so the run went on without "
+                    "them: %s", "; ".join(f"{label}: {why}" for label, why in dispatcher.refused.items()))
+    progress.extra = {"requeued": dispatcher.requeued, "actor_restarts": dispatcher.actor_restarts,
+                      "hedged": len(dispatcher.hedged), "dropped_duplicates": committer.dropped_duplicates,
+                      "fleet_changes": dispatcher.fleet_changes, "held_out": sorted(dispatcher.refused),
+                      "prompt_groups_read": builder.reader.groups_read if builder.reader is not None else 0}
+    return "interrupted" if stop() else "complete"

@@ -1,0 +1,41 @@
+"""Which SpecForge chat template renders a run's `specforge` export, per model family (the export manifest's
+`chat_template`). SpecForge renders conversations with the tokenizer's own chat template; its template entry adds
+a system prompt to rows without one and the loss-mask markers (specforge/data/template.py)."""
+from __future__ import annotations
+
+CHAT_TEMPLATE_NOTE = ("SpecForge re-renders these conversations with the tokenizer's chat template and its own "
+                      "template entry, and most entries inject a system prompt (\"You are a helpful assistant.\") "
+                      "into rows without one, which the target never saw (the manifest's `chat_template` says which "
+                      "entry fits this model). Rendering closes every assistant turn with an end-of-turn token; "
+                      "records cut at max_tokens are therefore dropped unless --keep-truncated")
+EXACT_EXPORT = ("`specforge-tokens` is the exact export: the server's own prompt and output ids, with loss_mask 1 "
+                "exactly on the target's tokens")
+# What SpecForge's conversation templates (specforge/data/template.py) do with a model family's rows.
+TEMPLATE_ADVICE = {
+    "kimi": ("no SpecForge template renders Kimi's ids exactly: both kimi-k2-thinking and kimi-k2-instruct inject "
+             "\"You are a helpful assistant.\" into rows without a system message, which the target never saw. "
+             "To train on exactly what the target saw, export `specforge-tokens`; with this export, use "
+             "kimi-k2-thinking for thinking runs and kimi-k2-instruct otherwise, knowing that the system prompt "
+             "differs"),
+    "chatml": ("lfm for ChatML models such as SmolLM2 (it injects no system prompt, so it renders the server's exact "
+               "prompt ids); not qwen (it injects its own system prompt)"),
+}
+
+
+def model_family(model: str) -> str | None:
+    name = model.lower()
+    if "kimi" in name:
+        return "kimi"
+    if "smollm" in name:
+        return "chatml"
+    return None
+
+
+def template_advice(model: str) -> dict[str, str]:
+    """The manifest's `chat_template` entry of a `specforge` export, for the run's model family."""
+    family = model_family(model)
+    advice = TEMPLATE_ADVICE.get(family) if family else (
+        f"no advice for {model!r}: pick the SpecForge template of its family, and check whether it injects a system "
+        "prompt into rows without one (the target never saw it)")
+    return {"family": family or "unknown", "specforge": advice, "exact_export": EXACT_EXPORT,
+            "note": CHAT_TEMPLATE_NOTE}

@@ -1,0 +1,319 @@
+"""Validation and normalisation of one conversation, and the prompt's content-addressed id.
+
+A valid conversation: an optional system message; then user turns and assistant steps, where an assistant step
+with tool calls is followed by one tool result per call (in the calls' order), then another assistant step or
+the end. A tool-free message is exactly `{"role", "content"}`; tool keys appear only when present
+(docs/sources-tool-calls.md).
+"""
+from __future__ import annotations
+
+import hashlib
+import unicodedata
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import orjson
+
+from ..core.errors import ConfigError
+from .records import InvalidRecord, RejectCode, Tally
+from .tool_calls import canonical_arguments, canonical_json, made_call_id, tool_names
+
+MODES = ("last_turn", "all_turns")
+# ShareGPT as it is in the wild: the role names of the dumps people download (SpecForge's prepare_data maps
+# the same ones); tool results under their several names.
+ROLE_MAP = {
+    "user": "user", "human": "user",
+    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+    "bot": "assistant",
+    "system": "system",
+    "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool",
+}
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ConfigError(f"unknown regeneration mode {mode!r} (expected one of {', '.join(MODES)})")
+
+
+def prompt_id(messages: Iterable[Mapping[str, Any]], mode: str = "last_turn",
+              tools: Iterable[Mapping[str, Any]] | None = None) -> str:
+    """Stable id of what is sent: sha256 over sorted-key JSON of the mode and the messages, first 32 hex chars.
+
+    In `all_turns` mode the assistant turns are regenerated, so only the system and user turns name the prompt,
+    plus (when there are any) the source's calls, whose cached results are spliced in, and those results. The
+    tool keys and `tools` enter the hash only when present, so a tool-free prompt keeps the id it always had.
+    """
+    check_mode(mode)
+    msgs = []
+    for m in messages:
+        msg = {"role": m["role"], "content": m["content"]}
+        if len(m) > 2:
+            msg.update({key: m[key] for key in ("tool_calls", "tool_call_id", "name") if m.get(key) is not None})
+        if mode == "all_turns" and m["role"] == "assistant":
+            if not m.get("tool_calls"):
+                continue
+            msg = {"role": "assistant", "tool_calls": m["tool_calls"]}  # its text is regenerated
+        msgs.append(msg)
+    doc: dict[str, Any] = {"mode": mode, "messages": msgs}
+    if tools:
+        doc["tools"] = list(tools)
+    return hashlib.sha256(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Normalised:
+    messages: tuple[dict[str, Any], ...]  # what is sent (all_turns: the whole conversation)
+    reference: str | None  # last_turn: the text of the source's final assistant step
+    reference_tool_calls: str | None  # last_turn: that step's calls (canonical JSON), when it made any
+    tools: tuple[dict[str, Any], ...] | None
+
+
+def normalise(raw_messages: Any, mode: str = "last_turn",
+              dropped: dict[str, int] | None = None) -> tuple[tuple[dict[str, Any], ...], str | None]:
+    """(messages to send, reference text) of a conversation, or InvalidRecord; see `normalise_record`."""
+    tally = Tally()
+    result = normalise_record(raw_messages, None, mode, tally)
+    if dropped is not None:
+        for kind, n in tally.dropped.items():
+            dropped[kind] = dropped.get(kind, 0) + n
+    return result.messages, result.reference
+
+
+def normalise_record(raw_messages: Any, tools: list[dict[str, Any]] | None, mode: str, tally: Tally) -> Normalised:
+    """Validate and normalise a conversation and its tools. Raises InvalidRecord with the reason's code.
+
+    Blank system messages are dropped, as are assistant steps (and their results) before the first user turn
+    (SpecForge's preprocessing drops a first message that is not the user's); NUL characters are removed; under
+    last_turn a blank last assistant turn (the reference a new answer replaces) is dropped. Each is counted in
+    `tally.dropped` (blank_system, leading_assistant, leading_tool_result, nul, blank_reference); any other blank
+    message but a tool result rejects the record. Calls without an id get `functions.NAME:IDX`."""
+    check_mode(mode)
+    if not isinstance(raw_messages, (list, tuple)):
+        raise InvalidRecord(RejectCode.BAD_CONVERSATION, "the conversation is not a list of messages")
+    if not raw_messages:
+        raise InvalidRecord(RejectCode.EMPTY, "the conversation is empty")
+    conv = [m for m in (_message(i, m, tally) for i, m in enumerate(raw_messages, start=1)) if m is not None]
+    for k, (i, m) in enumerate(conv):
+        if m["role"] == "system" and k != 0:
+            raise InvalidRecord(RejectCode.SYSTEM_NOT_FIRST,
+                                f"message {i} is a system message, but a system message may only come first")
+    system = conv[:1] if conv and conv[0][1]["role"] == "system" else []
+    body = conv[len(system):]
+    leading = 0
+    while leading < len(body) and body[leading][1]["role"] != "user":
+        if body[leading][1]["role"] == "tool" and not any(m["role"] == "assistant" for _, m in body[:leading]):
+            i = body[leading][0]
+            raise InvalidRecord(RejectCode.TOOL_RESULT_WITHOUT_CALL, f"message {i} is a tool result with no call "
+                                                                     "before it")
+        leading += 1
+    if leading:
+        for _, m in body[:leading]:
+            tally.drop("leading_assistant" if m["role"] == "assistant" else "leading_tool_result")
+        body = body[leading:]
+    if not body:
+        if leading:
+            raise InvalidRecord(RejectCode.NO_USER_TURN, "the conversation has no user turn")
+        raise InvalidRecord(RejectCode.NOTHING_TO_SEND,
+                            "the conversation has nothing to send (it has only a system message)")
+    tool_steps = any(len(m) > 2 or m["role"] == "tool" for _, m in body)
+    if tool_steps:
+        body = _check_steps(body, tally)
+    else:  # the plain chat of before tool calls, checked as fast as it was
+        for k, (i, m) in enumerate(body):
+            expected = "user" if k % 2 == 0 else "assistant"
+            if m["role"] != expected:
+                raise InvalidRecord(RejectCode.NOT_ALTERNATING, f"roles do not alternate: message {i} is "
+                                                                f"{m['role']} where {expected} was expected")
+    if mode == "last_turn" and body[-1][1]["role"] == "assistant" and not body[-1][1].get("tool_calls") \
+            and not body[-1][1]["content"]:
+        tally.drop("blank_reference")  # the reference only: a new answer takes its place, so nothing is lost
+        body = body[:-1]
+    for i, m in body:
+        if m["role"] in ("user", "assistant") and not m["content"] and not m.get("tool_calls"):
+            raise InvalidRecord(RejectCode.BLANK_CONTENT, f"message {i} ({m['role']}) is blank")
+    messages = [m for _, m in system + body]
+    norm_tools = tuple(tools) if tools else None
+    if tool_steps or norm_tools:
+        _count_tools(messages, norm_tools, tally)
+    if mode == "all_turns":
+        return Normalised(tuple(messages), None, None, norm_tools)
+    reference = calls = None
+    if messages[-1]["role"] == "assistant":
+        last = messages.pop()
+        reference = last["content"]
+        if last.get("tool_calls"):
+            calls = canonical_json(last["tool_calls"])
+            tally.tool("reference_is_call")
+    elif messages[-1]["role"] == "tool":
+        tally.tool("ends_on_tool_result")
+    return Normalised(tuple(messages), reference, calls, norm_tools)
+
+
+def _message(i: int, m: Any, tally: Tally) -> tuple[int, dict[str, Any]] | None:
+    """Message i with its role mapped and its content cleaned (None: a blank system message, dropped)."""
+    if not (type(m) is dict or isinstance(m, Mapping)) or "role" not in m or (
+            "content" not in m and not m.get("tool_calls")):
+        raise InvalidRecord(RejectCode.BAD_MESSAGE, f"message {i} is not an object with a role and a content")
+    raw_role, content = m["role"], m.get("content")
+    role = None
+    if isinstance(raw_role, str):
+        role = ROLE_MAP.get(raw_role) or ROLE_MAP.get(raw_role.strip().lower())
+    if role is None:
+        raise InvalidRecord(RejectCode.UNKNOWN_ROLE, f"message {i} has an unknown role {raw_role!r}")
+    calls = None
+    if len(m) > 2 or role == "tool":  # tool keys: only checked where there can be any
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if role != "assistant" and m.get("tool_calls"):
+            raise InvalidRecord(RejectCode.BAD_TOOL_CALL, f"message {i} ({role}) has tool calls; only an "
+                                                          "assistant step may call a tool")
+        if role != "tool":
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None:
+                    tally.uncarry(f"message.{key}")
+        if role == "tool" and isinstance(content, (dict, list)):
+            try:
+                content = canonical_json(content)  # a structured result, as its JSON text
+            except TypeError as exc:
+                raise InvalidRecord(RejectCode.NON_STRING_CONTENT,
+                                    f"message {i} (tool) holds a result that is not JSON ({exc})") from exc
+            tally.tool("structured_results_as_json")
+        if content is None and calls:
+            content = ""
+    if type(content) is not str and not isinstance(content, str):
+        raise InvalidRecord(RejectCode.NON_STRING_CONTENT,
+                            f"message {i} ({role}) has non-string content ({type(content).__name__})")
+    if "\x00" in content:
+        tally.drop("nul", content.count("\x00"))
+        content = content.replace("\x00", "")
+    content = unicodedata.normalize("NFC", content.strip())
+    if not content and role == "system":
+        tally.drop("blank_system")
+        return None
+    out: dict[str, Any] = {"role": role, "content": content}
+    if calls:
+        if not isinstance(calls, list):
+            raise InvalidRecord(RejectCode.BAD_TOOL_CALL, f"message {i}: tool_calls is not a list")
+        out["content"] = content or None
+        out["tool_calls"] = [_call(i, k, c, tally) for k, c in enumerate(calls, start=1)]
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                out[key] = str(m[key])
+    return i, out
+
+
+def _call(i: int, k: int, raw: Any, tally: Tally) -> dict[str, Any]:
+    """A raw call (OpenAI's nested form, or flat `{"name", "arguments"}`) in OpenAI's form; its id may be None
+    here (made in `_check_steps`, which knows the call's index in the conversation)."""
+    where = f"message {i}, call {k}"
+    if not isinstance(raw, dict):
+        raise InvalidRecord(RejectCode.BAD_TOOL_CALL, f"{where} is a {type(raw).__name__}, not an object")
+    fn = raw.get("function", raw)
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+        raise InvalidRecord(RejectCode.BAD_TOOL_CALL, f"{where} has no function name")
+    for key in set(raw) - {"id", "type", "function", "name", "arguments", "index"}:
+        tally.uncarry(f"tool_call.{key}")
+    if fn is not raw:
+        for key in set(fn) - {"name", "arguments"}:
+            tally.uncarry(f"tool_call.function.{key}")
+    call_id = raw.get("id")
+    return {"id": str(call_id) if call_id not in (None, "") else None, "type": "function",
+            "function": {"name": fn["name"].strip(), "arguments": canonical_arguments(fn.get("arguments"), where,
+                                                                                      tally)}}
+
+
+def _check_steps(body: list[tuple[int, dict]], tally: Tally) -> list[tuple[int, dict]]:
+    """The order of turns and steps (from the first user turn on); makes missing call ids and matches each
+    result to its call (filling its id and name), putting the results of a step in the calls' order."""
+    out: list[tuple[int, dict]] = []
+    state = "start"  # start | user | text | results (a step's calls all answered)
+    pending: list[dict] = []  # the current step's calls
+    answers: dict[int, tuple[int, dict]] = {}  # index in pending -> (message number, result)
+    call_index = 0
+
+    def close_step(i: int) -> None:
+        nonlocal pending, answers
+        missing = [c for k, c in enumerate(pending) if k not in answers]
+        if missing:
+            raise InvalidRecord(RejectCode.MISSING_TOOL_RESULT,
+                                f"the call to {missing[0]['function']['name']} ({missing[0]['id']}) has no result "
+                                f"before message {i}")
+        order = [answers[k][0] for k in range(len(pending))]
+        if order != sorted(order):
+            tally.tool("tool_results_reordered")
+        out.extend(answers[k] for k in range(len(pending)))
+        pending, answers = [], {}
+
+    for i, m in body:
+        role = m["role"]
+        if role == "tool":
+            if not pending:
+                raise InvalidRecord(RejectCode.TOOL_RESULT_WITHOUT_CALL,
+                                    f"message {i} is a tool result with no call before it")
+            k = _match(i, m, pending, answers)
+            call = pending[k]
+            answers[k] = (i, {"role": "tool", "content": m["content"], "tool_call_id": call["id"],
+                              "name": call["function"]["name"]})
+            if len(answers) == len(pending):
+                close_step(i)
+                state = "results"
+            continue
+        if pending:
+            close_step(i)
+        expected = "user" if state in ("start", "text") else "assistant"
+        if role != expected:
+            after = " after the tool results" if state == "results" else ""
+            raise InvalidRecord(RejectCode.NOT_ALTERNATING,
+                                f"roles do not alternate: message {i} is {role} where {expected}{after} was expected")
+        if role == "assistant" and m.get("tool_calls"):
+            ids = set()
+            for call in m["tool_calls"]:
+                if call["id"] is None:
+                    call["id"] = made_call_id(call["function"]["name"], call_index)
+                    tally.tool("made_call_ids")
+                if call["id"] in ids:
+                    raise InvalidRecord(RejectCode.DUPLICATE_CALL_ID,
+                                        f"message {i}: two calls share the id {call['id']!r}")
+                ids.add(call["id"])
+                call_index += 1
+            pending = m["tool_calls"]
+        state = "user" if role == "user" else ("calls" if pending else "text")
+        out.append((i, m))
+    if pending and answers:
+        close_step(body[-1][0] + 1)
+    return out
+
+
+def _match(i: int, result: dict, pending: list[dict], answers: dict) -> int:
+    """Which of the step's unanswered calls a result answers: by its id, else by its tool's name, else the
+    next in order."""
+    open_calls = [k for k in range(len(pending)) if k not in answers]
+    if not open_calls:
+        raise InvalidRecord(RejectCode.TOOL_RESULT_WITHOUT_CALL,
+                            f"message {i} is a tool result, but every call before it has its result")
+    if result.get("tool_call_id") is not None:
+        for k in open_calls:
+            if pending[k]["id"] == result["tool_call_id"]:
+                return k
+        raise InvalidRecord(RejectCode.TOOL_RESULT_MISMATCH,
+                            f"message {i} answers call id {result['tool_call_id']!r}, which no open call has")
+    if result.get("name") is not None:
+        for k in open_calls:
+            if pending[k]["function"]["name"] == result["name"]:
+                return k
+        raise InvalidRecord(RejectCode.TOOL_RESULT_MISMATCH,
+                            f"message {i} is the result of {result['name']!r}, which no open call names")
+    return open_calls[0]
+
+
+def _count_tools(messages: list[dict[str, Any]], tools: tuple[dict[str, Any], ...] | None, tally: Tally) -> None:
+    names = tool_names(tools)
+    if tools:
+        tally.tool("prompts_with_tools")
+    for m in messages:
+        for call in m.get("tool_calls") or ():
+            tally.tool("tool_calls")
+            if call["function"]["name"] not in names:
+                tally.tool("calls_without_schema")
+        if m["role"] == "tool":
+            tally.tool("tool_results")
