@@ -327,6 +327,11 @@ class RunConfig(_Strict):
             return self.model
         return resolve_tokenizer(self.tokenizer, self._config_dir)
 
+    def served_chat_template(self) -> str | None:
+        """The chat template file the fleet renders with in place of the tokenizer's own (local_fleet's vLLM
+        --chat-template), or None."""
+        return self.local_fleet.chat_template if self.local_fleet is not None else None
+
     def request_timeout(self) -> float:
         """The deadline of one non-streamed request: past it the request made no progress."""
         if self.request_timeout_s:
