@@ -208,6 +208,50 @@ def test_the_length_check_counts_the_tools_as_the_template_renders_them():
     assert "over max_prompt_tokens 400" in str(too_long.value)
 
 
+def smollm2_folder() -> Path:
+    from pipeline.endpoints.localfleet import vllm_model_dir
+
+    pytest.importorskip("transformers")
+    if not (vllm_model_dir() / "tokenizer.json").exists():
+        pytest.skip("SmolLM2's HF folder is not converted (make vllm)")
+    return vllm_model_dir()
+
+
+CALLED = (*ASK, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+    {"role": "tool", "content": "rain, 12C " * 40, "tool_call_id": "call_1", "name": "get_weather"})
+
+
+def test_the_length_check_of_a_run_renders_with_the_template_the_fleet_serves():
+    """configs/local_vllm_tools.yaml serves SmolLM2 with the project's template (SmolLM2's own renders no tools):
+    max_prompt_tokens measures what that template renders, tools included."""
+    from pipeline.prompts.records import InvalidRecord
+    from pipeline.prompts.tokens import load_length_check
+
+    folder = smollm2_folder()
+    cfg = load_config(REPO / "configs" / "local_vllm_tools.yaml")
+    assert cfg.served_chat_template() == str(REPO / "configs" / "templates" / "smollm2_tools.jinja")
+    big = [{"type": "function", "function": {"name": f"tool_{i}", "description": "Does a thing. " * 20,
+                                             "parameters": {"type": "object", "properties": {}}}} for i in range(8)]
+    check = load_length_check(400, str(folder), cfg.served_chat_template())
+    with pytest.raises(InvalidRecord) as too_long:
+        check(tuple(ASK), big)
+    assert "over max_prompt_tokens 400" in str(too_long.value)
+
+
+def test_a_tool_turn_the_tokenizers_template_cannot_render_is_measured_not_a_crash():
+    """SmolLM2's own template fails on a pure call (content null): the prompt is measured by its texts (a lower
+    bound), and a long one is still rejected as too long, instead of the build ending in a Jinja error."""
+    from pipeline.prompts.records import InvalidRecord, RejectCode
+    from pipeline.prompts.tokens import load_length_check
+
+    check = load_length_check(100, str(smollm2_folder()))
+    with pytest.raises(InvalidRecord) as too_long:
+        check(CALLED, [WEATHER])
+    assert too_long.value.code == RejectCode.TOO_LONG and check.unrenderable == 1
+    load_length_check(4000, str(smollm2_folder()))(CALLED, [WEATHER])  # within the limit: kept
+
+
 def test_the_vllm_local_fleet_launches_with_the_template_and_the_parser(tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages }}")

@@ -216,3 +216,13 @@ def test_regen_generate_all_turns_on_the_tool_sample_commits_whole_spliced_conve
     assert sum(status["cut_short"].values()) == sum(r["conversation_end"] is not None for r in rows)
     summary = export_run(run, "specforge", tmp_path / "sf.jsonl", keep_truncated=True)
     assert summary.rows_written and "invalid_conversation" not in summary.dropped
+
+
+def test_the_template_advice_for_a_chatml_model_says_rows_with_tools_are_not_rendered_exactly():
+    """vLLM renders each tool in its own model's key order (seen on the CPU build: type, then function with name,
+    description, parameters) while the export holds canonical sorted-key JSON: lfm is exact only without tools."""
+    from pipeline.export.templates import template_advice
+
+    advice = template_advice("SmolLM2-135M-Instruct")["specforge"]
+    assert "lfm" in advice and "tool-free rows" in advice
+    assert "Rows with tools are not rendered exactly" in advice and "export `specforge-tokens`" in advice

