@@ -178,5 +178,6 @@ emulate: setup
 # The capture case needs torch and transformers (the verify extra) and SmolLM2-135M as an HF folder (converted
 # once into the cache, as `make vllm` does); a case whose needs are missing is skipped with a line saying which.
 .PHONY: bench
+# N: prompts for the on-demand scale case (make bench ARGS="--only scale" N=1000000)
 bench: setup $(VENV)/.verify $(SMOLLM2_HF)/.complete
-	REGEN_VLLM_MODEL=$(SMOLLM2_HF) $(PY) -m pipeline.bench $(ARGS)
+	REGEN_VLLM_MODEL=$(SMOLLM2_HF) $(PY) -m pipeline.bench $(ARGS) $(if $(N),--n $(N))

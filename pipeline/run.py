@@ -32,6 +32,7 @@ from .store.resume import (ChosenRun, choose_run, committed_nothing, prompt_set_
                            with_prompt_advice)
 from .store.rundir import RunDir, RunLock, now_utc, successor_run_dir
 from .dispatch.fleet import FleetDrift, check_fleet_first, fleet_preflight
+from .store.prompt_reader import PromptSetReader
 from .store.records import RecordBuilder
 from .dispatch.session import run_dispatch
 
@@ -51,9 +52,9 @@ class GenerateOptions:
 
 
 # --- the prompt set ------------------------------------------------------------------------------
-def has_tools(prompts: pa.Table) -> bool:
+def has_tools(prompts: PromptSetReader) -> bool:
     """Some prompt is sent with tools (the preflight then checks that the fleet returns tool_calls)."""
-    return "tools" in prompts.column_names and prompts.column("tools").null_count < prompts.num_rows
+    return prompts.has_tools()
 
 
 def build_prompts(cfg: RunConfig) -> PromptSet:
@@ -63,10 +64,13 @@ def build_prompts(cfg: RunConfig) -> PromptSet:
     return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed, length_check=check)
 
 
-def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool, staged: StagedPromptSet | None = None) -> pa.Table:
+def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool,
+                staged: StagedPromptSet | None = None) -> PromptSetReader:
     """The prompt set is read from the sources once; a resume uses the stored copy. The sources are read into
-    a staged set first (`staged`: already read), so a source that fails writes nothing into the run."""
-    existing = run_dir.load_prompt_set()
+    a staged set first (`staged`: already read), so a source that fails writes nothing into the run. Returns the
+    version this run reads, pinned, never loaded whole (store/prompt_reader.py)."""
+    # the version run.json records (store/resume.py; a run.json older than the record: the newest)
+    existing = run_dir.prompt_set_reader(run_dir.read_manifest().get("prompt_set_version"))
     if existing is not None and not refresh:
         if staged is not None:
             staged.discard()
@@ -81,13 +85,14 @@ def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool, staged: StagedPr
     if report["duplicates"]:
         log.info("%d duplicate prompts collapsed", report["duplicates"])
     staged.commit(run_dir)
-    prompts = run_dir.load_prompt_set()
+    version = len(run_dir.prompt_set_versions())
+    prompts = run_dir.prompt_set_reader(version)
     # recorded once the set is committed: a kill before this leaves the old identity, refused as drift
     run_dir.write_manifest({**run_dir.read_manifest(), "prompts": cfg.prompt_identity(),
                             "source_files": staged.files, "prompt_report": report,
-                            "prompt_set_version": len(run_dir.prompt_set_versions())})
+                            "prompt_set_version": version})
     if existing is not None:
-        old, new = set(existing.column("prompt_id").to_pylist()), set(prompts.column("prompt_id").to_pylist())
+        old, new = existing.ids(), prompts.ids()
         vanished = old - new
         log.warning("prompt set refreshed: %d added, %d vanished from the sources (their records are kept)",
                     len(new - old), len(vanished))
@@ -274,21 +279,22 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
 
 
 def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any],
-                     prompts: pa.Table, stop: StopFlag, lock: RunLock | None = None) -> int:
+                     prompts: PromptSetReader, stop: StopFlag, lock: RunLock | None = None) -> int:
     from .endpoints.localfleet import local_fleet
     from .store.progress import Progress
 
-    all_ids = prompts.column("prompt_id").to_pylist()
     committed = run_dir.committed_ids()
     failed = run_dir.failed_ids() - committed
     done = committed | (set() if opts.retry_failures else failed)
-    pending = [pid for pid in all_ids if pid not in done]
-    rejects = run_dir.rejects_table()
+    # a few bytes per pending prompt (its id, row and routing key); messages are read as work is handed out
+    scan = prompts.pending(committed, failed, not opts.retry_failures, cfg.prefix_affinity_chars)
+    pending = scan.pending
+    rejects = run_dir.rejects_count()
 
     def progress() -> Progress:
-        return Progress(run_dir, total=len(all_ids), already_done=len(committed & set(all_ids)),
-                        failed_before=0 if opts.retry_failures else len(failed & set(all_ids)),
-                        rejects=0 if rejects is None else rejects.num_rows, status_interval_s=cfg.status_interval_s,
+        return Progress(run_dir, total=scan.total, already_done=scan.done,
+                        failed_before=0 if opts.retry_failures else scan.failed,
+                        rejects=rejects, status_interval_s=cfg.status_interval_s,
                         log_interval_s=cfg.progress_log_interval_s,
                         goodput_before=Goodput.from_dict((run_dir.read_status() or {}).get("goodput")))
 
@@ -299,7 +305,7 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
         fleet = fleet_preflight(cfg, run_dir, opts.start_with_passing, tools=has_tools(prompts))
         if not pending:
             return report_complete(run_dir, progress())
-        log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), len(all_ids), len(committed),
+        log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), scan.total, len(committed),
                  len(failed))
         run_progress = progress()
         builder = RecordBuilder(prompts, cfg, fingerprint=manifest.get("fingerprint"))

@@ -163,3 +163,24 @@ def commit_a_failure(run: Path | str) -> None:
            "message": "committed by the test", "endpoint": "test", "attempts": 1, "config_fingerprint": None,
            "created_at": now_utc()}
     run_dir.write_part(run_dir.failures, pa.Table.from_pylist([row], schema=schema.FAILURES))
+
+
+def handed_out(table, cfg, folder: Path | str | None = None, fingerprint: str | None = None):
+    """A RecordBuilder over `table` as a run reads its prompt set (a pinned Parquet file, by position), with every
+    prompt handed out as the dispatcher hands them out: (builder, {prompt_id: WorkItem})."""
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    from pipeline.store.prompt_reader import PromptSetReader
+    from pipeline.store.records import RecordBuilder
+    from pipeline.store.storage import Location
+
+    folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="regen-prompts-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "prompts-000001.parquet"
+    pq.write_table(table, path)
+    reader = PromptSetReader(Location.at(path))
+    builder = RecordBuilder(reader, cfg, fingerprint=fingerprint)
+    pending = reader.pending(set(), set(), True, cfg.prefix_affinity_chars).pending
+    return builder, {item.prompt_id: item for item in builder.work_items(pending)}

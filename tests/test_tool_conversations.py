@@ -16,7 +16,8 @@ from pipeline.prompts.conversation import AllTurns, histories
 from pipeline.prompts.tool_calls import message_from_row
 from pipeline.store import schema
 from pipeline.store.quality import quality_flags
-from pipeline.store.records import RecordBuilder
+
+from tests.helpers import handed_out
 
 SYSTEM = {"role": "system", "content": "You are a travel agent."}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
@@ -142,17 +143,18 @@ def config(mode="all_turns", **extra):
                      endpoints=[Endpoint(url="http://127.0.0.1:1")], sampling={"temperature": 0.7}, **extra)
 
 
-def builder(prompts, cfg):
-    """A prompt set table as the run stores it: messages as structs (tool_calls as JSON text), tools as JSON text."""
+def builder(folder, prompts, cfg):
+    """A prompt set as the run stores it (messages as structs, tool_calls as JSON text; tools as JSON text), read
+    back by position and handed out as the dispatcher does."""
     rows = [{"prompt_id": pid, "source": "agent", "reference": None, "tools": tools and orjson.dumps(tools).decode(),
              "messages": [{**m, "tool_calls": orjson.dumps(m["tool_calls"]).decode() if m.get("tool_calls") else None}
                           for m in messages]} for pid, messages, tools in prompts]
-    return RecordBuilder(pa.Table.from_pylist(rows), cfg, fingerprint="fp")
+    return handed_out(pa.Table.from_pylist(rows), cfg, folder, fingerprint="fp")[0]
 
 
-def test_records_of_a_tool_conversation_one_row_per_generation_with_calls_seeds_and_end():
+def test_records_of_a_tool_conversation_one_row_per_generation_with_calls_seeds_and_end(tmp_path):
     answers = [answer(calls=["get_weather"]), answer("I will not look up the time.")]
-    rows = builder([("a1b2c3d4e5", WEATHER, TOOLS)], config()).records(
+    rows = builder(tmp_path, [("a1b2c3d4e5", WEATHER, TOOLS)], config()).records(
         Outcome("a1b2c3d4e5", DONE, "e0", 1, answers, conversation_end="answered: step 1 answered where the source "
                                                                         "called get_time"), 1)
     assert [r["turn_index"] for r in rows] == [0, 1] and {r["n_turns"] for r in rows} == {2}
@@ -169,10 +171,10 @@ def test_records_of_a_tool_conversation_one_row_per_generation_with_calls_seeds_
          "name": "get_weather"}]
 
 
-def test_tool_free_all_turns_records_are_what_regen_wrote_before_tools():
+def test_tool_free_all_turns_records_are_what_regen_wrote_before_tools(tmp_path):
     plain = [SYSTEM, user("Hi"), {"role": "assistant", "content": "src"}, user("Bye"),
              {"role": "assistant", "content": "src2"}]
-    rows = builder([("0123abcd99", plain, None)], config()).records(
+    rows = builder(tmp_path, [("0123abcd99", plain, None)], config()).records(
         Outcome("0123abcd99", DONE, "e0", 1, [answer("Hello."), answer("Goodbye.")]), 1)
     # the histories regen sent before tool calls existed (turn_history: system, then user/own-answer pairs)
     before = [[SYSTEM, user("Hi")], [SYSTEM, user("Hi"), {"role": "assistant", "content": "Hello."}, user("Bye")]]
@@ -218,12 +220,12 @@ def test_an_unknown_reasoning_setting_is_refused_by_name():
 
 
 # --- exports of tool conversations (pure) ----------------------------------------------------------------------
-def test_the_per_turn_export_puts_back_the_reasoning_the_run_sent_with_earlier_tool_steps():
+def test_the_per_turn_export_puts_back_the_reasoning_the_run_sent_with_earlier_tool_steps(tmp_path):
     from pipeline.export.formats import specforge_per_turn_row
 
     answers = [answer(calls=["get_weather"], reasoning="Need the weather."),
                answer(calls=["get_time"], reasoning="Now the time.", first_index=1), answer("18C, 14:05.")]
-    rows = builder([("a1b2c3d4e5", WEATHER, TOOLS)], config()).records(
+    rows = builder(tmp_path, [("a1b2c3d4e5", WEATHER, TOOLS)], config()).records(
         Outcome("a1b2c3d4e5", DONE, "e0", 1, answers), 1)
     by_turn = {r["turn_index"]: r["reasoning_content"] for r in rows}
     sent, _ = histories("all_turns", WEATHER, answers)

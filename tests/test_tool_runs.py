@@ -25,7 +25,7 @@ from pipeline.endpoints.engines import SGLangAdapter
 from pipeline.export.card import write_card
 from pipeline.export.jsonl import export_run, manifest_path
 from pipeline.prompts.tool_calls import canonical_json, message_from_row
-from pipeline.store.records import RecordBuilder
+from tests.helpers import handed_out
 from pipeline.store.status import print_status
 from tests.helpers import emulators
 from tests.tool_records import make_tool_run
@@ -78,18 +78,18 @@ def prompt_table():
 
 
 @pytest.fixture(scope="module")
-def records():
+def records(tmp_path_factory):
     with emulators(1, preset="kimi") as (server,):
         info = orjson.loads(urllib.request.urlopen(f"{server.url}/server_info", timeout=10).read())
         settings = ClientSettings(model=MODEL, temperature=0.0, top_p=1.0, max_tokens=1024, chat_template_kwargs={"thinking": False},
                                   engines={"emu": SGLangAdapter.from_server_info(info)})
         cfg = RunConfig(run_name="t", model=MODEL, mode="all_turns", sources=[SourceRef(spec="s.yaml")],
                         endpoints=[Endpoint(url=server.url)], sampling={"max_tokens": 1024})
-        builder = RecordBuilder(prompt_table(), cfg, fingerprint="fp-tools")
+        builder, handed = handed_out(prompt_table(), cfg, tmp_path_factory.mktemp("prompts"), fingerprint="fp-tools")
 
         async def scenario():
             worker = EndpointWorker(server.url, "emu", 4, settings, mode="all_turns", attempts_per_endpoint=1)
-            items = [builder.work_item(pid) for pid in PROMPTS]
+            items = [handed[pid] for pid in PROMPTS]
             outcomes = list((await worker.exchange(items, wait_s=1.0)).outcomes)
             for _ in range(100):
                 if len(outcomes) == len(items):

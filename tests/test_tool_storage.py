@@ -13,7 +13,7 @@ import yaml
 
 from pipeline.core.config import RunConfig, load_config
 from pipeline.core.errors import ConfigError
-from pipeline.core.work import Completion, DONE, Outcome
+from pipeline.core.work import Completion, DONE, Outcome, affinity_key
 from pipeline.prompts.prompt_set import build_prompt_set
 from pipeline.prompts.sources import load_source_spec
 from pipeline.prompts.tool_calls import message_from_row
@@ -21,8 +21,11 @@ from pipeline.run import GenerateOptions, materialise, open_run
 from pipeline.store import schema
 from pipeline.store.committer import Committer
 from pipeline.store.promptset import StagedPromptSet
+from pipeline.store.prompt_reader import PromptSetReader
 from pipeline.store.records import RecordBuilder
 from pipeline.store.rundir import RunDir
+from pipeline.store.storage import Location
+from tests.helpers import handed_out
 
 SAMPLES = Path(__file__).resolve().parent.parent / "prompts_sources"
 DEAD_ENDPOINT = [{"url": "http://127.0.0.1:9", "concurrency": 1}]  # never contacted: nothing here dispatches
@@ -49,10 +52,10 @@ def committed_prompt_set(tmp_path: Path, *names: str) -> tuple[list, pa.Table]:
 def test_the_prompt_set_carries_tools_and_sends_what_was_normalised(tmp_path):
     prompts, table = committed_prompt_set(tmp_path, "sample_tools", "sample_messages")
     assert table.schema.equals(schema.PROMPTS)
-    builder = RecordBuilder(table, config())
+    _, items = handed_out(table, config(), tmp_path)
     with_tools = 0
     for p in prompts:
-        item = builder.work_item(p.prompt_id)
+        item = items[p.prompt_id]
         assert orjson.loads(item.messages_json) == list(p.messages), p.source_ref
         if p.tools is None:
             assert item.tools_json is None
@@ -62,9 +65,36 @@ def test_the_prompt_set_carries_tools_and_sends_what_was_normalised(tmp_path):
             assert item.tools_json == orjson.dumps(list(p.tools), option=orjson.OPT_SORT_KEYS), "canonical JSON"
     assert with_tools == 15
     plain = next(p for p in prompts if p.source == "sample_messages")
-    assert all(set(m) == {"role", "content"} for m in orjson.loads(builder.work_item(plain.prompt_id).messages_json))
+    assert all(set(m) == {"role", "content"} for m in orjson.loads(items[plain.prompt_id].messages_json))
     refs = dict(zip(table.column("source_ref").to_pylist(), table.column("reference_tool_calls").to_pylist()))
     assert orjson.loads(refs["oa-reference-is-call"])[0]["function"]["name"] == "create_event"
+
+
+def test_a_prompt_with_tools_is_routed_by_its_tools_and_carries_them_in_flight_without_the_set_held(tmp_path):
+    prompts = build_prompt_set([(load_source_spec(SAMPLES / "sample_tools.yaml"), None)]).prompts
+    staged = StagedPromptSet(affinity_chars=256)
+    for p in prompts:
+        staged.add_prompt(p)
+    run = RunDir(tmp_path / "run")
+    run.create()
+    staged.commit(run)
+    reader = run.prompt_set_reader(1)
+    stored = {p.prompt_id: p.affinity for p in reader.pending(set(), set(), True, 256).pending}
+    builder = RecordBuilder(reader, config(prefix_affinity_chars=256))
+    items = {item.prompt_id: item for item in builder.work_items(reader.pending(set(), set(), True, 256).pending)}
+    older = tmp_path / "older" / "prompts-000001.parquet"  # a set staged before the route_key column: keys computed
+    older.parent.mkdir()
+    pq.write_table(run.load_prompt_set().drop_columns(["route_key"]).replace_schema_metadata(None), older)
+    computed = {p.prompt_id: p.affinity
+                for p in PromptSetReader(Location.at(older)).pending(set(), set(), True, 256).pending}
+    for p in prompts:
+        tools = None if p.tools is None else orjson.dumps(list(p.tools), option=orjson.OPT_SORT_KEYS)
+        item = items[p.prompt_id]
+        assert item.tools_json == tools, p.source_ref
+        assert stored[p.prompt_id] == computed[p.prompt_id] == item.affinity, p.source_ref
+        assert item.affinity == affinity_key(orjson.loads(item.messages_json), 256, tools), p.source_ref
+    assert set(builder.in_flight) == set(items), "each row stays with its in-flight prompt until its record is built"
+    assert any(p.tools for p in prompts) and len(set(stored.values())) > 1
 
 
 def test_a_prompt_set_written_before_tool_calls_still_reads(tmp_path):
@@ -77,7 +107,7 @@ def test_a_prompt_set_written_before_tool_calls_still_reads(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"prompt_id": "p" * 32, "source": "s", "origin": "f.jsonl:1",
                                           "source_ref": None, "messages": messages, "reference": None}],
                                         schema=old_schema), path)
-    item = RecordBuilder(pq.read_table(path), config()).work_item("p" * 32)
+    item = handed_out(pq.read_table(path), config(), tmp_path / "read")[1]["p" * 32]
     assert orjson.loads(item.messages_json) == messages and item.tools_json is None
 
 
@@ -93,7 +123,7 @@ def outcome_for(prompt_id: str) -> Outcome:
 def test_records_schema_5_stores_the_tools_and_the_messages_tool_fields(tmp_path):
     prompts, table = committed_prompt_set(tmp_path, "sample_tools")
     p = next(p for p in prompts if p.source_ref == "oa-weather-parallel")
-    rows = RecordBuilder(table, config()).records(outcome_for(p.prompt_id), attempts=1)
+    rows = handed_out(table, config(), tmp_path)[0].records(outcome_for(p.prompt_id), attempts=1)
     run = RunDir(tmp_path / "records")
     run.create()
     committer = Committer(run, done=set(), flush_records=100, flush_interval_s=60,

@@ -46,6 +46,9 @@ class Ctx:
     repeat: int
     profile: bool
     _head: RayHead | None = None
+    scale_n: int | None = None  # the scale case's prompt count (--n)
+    scale_budget_s: float | None = None  # the scale case's new run stops after this long (--scale-budget-s)
+    scale_resume_budget_s: float | None = None  # and its resume (--scale-resume-budget-s)
 
     @property
     def head(self) -> RayHead:

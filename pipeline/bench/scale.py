@@ -66,7 +66,7 @@ def build_run_dir(config: Path, n_prompts: int, n_done: int, n_failed: int, part
                                                                    fields=list(schema.TOOL_MESSAGE)))
     prompts = pa.Table.from_arrays([pa.array(ids), pa.array(["bench"] * n_prompts),
                                     pa.array([f"bench.jsonl:{i + 1}" for i in range(n_prompts)]), nulls, messages,
-                                    nulls, nulls, nulls], schema=schema.PROMPTS)
+                                    nulls, nulls, nulls, pa.nulls(n_prompts, pa.uint64())], schema=schema.PROMPTS)
     run.write_prompt_set(prompts, schema.REJECTS.empty_table())
     order = rng.permutation(n_prompts)  # done prompts are not a prefix of the prompt set
     done, failed = order[:n_done], order[n_done:n_done + n_failed]

@@ -15,6 +15,8 @@ process id), the emulators, the regen runs.
   production  the production shape: 88K prompts, 16 endpoints x 64, checkpointing on, lost/doubled, RSS, commits
   sources     materialise a 1 GB JSON array of ShareGPT rows with limit 88,000: MB/s on one core, peak RSS
   capture     `regen capture` on SmolLM2-135M (CPU) vs its forward pass alone; hidden bytes vs the ideal bf16
+  scale       on demand only (--only scale, --n N): N multi-turn prompts end to end through 16 endpoints, peak
+              driver RSS, resume at 90% done (command to first request), 0 lost / 0 doubled (docs/scale.md)
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from .cases import (
 from .capture import capture_needs, capture_throughput
 from .env import REPO
 from .scale import memory, production, resume
+from .scale_run import scale
 from .sources import materialise_json
 
 
@@ -76,7 +79,8 @@ def simulator_accuracy(ctx: Ctx) -> Result:
 BENCHES = {"overhead": overhead, "saturation": saturation, "stragglers": stragglers, "resume": resume,
            "memory": memory, "emulator": emulator_capacity,
            "simulator": simulator_accuracy, "production": production, "sources": materialise_json,
-           "capture": capture_throughput}
+           "capture": capture_throughput, "scale": scale}
+ON_DEMAND = {"scale"}  # tens of minutes: run only when named in --only
 # What a case needs beyond the benchmarks' own (a reason string when this environment lacks it): the case is
 # skipped with that line instead of failing the whole command after the others have run.
 NEEDS = {"capture": capture_needs}
@@ -167,15 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "BENCHMARKS.md"), help="markdown report (default: BENCHMARKS.md)")
     p.add_argument("--merge", action="store_true",
                    help="keep the figures of the benchmarks not run from the existing --out report")
+    p.add_argument("--n", type=int, default=None, help="prompts for the scale case (default 1,000,000; quick 20,000)")
+    p.add_argument("--scale-budget-s", type=float, default=None,
+                   help="stop the scale case's new run after this many seconds (default: run it to the end)")
+    p.add_argument("--scale-resume-budget-s", type=float, default=None,
+                   help="stop the scale case's resume after this many seconds, then run the last 2,000 prompts")
     p.add_argument("--workdir", default=None, help="keep run directories here (default: a temp dir, removed)")
     args = p.parse_args(argv)
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(BENCHES)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or [n for n in BENCHES if n not in ON_DEMAND]
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         p.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHES)}")
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="regen-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    ctx = Ctx(work, quick=args.quick, repeat=args.repeat or (1 if args.quick else 3), profile=not args.no_profile)
+    ctx = Ctx(work, quick=args.quick, repeat=args.repeat or (1 if args.quick else 3), profile=not args.no_profile,
+              scale_n=args.n, scale_budget_s=args.scale_budget_s, scale_resume_budget_s=args.scale_resume_budget_s)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     results: list[Result] = []
     errors: list[str] = []

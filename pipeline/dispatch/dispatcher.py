@@ -75,8 +75,12 @@ class Dispatcher:
         unreachable: Collection[str] = (),
         transport: Transport | None = None,
         refused: Mapping[str, str] | None = None,
+        load: Callable[[list[Any]], list[WorkItem]] | None = None,
     ):
+        """`items`: WorkItems, or light pending prompts (a prompt_id and an affinity) that `load` turns into
+        WorkItems when they are handed out, so the messages of the queued work are never all in memory."""
         self.cfg = cfg
+        self.load = load
         self.transport = transport or RayTransport()
         self.router = Router(affinity=cfg.prefix_affinity_chars > 0, balance_abs=cfg.balance_abs_threshold,
                              balance_rel=cfg.balance_rel_threshold)
@@ -172,6 +176,8 @@ class Dispatcher:
             demand = max(0, demand - slot.endpoint.concurrency)  # a probing endpoint asks for its one request only
         elsewhere = any(s.state == "healthy" for s in self.slots.values() if s is not slot and not s.draining)
         batch = self.router.take(slot.label, demand, self.unfinished.__contains__, elsewhere)
+        if self.load is not None and batch:
+            batch = self.load(batch)
         if self.cfg.hedge_tail and len(batch) < demand and not len(self.router) and slot.state == "healthy":
             batch += self._hedge(slot, demand - len(batch))
         return batch

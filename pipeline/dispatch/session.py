@@ -13,6 +13,7 @@ from ..core.work import DONE, Outcome
 from ..store.committer import Committer
 from ..store.gate import QualityGate
 from ..store.goodput import DUPLICATE
+from ..store.prompt_reader import PendingPrompt
 from ..store.records import RecordBuilder
 from ..store.rundir import RunDir
 from .cluster import EndpointsFileWatch, init_ray
@@ -21,7 +22,7 @@ from .fleet import FleetFacts
 log = logging.getLogger("regen")
 
 
-def run_dispatch(cfg: Any, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,
+def run_dispatch(cfg: Any, run_dir: RunDir, builder: RecordBuilder, pending: list[PendingPrompt], committer: Committer,
                  progress, stop: Any, fleet: FleetFacts) -> str:
     from .metrics import serve_metrics
 
@@ -39,7 +40,7 @@ def run_dispatch(cfg: Any, run_dir: RunDir, builder: RecordBuilder, pending: lis
         progress.extra.pop("metrics_url", None)  # status.json names no dead address
 
 
-def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[str], committer: Committer,
+def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[PendingPrompt], committer: Committer,
                       progress, stop: Any, fleet: FleetFacts, metrics) -> str:
     from .dispatcher import Dispatcher, client_settings, make_actor_factory
 
@@ -89,12 +90,13 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
         if metrics is not None:
             metrics.status({**progress.status("running"), "requeued": dispatcher.requeued})
 
-    dispatcher = Dispatcher(cfg, [builder.work_item(pid) for pid in pending], on_outcome, on_tick,
+    # light pending prompts: each prompt's row is read from the prompt set as it is handed out (`load`)
+    dispatcher = Dispatcher(cfg, pending, on_outcome, on_tick,
                             lambda: stop() or bool(gate_stopped),
                             make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines,
                                                                     fleet.run_engines, fleet.tools), cfg.api_key),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
-                            unreachable=fleet.unreachable, refused=fleet.refused)
+                            unreachable=fleet.unreachable, refused=fleet.refused, load=builder.work_items)
     progress.thrown_away = dispatcher.waste.goodput
     # all_turns: the default export writes whole conversations, cut before a dropped turn (store/goodput.py)
     committer.on_committed = functools.partial(progress.committed, whole_conversations=cfg.mode == "all_turns")
@@ -113,5 +115,6 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
                     "them: %s", "; ".join(f"{label}: {why}" for label, why in dispatcher.refused.items()))
     progress.extra = {"requeued": dispatcher.requeued, "actor_restarts": dispatcher.actor_restarts,
                       "hedged": len(dispatcher.hedged), "dropped_duplicates": committer.dropped_duplicates,
-                      "fleet_changes": dispatcher.fleet_changes, "held_out": sorted(dispatcher.refused)}
+                      "fleet_changes": dispatcher.fleet_changes, "held_out": sorted(dispatcher.refused),
+                      "prompt_groups_read": builder.reader.groups_read if builder.reader is not None else 0}
     return "interrupted" if stop() else "complete"

@@ -19,13 +19,15 @@ import pyarrow.parquet as pq
 from ..core.config import RunConfig
 from ..core.errors import ConfigError
 from ..core.identity import spec_renames
+from ..core.work import affinity_key
 from ..prompts.errors import SourceError
 from ..prompts.fileid import FilesCheck, compare_files, file_identity
 from ..prompts.prompt_set import BuildResult, Prompt, Reject, build_into
 from ..prompts.sources import SourceSpec, load_source_spec
-from ..prompts.tool_calls import canonical_json, has_tool_fields, message_row
+from ..prompts.tool_calls import canonical_json, has_tool_fields, message_from_row, message_row
 from ..prompts.tokens import load_length_check
 from . import schema
+from .prompt_reader import route_schema
 from .rundir import RunDir
 
 log = logging.getLogger("regen")
@@ -62,10 +64,12 @@ class _BatchedWriter:
 class StagedPromptSet:
     """A PromptSink writing the prompts and rejects to temporary files; `commit` puts them in a run directory."""
 
-    def __init__(self) -> None:
+    def __init__(self, affinity_chars: int = 0) -> None:
+        """`affinity_chars`: the prefix length each prompt's routing key (`route_key`) is computed for."""
         self._tmp = tempfile.TemporaryDirectory(prefix="regen-prompts-")
         folder = Path(self._tmp.name)
-        self.prompts = _BatchedWriter(folder / "prompts.parquet", schema.PROMPTS)
+        self.affinity_chars = affinity_chars
+        self.prompts = _BatchedWriter(folder / "prompts.parquet", route_schema(schema.PROMPTS, affinity_chars))
         self.rejects = _BatchedWriter(folder / "rejects.parquet", schema.REJECTS)
         self.closed = False
         self.result: BuildResult | None = None
@@ -78,10 +82,14 @@ class StagedPromptSet:
             self.with_tools += 1
         chars = (sum(len(m["content"] or "") + len(m.get("tool_calls") or ()) for m in p.messages)
                  + len(p.reference or "") + len(tools or ""))
+        rows = [message_row(m) for m in p.messages]
+        # the key of the messages as a run reads them back (message_from_row), so it is the one dispatch would compute
+        route_key = affinity_key([message_from_row(m) for m in rows], self.affinity_chars,
+                                 None if tools is None else tools.encode())
         self.prompts.add({"prompt_id": p.prompt_id, "source": p.source, "origin": p.origin,
-                          "source_ref": p.source_ref, "messages": [message_row(m) for m in p.messages],
+                          "source_ref": p.source_ref, "messages": rows,
                           "reference": p.reference, "reference_tool_calls": p.reference_tool_calls,
-                          "tools": tools}, chars)
+                          "tools": tools, "route_key": route_key}, chars)
 
     def add_reject(self, r: Reject) -> None:
         self.rejects.add({"source": r.source, "origin": r.origin, "reason": r.reason, "raw": r.raw,
@@ -137,7 +145,7 @@ def stage_prompt_set(cfg: RunConfig) -> StagedPromptSet:
     """Read every source into a staged set (raises SourceError, TruncatedSource or NoValidPrompts, having
     written nothing anywhere but its own temporary folder)."""
     specs = source_specs(cfg)
-    staged = StagedPromptSet()
+    staged = StagedPromptSet(cfg.prefix_affinity_chars)
     try:
         staged.files = file_identity({key: spec for key, (spec, _) in specs.items()})
         check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path(), cfg.served_chat_template())

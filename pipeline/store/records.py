@@ -4,61 +4,54 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..core.config import RunConfig
 from ..core.identity import StoredRecords
-from ..core.work import Outcome, WorkItem, affinity_key
+from ..core.work import Outcome, WorkItem
 from ..prompts.conversation import calls_json, histories, seed_for
-from ..prompts.tool_calls import canonical_json, message_from_row, message_row
+from ..prompts.tool_calls import message_row
+from .prompt_reader import PendingPrompt, PromptRow, PromptSetReader
 from .quality import quality_flags
 from .rundir import RunDir, now_utc
 
 
 class RecordBuilder:
-    """Turns an outcome into data rows (one per regenerated turn) or a failure row. The prompt set stays
-    an Arrow table: a prompt's messages become Python objects only when it is sent or recorded."""
+    """Turns an outcome into data rows (one per regenerated turn) or a failure row. It holds no prompt set: a
+    prompt's row is read when it is handed out (`work_items`) and kept, in `in_flight`, until its record is built."""
 
-    def __init__(self, prompts: pa.Table, cfg: RunConfig, fingerprint: str | None = None):
-        """`fingerprint`: the run's, from its run.json (a run keeps the one it was created with)."""
-        self.index = {pid: i for i, pid in enumerate(prompts.column("prompt_id").to_pylist())}
-        self.sources = prompts.column("source").to_pylist()
-        self.references = prompts.column("reference").to_pylist()
-        self.messages = prompts.column("messages").combine_chunks()
-        # a prompt set written before tool calls has no tools column: none of its prompts has tools
-        self.tools = (prompts.column("tools").to_pylist() if "tools" in prompts.column_names
-                      else [None] * prompts.num_rows)
+    def __init__(self, reader: PromptSetReader | None, cfg: RunConfig, fingerprint: str | None = None):
+        """`reader`: the run's pinned prompt set; `fingerprint`: the run's, from its run.json (a run keeps the one
+        it was created with)."""
+        self.reader = reader
+        self.in_flight: dict[str, PromptRow] = {}  # handed out, no final outcome yet
         self.fingerprint = fingerprint or cfg.fingerprint()
         self.temperature, self.mode = cfg.sampling.temperature, cfg.mode
         self.max_tokens = cfg.sampling.max_tokens
-        self.affinity_chars = cfg.prefix_affinity_chars
         self.tool_reasoning_history = cfg.tool_reasoning_history
 
-    def messages_of(self, i: int) -> list[dict[str, Any]]:
-        """The prompt's messages as normalised (a tool-free message is exactly {"role", "content"})."""
-        return [message_from_row(m) for m in self.messages[i].as_py()]
+    def work_items(self, batch: list[PendingPrompt | WorkItem]) -> list[WorkItem]:
+        """The dispatcher's `load`: pending prompts become work items, their rows read from the prompt set in one
+        pass over their row groups; a work item (a retry, already read) passes through."""
+        pending = [item for item in batch if isinstance(item, PendingPrompt)]
+        rows = iter(self.reader.rows(pending)) if pending else iter(())
+        return [self.work_item(next(rows)) if isinstance(item, PendingPrompt) else item for item in batch]
 
-    def work_item(self, prompt_id: str) -> WorkItem:
-        i = self.index[prompt_id]
-        messages = self.messages_of(i)
-        tools = self.tools[i]
-        tools_json = None if tools is None else tools.encode()
-        return WorkItem(prompt_id, orjson.dumps(messages), seed_for(prompt_id, self.temperature),
-                        affinity_key(messages, self.affinity_chars, tools_json), tools_json)
-
-    def tools_of(self, i: int) -> str | None:
-        """The prompt's tools as the records' `tools` column holds them: canonical JSON text, None when none."""
-        tools = self.tools[i]
-        return tools if tools is None or isinstance(tools, str) else canonical_json(tools)
+    def work_item(self, row: PromptRow) -> WorkItem:
+        """The row's messages (normalised: a tool-free message is exactly {"role", "content"}) and tools travel
+        with the in-flight item; its routing key is the prompt set's `route_key` (tools included)."""
+        self.in_flight[row.prompt_id] = row
+        tools_json = None if row.tools is None else row.tools.encode()
+        return WorkItem(row.prompt_id, orjson.dumps(row.messages), seed_for(row.prompt_id, self.temperature),
+                        row.affinity, tools_json)
 
     def records(self, outcome: Outcome, attempts: int) -> list[dict[str, Any]]:
         """One row per generation. all_turns: the conversation is replayed from the answers (each tool-calling step
         is a generation, turn_index counts them); its last row says why it ended early, if it did."""
-        i = self.index[outcome.prompt_id]
-        sent, _ = histories(self.mode, self.messages_of(i), outcome.completions, self.tool_reasoning_history)
+        row = self.in_flight.pop(outcome.prompt_id)
+        sent, _ = histories(self.mode, row.messages, outcome.completions, self.tool_reasoning_history)
         seed = seed_for(outcome.prompt_id, self.temperature)
-        tools, last = self.tools_of(i), len(outcome.completions) - 1
+        tools, last = row.tools, len(outcome.completions) - 1  # canonical JSON text, as stored
         rows = []
         for k, (messages, c) in enumerate(zip(sent, outcome.completions)):
             extra = {}  # the tool columns (records schema 5) only where a value is set: older schemas lack them
@@ -69,10 +62,10 @@ class RecordBuilder:
             if k == last and outcome.conversation_end is not None:
                 extra["conversation_end"] = outcome.conversation_end
             rows.append({
-                "prompt_id": outcome.prompt_id, "source": self.sources[i],
+                "prompt_id": outcome.prompt_id, "source": row.source,
                 "messages": [message_row(m) for m in messages],
                 "turn_index": k if self.mode == "all_turns" else sum(m["role"] == "assistant" for m in messages),
-                "n_turns": len(outcome.completions), "reference": self.references[i] if self.mode != "all_turns" else None,
+                "n_turns": len(outcome.completions), "reference": row.reference if self.mode != "all_turns" else None,
                 "content": c.content, "reasoning_content": c.reasoning_content, "finish_reason": c.finish_reason,
                 "flags": quality_flags(c.content, c.reasoning_content, c.finish_reason, c.completion_tokens,
                                        self.max_tokens, c.tool_calls),
@@ -88,8 +81,9 @@ class RecordBuilder:
         return rows
 
     def failure(self, outcome: Outcome, attempts: int) -> dict[str, Any]:
+        row = self.in_flight.pop(outcome.prompt_id)
         return {
-            "prompt_id": outcome.prompt_id, "source": self.sources[self.index[outcome.prompt_id]],
+            "prompt_id": outcome.prompt_id, "source": row.source,
             "error_class": outcome.kind, "status": outcome.status, "message": outcome.message,
             "endpoint": outcome.endpoint, "attempts": attempts, "config_fingerprint": self.fingerprint,
             "created_at": now_utc(),

@@ -173,7 +173,7 @@ def rebind(cfg: RunConfig, run_dir: RunDir, manifest: dict[str, Any], fresh: dic
     prompts_changed = any(line.startswith("prompts") for line in stored_check.drift) or "prompts" not in manifest
     files = None if prompts_changed or "source_files" not in manifest else check_source_files(cfg, manifest)
     restage = (refresh_prompts or prompts_changed or files is None or bool(files.drift)
-               or run_dir.load_prompt_set() is None or prompt_set_unrecorded(run_dir, manifest))
+               or not run_dir.prompt_set_versions() or prompt_set_unrecorded(run_dir, manifest))
     updated = {**fresh, **{key: manifest[key] for key in KEPT_WHEN_UNBOUND if key in manifest}}
     if restage:
         for key in ("prompts", "source_files", "prompt_report", "prompt_set_version"):

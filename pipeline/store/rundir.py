@@ -31,12 +31,14 @@ import pyarrow.parquet as pq
 from . import schema
 from ..core.errors import StorageError
 from .lock import RunLock  # the run's lock lives with its directory
+from .prompt_reader import PromptSetReader, pinned_reader
 from .storage import TMP_PREFIX, Location, read_columns
 
 log = logging.getLogger("regen")
 
 PART_RE = re.compile(r"^part-(\d{6})-[0-9a-f]{8}\.parquet$")
 VERSION_RE = re.compile(r"^prompts-(\d{6})\.parquet$")
+PROMPT_GROUP_ROWS = 1024
 
 
 def atomic_write(where: str | PathLike[str] | Location, data: bytes) -> None:
@@ -44,9 +46,9 @@ def atomic_write(where: str | PathLike[str] | Location, data: bytes) -> None:
     Location.at(where).write_atomic(data)
 
 
-def table_bytes(table: pa.Table) -> bytes:
+def table_bytes(table: pa.Table, row_group_size: int | None = None) -> bytes:
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd")
+    pq.write_table(table, sink, compression="zstd", row_group_size=row_group_size)
     return sink.getvalue().to_pybytes()
 
 
@@ -189,12 +191,25 @@ class RunDir:
         version = max(taken, default=0) + 1
         (self.rejects / f"rejects-{version:06d}.parquet").write_atomic(table_bytes(rejects))
         path = self.prompts / f"prompts-{version:06d}.parquet"
-        path.write_atomic(table_bytes(prompts))  # last: its presence means the set is complete
+        # small row groups: a run reads the set by position, a group at a time (prompt_reader.py)
+        # last: its presence means the set is complete
+        path.write_atomic(table_bytes(prompts, row_group_size=PROMPT_GROUP_ROWS))
         return path
 
     def load_prompt_set(self) -> pa.Table | None:
+        """The whole newest set in memory (small sets and tests only; a run reads it through `prompt_set_reader`)."""
         versions = self.prompt_set_versions()
         return versions[-1].read_parquet() if versions else None
+
+    def prompt_set_reader(self, version: int | None = None) -> PromptSetReader | None:
+        """One version, pinned (a refresh adds a newer one), read by position a row group at a time. `version`: the
+        one run.json records (`prompt_set_version`, counted as store/resume.py counts it); None: the newest."""
+        return pinned_reader(self.prompt_set_versions(), version)
+
+    def rejects_count(self) -> int:
+        """Rows of the newest rejects file, from its footer."""
+        versions = _versions(self.rejects, "rejects-")
+        return versions[-1].parquet_file().metadata.num_rows if versions else 0
 
     def rejects_table(self) -> pa.Table | None:
         versions = _versions(self.rejects, "rejects-")

@@ -35,6 +35,9 @@ PROMPTS = pa.schema(
         ("reference", pa.string()),  # the text of the source's final assistant step (last_turn)
         ("reference_tool_calls", pa.string()),  # that step's calls, canonical JSON; null: it called none
         ("tools", pa.string()),  # canonical JSON of the OpenAI tools list; null: the prompt has none
+        # The routing key (core/work.py affinity_key, tools included) for the prefix length in the schema's
+        # metadata (prompt_reader.ROUTE_CHARS); a set staged without it has it computed when a run reads it.
+        ("route_key", pa.uint64()),
     ]
 )
 

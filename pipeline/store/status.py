@@ -13,23 +13,26 @@ from ..prompts.report import report_lines
 from .capture_ledger import capture_counts
 from .goodput import summary_line
 from .progress import duration
+from .prompt_reader import PendingScan
 from .rundir import RunDir, RunLock
 from .tool_counts import tool_counts
 
 
 def ledger_counts(run_dir: RunDir) -> dict[str, Any]:
-    prompts = run_dir.load_prompt_set()
-    all_ids = set(prompts.column("prompt_id").to_pylist()) if prompts is not None else set()
+    """Counted from the prompt set's id column, a row group at a time: the set is never loaded whole."""
+    prompts = run_dir.prompt_set_reader(run_dir.read_manifest().get("prompt_set_version"))
     committed = run_dir.committed_ids()
     failed = run_dir.failed_ids() - committed
-    rejects = run_dir.rejects_table()
+    scan = PendingScan([], 0, 0, 0)
+    if prompts is not None:
+        scan = prompts.pending(committed, failed, True, 0, listed=False)
     return {
-        "total": len(all_ids),
-        "done": len(committed & all_ids),
-        "failed": len(failed & all_ids),
-        "pending": len(all_ids - committed - failed),
-        "rejects": 0 if rejects is None else rejects.num_rows,
-        "vanished_with_records": len(committed - all_ids),
+        "total": scan.total,
+        "done": scan.done,
+        "failed": scan.failed,
+        "pending": scan.waiting,
+        "rejects": run_dir.rejects_count(),
+        "vanished_with_records": len(committed) - scan.done,
         "parts": len(run_dir.parts(run_dir.data)),
     }
 

@@ -1,0 +1,246 @@
+"""The stored prompt set, read by position a row group at a time: the driver never holds it whole.
+
+A run pins one version of the prompt set (prompts-NNNNNN.parquet; a refresh adds a newer one) and reads only that
+file. What the driver keeps per pending prompt is a `PendingPrompt`: its id, its row in the file and its routing
+key (the `route_key` column, written when the set is staged; a set without it, or staged for another
+`prefix_affinity_chars`, gets it computed from the messages in one streaming pass). A prompt's messages are read
+from its row group when it is handed out (`rows`), through a small cache of row groups, and travel with the
+in-flight work item until its record is built (records.py).
+
+Every read passes the storage seam and is retried (a glitch of an object store is not the end of a run); what
+still fails is a StorageError naming the file, and the run stops resumable.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterator, NamedTuple
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..core.errors import StorageError
+from ..core.work import affinity_key
+from ..prompts.tool_calls import message_from_row
+from .seam import io_seam, storage_errors
+from .storage import Location
+
+log = logging.getLogger("regen")
+
+ROUTE_KEY = "route_key"
+ROUTE_CHARS = b"regen.route_key_chars"  # schema metadata: the prefix_affinity_chars the column was computed with
+READ_ATTEMPTS = 4
+READ_RETRY_S = 0.5  # doubled after each failed attempt
+CACHED_GROUPS = 32  # row groups held at once (each at most 1024 prompts or ~1 MB of text): ~32 MB
+ROW_COLUMNS = ("prompt_id", "source", "messages", "reference", "tools")  # "tools": when the set has the column
+
+
+class PendingPrompt(NamedTuple):
+    """What the driver holds for a prompt not yet handed out: a few dozen bytes, never its messages."""
+
+    prompt_id: str
+    position: int  # its row in the pinned prompt-set file
+    affinity: int  # its routing key (core/work.py affinity_key; dispatch/routing.py)
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One prompt as the prompt set stores it, read when it is handed out."""
+
+    prompt_id: str
+    position: int
+    source: str | None
+    messages: list[dict[str, Any]]  # normalised (prompts/tool_calls.py message_from_row)
+    reference: str | None
+    tools: str | None  # canonical JSON of the tools list, as stored; None: the prompt has none
+    affinity: int
+
+
+@dataclass
+class PendingScan:
+    pending: list[PendingPrompt]
+    total: int  # prompts in the set
+    done: int  # of them committed
+    failed: int  # of them failed terminally (and not committed)
+    waiting: int = 0  # pending prompts (also when they are only counted)
+
+
+def route_schema(table_schema: pa.Schema, affinity_chars: int) -> pa.Schema:
+    """The prompt-set schema as staged: it records the prefix length its `route_key` column was computed with."""
+    return table_schema.with_metadata({**(table_schema.metadata or {}), ROUTE_CHARS: str(affinity_chars).encode()})
+
+
+class PromptSetReader:
+    """One pinned prompt-set file. `max_rows_held` is the most rows of messages its cache has held at once."""
+
+    def __init__(self, where: Location, cached_groups: int = CACHED_GROUPS):
+        self.where = where
+        self.cached_groups = max(1, cached_groups)
+        self._file: pq.ParquetFile | None = None
+        meta = self._retry("open", lambda f: f.metadata)
+        self.schema: pa.Schema = self._retry("open", lambda f: f.schema_arrow)
+        self.group_rows = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        self.starts = [0]
+        for n in self.group_rows:
+            self.starts.append(self.starts[-1] + n)
+        self._cache: OrderedDict[int, pa.Table] = OrderedDict()
+        self.groups_read = 0
+        self.max_rows_held = 0
+
+    @property
+    def num_rows(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def name(self) -> str:
+        return self.where.name
+
+    def route_key_chars(self) -> int | None:
+        if ROUTE_KEY not in self.schema.names:
+            return None
+        chars = (self.schema.metadata or {}).get(ROUTE_CHARS)
+        return int(chars) if chars is not None else None
+
+    # --- reading, retried ---------------------------------------------------------------------------
+    def _open(self) -> pq.ParquetFile:
+        if self._file is None:
+            io_seam("read", self.where.path)
+            self._file = pq.ParquetFile(self.where.fs.open_input_file(self.where.path))
+        return self._file
+
+    def _retry(self, what: str, read):
+        """`read(parquet_file)`, retried with backoff on a storage error (the file is opened again). A missing
+        file is not retried: a pinned version that vanished was deleted."""
+        delay = READ_RETRY_S
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                with storage_errors("read", self.where):
+                    return read(self._open())
+            except StorageError as exc:
+                self._file = None
+                if attempt == READ_ATTEMPTS:
+                    raise
+                log.warning("reading the prompt set %s failed (%s: %s); retry %d of %d in %.1f s", self.where,
+                            what, exc, attempt, READ_ATTEMPTS - 1, delay)
+                time.sleep(delay)
+                delay *= 2
+
+    def read_group(self, group: int, columns: list[str]) -> pa.Table:
+        def read(f: pq.ParquetFile) -> pa.Table:
+            io_seam("read", self.where.path)
+            return f.read_row_group(group, columns=columns)
+
+        self.groups_read += 1
+        return self._retry(f"row group {group}", read)
+
+    def scan(self, columns: list[str]) -> Iterator[tuple[int, pa.Table]]:
+        """(first position, table) of each row group in file order; one group in memory at a time."""
+        present = [c for c in columns if c in self.schema.names]
+        for group, start in enumerate(self.starts[:-1]):
+            yield start, self.read_group(group, present)
+
+    def has_tools(self) -> bool:
+        """Some prompt has tools (a set written before tool calls has no such column: none has)."""
+        if "tools" not in self.schema.names:
+            return False
+        return any(table.column(0).null_count < table.num_rows for _, table in self.scan(["tools"]))
+
+    def ids(self) -> set[str]:
+        ids: set[str] = set()
+        for _, table in self.scan(["prompt_id"]):
+            ids.update(table.column(0).to_pylist())
+        return ids
+
+    # --- the pending set ----------------------------------------------------------------------------
+    def pending(self, committed: set[str], failed: set[str], skip_failed: bool, affinity_chars: int,
+                listed: bool = True) -> PendingScan:
+        """Each prompt neither committed nor (with `skip_failed`) failed, in file order, with its routing key
+        (`listed=False`: counted only)."""
+        stored = affinity_chars > 0 and self.route_key_chars() == affinity_chars
+        if affinity_chars > 0 and not stored:
+            log.info("prompt set %s has no routing keys for prefix_affinity_chars=%d: computing them from the "
+                     "messages (one pass)", self.name, affinity_chars)
+        if listed:
+            log.info("prompt set %s: %d prompts in %d row groups, pinned for this run", self.name, self.num_rows,
+                     len(self.group_rows))
+        columns = ["prompt_id"] + ([ROUTE_KEY] if stored else ["messages", "tools"] if affinity_chars > 0 else [])
+        scan = PendingScan([], 0, 0, 0)
+        for start, table in self.scan(columns):
+            ids = table.column("prompt_id").to_pylist()
+            if stored:
+                keys = table.column(ROUTE_KEY).fill_null(0).to_pylist()
+            elif affinity_chars > 0:
+                tools = (table.column("tools").to_pylist() if "tools" in table.column_names
+                         else [None] * table.num_rows)
+                keys = [affinity_key([message_from_row(m) for m in messages], affinity_chars,
+                                     None if t is None else t.encode())
+                        for messages, t in zip(table.column("messages").to_pylist(), tools)]
+            else:
+                keys = [0] * len(ids)
+            for offset, (pid, key) in enumerate(zip(ids, keys)):
+                scan.total += 1
+                if pid in committed:
+                    scan.done += 1
+                    continue
+                if pid in failed:
+                    scan.failed += 1
+                    if skip_failed:
+                        continue
+                scan.waiting += 1
+                if listed:
+                    scan.pending.append(PendingPrompt(pid, start + offset, key))
+        return scan
+
+    # --- rows by position ---------------------------------------------------------------------------
+    def rows(self, pending: list[PendingPrompt]) -> list[PromptRow]:
+        """The stored rows of these prompts, in their order. Checks each row is the prompt asked for."""
+        by_group: dict[int, list[int]] = {}
+        for i, p in enumerate(pending):
+            if not 0 <= p.position < self.num_rows:
+                raise StorageError(f"{self.where}: prompt {p.prompt_id} is at row {p.position}, past the "
+                                   f"{self.num_rows} rows of the prompt set")
+            by_group.setdefault(bisect.bisect_right(self.starts, p.position) - 1, []).append(i)
+        out: list[PromptRow | None] = [None] * len(pending)
+        for group, indexes in by_group.items():
+            table = self._group(group)
+            messages, sources = table.column("messages"), table.column("source")
+            references = table.column("reference")
+            tools = table.column("tools") if "tools" in table.column_names else None
+            ids = table.column("prompt_id")
+            for i in indexes:
+                p = pending[i]
+                r = p.position - self.starts[group]
+                if ids[r].as_py() != p.prompt_id:
+                    raise StorageError(f"{self.where}: row {p.position} holds prompt {ids[r].as_py()}, not "
+                                       f"{p.prompt_id}: the prompt set changed under the run")
+                out[i] = PromptRow(p.prompt_id, p.position, sources[r].as_py(),
+                                   [message_from_row(m) for m in messages[r].as_py()],
+                                   references[r].as_py(), tools[r].as_py() if tools is not None else None,
+                                   p.affinity)
+        return out  # type: ignore[return-value]
+
+    def _group(self, group: int) -> pa.Table:
+        table = self._cache.get(group)
+        if table is not None:
+            self._cache.move_to_end(group)
+            return table
+        while len(self._cache) >= self.cached_groups:
+            self._cache.popitem(last=False)
+        table = self.read_group(group, [c for c in ROW_COLUMNS if c in self.schema.names])
+        self._cache[group] = table
+        self.max_rows_held = max(self.max_rows_held, sum(t.num_rows for t in self._cache.values()))
+        return table
+
+
+def pinned_reader(versions: list[Location], version: int | None = None) -> PromptSetReader | None:
+    """One version of a run's prompt set, pinned: the run reads that file whatever is added later. `version`: the
+    count of versions when it was committed (run.json's `prompt_set_version`); None, or a count no longer there:
+    the newest (resume.py restages a set whose record does not match)."""
+    if not versions:
+        return None
+    if version is not None and 1 <= version <= len(versions):
+        return PromptSetReader(versions[version - 1])
+    return PromptSetReader(versions[-1])
