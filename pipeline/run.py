@@ -233,7 +233,11 @@ def generate(opts: GenerateOptions) -> int:
     cfg.check_secrets()
     stop = StopFlag()
     stop.install()
-    chosen = choose_run(cfg, new_run=opts.new_run, refresh_prompts=opts.refresh_prompts, run_dir=opts.run_dir)
+    try:
+        chosen = choose_run(cfg, new_run=opts.new_run, refresh_prompts=opts.refresh_prompts, run_dir=opts.run_dir)
+    except DriftError as refused:
+        end_the_log_of(getattr(refused, "refused_run", None), refused)
+        raise
     try:
         return generate_in(cfg, opts, chosen, stop)
     except FleetDrift as drift:
@@ -340,6 +344,19 @@ def report_complete(run_dir: RunDir, progress) -> int:
     log.info("run ended (exit 0): run %s is complete: %d records, %d failures, nothing pending", run_dir.path,
              progress.already_done, progress.failed_before)
     return 0
+
+
+def end_the_log_of(run_dir: RunDir | None, exc: BaseException) -> None:
+    """A run refused before this session opened it (drift found while choosing the run): its log still ends with
+    the refusal, as a user reading it after a two-day run expects."""
+    if run_dir is None:
+        return
+    try:
+        setup_logging(run_dir)
+        log_the_end(run_dir, exc)
+        run_dir.publish_logs()
+    except (OSError, RegenError) as error:  # the refusal itself is what the user must see: never hide it
+        log.warning("could not write the refusal into %s's log: %s", run_dir.path, error)
 
 
 def log_the_end(run_dir: RunDir, exc: BaseException) -> None:

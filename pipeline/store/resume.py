@@ -111,13 +111,20 @@ def choose_run(cfg: RunConfig, *, new_run: bool, refresh_prompts: bool, run_dir:
         refuse_beside_a_starting_run([RunDir(path) for path in runs.values() if not (path / "run.json").exists()])
         return ChosenRun(successor_run_dir(cfg.output_dir, cfg.run_name))
     if len(started) == 1:
-        raise DriftError(str(newest.path), diffs[0])
+        raise refusal_of(newest, DriftError(str(newest.path), diffs[0]))
     lines = []
     for run, diff in zip(started, diffs):
         lines += [f"{run.path}{' (newest)' if run is newest else ''}:"] + [f"  {line}" for line in diff]
-    raise DriftError(f"no run of {cfg.run_name!r} in {cfg.output_dir} matches this config: each", lines,
-                     "Restore the values of the run to resume, name one with --run-dir (the drift guard still "
-                     "applies), or pass --new-run to start a new run directory with this config.")
+    raise refusal_of(newest, DriftError(
+        f"no run of {cfg.run_name!r} in {cfg.output_dir} matches this config: each", lines,
+        "Restore the values of the run to resume, name one with --run-dir (the drift guard still applies), or pass "
+        "--new-run to start a new run directory with this config."))
+
+
+def refusal_of(run: RunDir, error: DriftError) -> DriftError:
+    """The refusal, naming the run whose log should end with it (`refused_run`)."""
+    error.refused_run = run
+    return error
 
 
 def refuse_a_run_left_behind(cfg: RunConfig) -> None:
