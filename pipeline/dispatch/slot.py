@@ -1,0 +1,34 @@
+"""The driver's view of one endpoint actor: what it holds, its state, and when it went down or must restart."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.config import Endpoint
+from ..core.work import WorkItem
+
+
+@dataclass
+class Slot:
+    """The driver's view of one endpoint actor."""
+
+    endpoint: Endpoint
+    handle: Any  # a Ray actor handle (an EndpointWorker under LocalTransport); None while a restart waits
+    assigned: dict[str, WorkItem] = field(default_factory=dict)
+    sent_at: dict[str, float] = field(default_factory=dict)
+    state: str = "healthy"
+    stats: dict = field(default_factory=dict)
+    # Since when this endpoint has had no working actor: not placed or started yet, circuit open, endpoint-fatal,
+    # or dead and restarting. Kept across restarts, so an actor that dies on every start counts as down.
+    down_since: float | None = field(default_factory=time.monotonic)
+    draining: bool = False  # removed from the fleet: finishes its work, takes no more
+    created_at: float = field(default_factory=time.monotonic)  # of the current actor
+    answered: bool = False  # the current actor has answered once: Ray placed it and it runs
+    warned_unplaced: bool = False
+    losses: int = 0  # actors lost in a row without one bringing back the outcome of a prompt
+    restart_at: float | None = None  # a lost actor's replacement starts then (backoff)
+
+    @property
+    def label(self) -> str:
+        return self.endpoint.label
