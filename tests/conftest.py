@@ -165,3 +165,20 @@ def object_store(tmp_path_factory):
     proc.kill()
     proc.wait()
     log.close()
+
+
+@pytest.fixture(autouse=True)
+def regen_logger_as_it_was():
+    """A test that runs `regen generate` in this process (cli.main) leaves run.py's setup_logging in place: the
+    "regen" logger then writes to that run's log and no longer propagates, so a later test's caplog sees nothing.
+    Each test gets the logger back as it found it."""
+    import logging
+
+    logger = logging.getLogger("regen")
+    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    yield
+    for handler in list(logger.handlers):
+        if handler not in handlers:
+            logger.removeHandler(handler)
+            handler.close()
+    logger.propagate, logger.level = propagate, level
