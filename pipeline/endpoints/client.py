@@ -24,7 +24,7 @@ from ..core.errors import (
     ConnectionDropped, ContractError, EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt,
     Unexpected,
 )
-from .engines import OpenAIAdapter, Sampling, StreamIds, error_texts
+from .engines import OpenAIAdapter, Sampling, error_texts
 from .toolcalls import ToolCallFragments, tool_calls_of
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}

@@ -10,7 +10,7 @@ keeps a bounded heap (selection.py). Memory holds the ids seen, never the source
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Protocol
 
 import orjson
 
