@@ -296,3 +296,27 @@ def test_a_driver_killed_with_sigkill_loses_no_committed_records_count_and_the_r
     assert counted(run.killed.status) == in_parts(run.killed.rows), "the committed records' counts survive a SIGKILL"
     assert len(run.rows) == 3 * 16
     assert counted(run.status) == in_parts(run.rows), "nothing counted twice or lost across the two sessions"
+
+
+def test_a_session_smaller_than_the_gate_sample_is_checked_when_its_dispatch_ends(caplog):
+    """A 40-prompt smoke run never reaches quality_gate_records=300: its records are checked at the end, with a
+    warning (there is nothing left to stop); too few records to say anything are only noted."""
+    from pipeline.store.gate import SMALLEST_SAMPLE, QualityGate
+
+    cut = {"content": "x", "finish_reason": "length", "completion_tokens": 24, "flags": []}
+    fine = {"content": "A fine answer.", "finish_reason": "stop", "completion_tokens": 10, "flags": []}
+    thresholds = {"truncated": 0.1, "truncated_thinking": 0.05, "empty": 0.02, "repetition": 0.05}
+    gate = QualityGate("stop", 300, thresholds, max_tokens=24)
+    for i in range(40):
+        gate.observe([cut if i % 2 else fine])
+    assert gate.verdict == {}, "not checked before the sample is full"
+    with caplog.at_level("INFO", logger="regen.quality"):
+        gate.finish()  # no QualityGateStopped: the session is over
+    assert gate.verdict["records"] == 40 and not gate.verdict["passed"]
+    assert [f["measure"] for f in gate.verdict["findings"]] == ["truncated"]
+    assert "20 of the first 40 records (50.0%" in caplog.text and "fewer than quality_gate_records=300" in caplog.text
+    tiny = QualityGate("warn", 300, thresholds, max_tokens=24)
+    tiny.observe([cut] * (SMALLEST_SAMPLE - 1))
+    with caplog.at_level("INFO", logger="regen.quality"):
+        tiny.finish()
+    assert tiny.verdict == {} and "too few to check" in caplog.text

@@ -110,6 +110,9 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
         progress.stopped()
     if gate_stopped:
         raise gate_stopped[0]
+    if not stop():
+        gate.finish()  # a session smaller than the gate's sample: checked at its end
+        progress.quality_gate = gate.verdict
     if dispatcher.refused:
         log.warning("endpoints held out by the preflight never passed it this session, so the run went on without "
                     "them: %s", "; ".join(f"{label}: {why}" for label, why in dispatcher.refused.items()))

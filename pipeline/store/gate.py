@@ -35,6 +35,9 @@ DESCRIBED = {"truncated": "cut at max_tokens", TRUNCATED_THINKING: "cut inside t
              EMPTY: "empty", REPETITION: "repeating (a repetition loop)"}
 
 
+SMALLEST_SAMPLE = 20  # fewer records say too little for a share against a threshold
+
+
 def _percentile(values: list[int], q: float) -> int:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0
@@ -111,6 +114,23 @@ class QualityGate:
     def observe(self, rows: list[dict[str, Any]]) -> None:
         if self.action == "off" or not self.sample.add(rows):
             return
+        self._check(ended=False)
+
+    def finish(self) -> None:
+        """The session's dispatch ran out of work before the sample was full (a run, or what was left of one,
+        smaller than quality_gate_records): check what there is, if enough to say anything. Warns only: there
+        is nothing left to stop."""
+        if self.action == "off" or self.sample.checked or not self.sample.records:
+            return
+        if self.sample.records < SMALLEST_SAMPLE:
+            log.info("quality gate: this session made %d records, too few to check (fewer than %d)",
+                     self.sample.records, SMALLEST_SAMPLE)
+            return
+        log.info("quality gate: this session made %d records, fewer than quality_gate_records=%d: checking them",
+                 self.sample.records, self.sample.size)
+        self._check(ended=True)
+
+    def _check(self, ended: bool) -> None:
         findings = self.sample.check(self.thresholds, self.max_tokens)
         n = self.sample.records
         self.verdict = {"action": self.action, "records": n, "passed": not findings,
@@ -122,6 +142,10 @@ class QualityGate:
             return
         for finding in findings:
             log.warning("QUALITY GATE: %s", finding.message(n))
+        if ended:
+            log.warning("QUALITY GATE: found at the end of the session's dispatch: the records are committed; "
+                        "change the setting before the next run")
+            return
         if self.action == "stop":
             raise QualityGateStopped(
                 "the quality gate stopped the run (quality_gate: stop): "
