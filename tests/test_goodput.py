@@ -51,9 +51,10 @@ def gated(tmp_path_factory, ray_cluster):
         after_stop = SimpleNamespace(status=orjson.loads((run / "status.json").read_bytes()),
                                      committed=len(committed_ids(run)), manifest=(run / "run.json").read_bytes(),
                                      status_cli=run_regen("status", str(run)))
-        # only the gate differs (its action and a threshold): the same run resumes
-        config = write_config(tmp, endpoints, [source], quality_gate="warn",
-                              quality_thresholds={"truncated": 0.2}, **common)
+        # only the gate differs (its action, a threshold, its sample: more than the session has left, so it is
+        # checked when the dispatch ends): the same run resumes
+        config = write_config(tmp, endpoints, [source], quality_gate="warn", quality_thresholds={"truncated": 0.2},
+                              **{**common, "quality_gate_records": 1000})
         resumed = run_regen("generate", "--config", str(config))
     # in this process (the commands' own functions), to keep the module short: regen status, card, export
     out = io.StringIO()
@@ -88,8 +89,12 @@ def test_a_config_differing_only_in_the_gate_resumes_the_same_run(gated):
     assert (gated.run / "run.json").read_bytes() == gated.after_stop.manifest  # identity untouched
     rows = records(gated.run)
     assert sorted(r["prompt_id"] for r in rows) == sorted(committed_ids(gated.run)) and len(rows) == PROMPTS
-    # `warn` warns loudly and goes on
-    assert "QUALITY GATE" in gated.resumed.stderr and "the run goes on (quality_gate: warn)" in gated.resumed.stderr
+    # `warn` goes on; the session, smaller than the gate's sample, is checked when its dispatch ends
+    err = gated.resumed.stderr
+    assert "QUALITY GATE" in err and "found at the end of the session's dispatch" in err, err[-3000:]
+    assert f"this session made {PROMPTS - gated.after_stop.committed} records, fewer than quality_gate_records=1000" \
+        in gated.log
+    assert gated.status["quality_gate"]["records"] == PROMPTS - gated.after_stop.committed
 
 
 def test_every_committed_token_is_counted_once_by_what_the_default_export_made_of_it(gated):
