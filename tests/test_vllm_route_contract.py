@@ -156,7 +156,7 @@ def test_a_file_written_after_its_lock_timed_out_is_still_removed(server, model)
 
 def test_capture_many_keeps_concurrency_requests_in_flight_and_returns_each_samples_outcome(server, model):
     route = route_for(server, model, concurrency=3)
-    server.answer_delay_s = 0.3
+    server.answer_delay_s = 1.0  # long enough that the three overlap on a loaded machine
     outcomes = route.capture_many([list(range(1, k + 1)) for k in range(2, 8)])
     assert server.max_in_flight == 3
     assert [o.shape[0] for o in outcomes] == list(range(2, 8))
