@@ -36,11 +36,10 @@ class RunConfig(_Strict):
         "`last_turn`: regenerate the final assistant turn given the source's context; `all_turns`: regenerate every "
         "assistant turn in order, with the target's own earlier replies as history."))
     samples_per_prompt: int = Field(1, ge=1, le=1000, description=(
-        "k: draw k completions of each prompt (all_turns: of each conversation), each a unit of work of its own "
-        "(retried, hedged, failed and resumed alone). Sample 0 keeps the prompt's id and seed; sample j > 0 is "
-        "exported as `<id>#s<j>` and seeded from a hash of the prompt and j. Needs temperature > 0 (and top_k not "
-        "1). In the run identity only when not 1; raising it on a run needs `regen generate --add-samples`, "
-        "lowering it is refused (docs/samples.md)."))
+        "k: draw k completions of each prompt (all_turns: conversations), each a unit of work of its own. Sample 0 "
+        "keeps the prompt's id and seed; sample j > 0 is exported as `<id>#s<j>`, seeded from a hash of the prompt "
+        "and j. Needs temperature > 0 (and top_k not 1). In the run identity only when not 1; raising it on a run "
+        "needs `regen generate --add-samples`, lowering it is refused (docs/samples.md)."))
     thinking: bool | None = Field(None, description=(
         "Explicit thinking mode: sent as chat_template_kwargs {\"thinking\": ...} (Kimi's switch). None: the "
         "server's default."))
@@ -165,11 +164,7 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _samples_differ(self) -> "RunConfig":
-        if self.samples_per_prompt > 1 and (self.sampling.temperature == 0 or self.sampling.top_k == 1):
-            why = "sampling.temperature is 0" if self.sampling.temperature == 0 else "sampling.top_k is 1"
-            raise ValueError(f"samples_per_prompt: {self.samples_per_prompt} with {why} (greedy decoding): every "
-                             "sample of a prompt would be the same completion. Set sampling.temperature above 0 "
-                             "(and top_k to -1 or above 1), or samples_per_prompt: 1")
+        self.sampling.check_samples_differ(self.samples_per_prompt)
         return self
 
     def static_endpoints(self) -> list[Endpoint]:
