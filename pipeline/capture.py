@@ -22,6 +22,7 @@ import orjson
 
 from .core.capture_config import CaptureConfig, load_capture_config
 from .core.errors import ConfigError, DriftError
+from .core.work import record_unit
 from .export.formats import turn_id
 from .hidden.layout import capture_fingerprint
 from .hidden.parts import remove_garbage_hidden_parts
@@ -144,14 +145,16 @@ def pending_samples(run: RunDir, done: set[str], refused: set[tuple[str, int]], 
     for part in RunDir.parts(run.data):
         if str(part) in settled:
             continue
-        if done.issuperset(part.read_parquet(columns=["prompt_id"]).column("prompt_id").to_pylist()):
+        # a sample of a prompt (samples_per_prompt) is captured as a prompt of its own, under its unit id
+        unit_columns = ["prompt_id"] + (["sample_index"] if "sample_index" in part.parquet_schema().names else [])
+        if done.issuperset(map(record_unit, part.read_parquet(columns=unit_columns).to_pylist())):
             settled.add(str(part))  # read its ids no more
             continue
         left = False
-        for rec in part.read_parquet(columns=["prompt_id", "turn_index", "prompt_token_ids", "output_token_ids",
-                                               "prompt_tokens", "completion_tokens", "finish_reason",
-                                               "flags"]).to_pylist():
-            pid = rec["prompt_id"]
+        for rec in part.read_parquet(columns=[*unit_columns, "turn_index", "prompt_token_ids", "output_token_ids",
+                                              "prompt_tokens", "completion_tokens", "finish_reason",
+                                              "flags"]).to_pylist():
+            pid = record_unit(rec)
             if pid in done:
                 continue
             ids = record_token_ids(rec)

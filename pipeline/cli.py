@@ -18,7 +18,8 @@ def _generate(args: argparse.Namespace) -> int:
     from .run import GenerateOptions, generate
 
     return generate(GenerateOptions(args.config, args.new_run, args.refresh_prompts, args.retry_failures,
-                                    start_with_passing=args.start_with_passing, run_dir=args.run_dir))
+                                    start_with_passing=args.start_with_passing, run_dir=args.run_dir,
+                                    add_samples=args.add_samples))
 
 
 def _capture(args: argparse.Namespace) -> int:
@@ -89,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--refresh-prompts", action="store_true",
                      help="re-read the sources: new prompts are added, done ones never sent again")
     gen.add_argument("--retry-failures", action="store_true", help="send terminal failures again")
+    gen.add_argument("--add-samples", action="store_true",
+                     help="resume a run whose config raises samples_per_prompt: only the new samples of each prompt "
+                          "are sent, and run.json records the new value (lowering it is always refused)")
     gen.add_argument("--start-with-passing", action="store_true",
                      help="when the preflight refuses some endpoints for problems of their own, start with the ones "
                           "that pass instead of refusing the run; the others are named in the log and status and "

@@ -22,8 +22,8 @@ from .core.identity import IDENTITY_VERSION, check_identity, resumed_manifest
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
 from .prompts.tokens import load_length_check
-from .store.promptset import (StagedPromptSet, check_schema_takes_tools, check_source_files, report_document,
-                              source_specs, stage_prompt_set)
+from .store.promptset import (StagedPromptSet, check_schema_takes_samples, check_schema_takes_tools,
+                              check_source_files, report_document, source_specs, stage_prompt_set)
 from .store.committer import Committer
 from .store.goodput import Goodput, summary_line
 from .store.progress import duration
@@ -49,6 +49,7 @@ class GenerateOptions:
     retry_failures: bool = False
     start_with_passing: bool = False  # endpoints the preflight refuses are held out; they join once they pass
     run_dir: str | None = None  # --run-dir: the run to resume (the drift guard still applies)
+    add_samples: bool = False  # --add-samples: a config raising samples_per_prompt resumes the run, adding samples
 
 
 # --- the prompt set ------------------------------------------------------------------------------
@@ -131,6 +132,8 @@ def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> OpenedRu
     run_dir.create()
     for tmp in run_dir.cleanup_temp():
         log.info("removed uncommitted temporary file %s", tmp.name)
+    if run_dir.exists():
+        check_schema_takes_samples(cfg.samples_per_prompt, run_dir.read_manifest().get("schema_version"))
     if not run_dir.exists():
         manifest = manifest_for(cfg, opts.config)
         run_dir.write_manifest(manifest)
@@ -140,7 +143,7 @@ def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> OpenedRu
         return rebind_unbound(cfg, opts, run_dir, manifest)
     identity = cfg.identity()
     check = check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts,
-                           records=records_of_older(run_dir, manifest))
+                           records=records_of_older(run_dir, manifest), add_samples=opts.add_samples)
     # the source files: a changed size or mtime is drift only if the digest differs too (a copy is not drift)
     files = None if opts.refresh_prompts else check_source_files(cfg, manifest)
     drift = with_prompt_advice(check.drift + (files.drift if files else []), bool(files and files.drift))
@@ -153,6 +156,11 @@ def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> OpenedRu
         for note in files.notes:
             log.info("%s", note)
         updated["source_files"] = files.recorded
+    if check.raised_samples:
+        old, new = check.raised_samples
+        log.warning("samples_per_prompt raised from %d to %d (--add-samples): samples %d to %d of every prompt are "
+                    "added to this run; its committed samples are kept, run.json records %d", old, new, old, new - 1,
+                    new)
     if check.adopted:
         log.warning("run.json (identity version %s) did not record %s; recorded from this config, compared from "
                     "now on", manifest.get("identity_version", 1),
@@ -234,7 +242,8 @@ def generate(opts: GenerateOptions) -> int:
     stop = StopFlag()
     stop.install()
     try:
-        chosen = choose_run(cfg, new_run=opts.new_run, refresh_prompts=opts.refresh_prompts, run_dir=opts.run_dir)
+        chosen = choose_run(cfg, new_run=opts.new_run, refresh_prompts=opts.refresh_prompts, run_dir=opts.run_dir,
+                            add_samples=opts.add_samples)
     except DriftError as refused:
         end_the_log_of(getattr(refused, "refused_run", None), refused)
         raise
@@ -290,8 +299,9 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     committed = run_dir.committed_ids()
     failed = run_dir.failed_ids() - committed
     done = committed | (set() if opts.retry_failures else failed)
-    # a few bytes per pending prompt (its id, row and routing key); messages are read as work is handed out
-    scan = prompts.pending(committed, failed, not opts.retry_failures, cfg.prefix_affinity_chars)
+    # a few bytes per pending unit (its id, row and routing key); messages are read as work is handed out
+    samples = cfg.samples_per_prompt  # each prompt is that many units (samples); committed and failed are unit ids
+    scan = prompts.pending(committed, failed, not opts.retry_failures, cfg.prefix_affinity_chars, samples=samples)
     pending = scan.pending
     rejects = run_dir.rejects_count()
 
@@ -300,7 +310,8 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
                         failed_before=0 if opts.retry_failures else scan.failed,
                         rejects=rejects, status_interval_s=cfg.status_interval_s,
                         log_interval_s=cfg.progress_log_interval_s,
-                        goodput_before=Goodput.from_dict((run_dir.read_status() or {}).get("goodput")))
+                        goodput_before=Goodput.from_dict((run_dir.read_status() or {}).get("goodput")),
+                        samples_per_prompt=samples)
 
     # --new-run also looks at the weights a complete run is pinned to: other weights make a successor
     if not pending and not (opts.new_run and manifest.get("weight_version") is not None):
@@ -309,7 +320,8 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
         fleet = fleet_preflight(cfg, run_dir, opts.start_with_passing, tools=has_tools(prompts))
         if not pending:
             return report_complete(run_dir, progress())
-        log.info("%d prompts pending of %d (%d done, %d failed)", len(pending), scan.total, len(committed),
+        what = "prompts" if samples == 1 else f"samples ({samples} per prompt)"
+        log.info("%d %s pending of %d (%d done, %d failed)", len(pending), what, scan.total, len(committed),
                  len(failed))
         run_progress = progress()
         builder = RecordBuilder(prompts, cfg, fingerprint=manifest.get("fingerprint"))

@@ -175,6 +175,30 @@ def test_all_turns_a_turn_without_ids_is_refused_alone_and_the_capture_completes
         ("complete", 3, 3, 1)
 
 
+def test_each_sample_of_a_prompt_is_captured_with_its_own_hidden_rows(tmp_path, ray_cluster, tok):
+    from pipeline.cli import main
+    from pipeline.hidden.parts import iter_hidden
+    from tests.helpers import run_regen
+
+    zero = all_turns_records(tok, "a", [("Name a colour.", "Blue.")])
+    one = all_turns_records(tok, "a", [("Name a colour.", "Green, like grass.")])
+    for j, rows in enumerate((zero, one)):
+        for row in rows:
+            row["sample_index"] = j
+    run = make_smollm2_run(tmp_path / "run", [zero + one])
+    proc = run_regen("capture", str(run.path), "--config", str(config_file(tmp_path, tiny_llama(tmp_path / "m"))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cap = capture_run_dir(run)
+    captured = sorted(cap.read_table(cap.data).column("sample_id").to_pylist())
+    assert main(["export", str(run.path), "--format", "specforge-tokens", "--out", str(tmp_path / "t.jsonl")]) == 0
+    exported = sorted(orjson.loads(line)["id"] for line in (tmp_path / "t.jsonl").read_text().splitlines())
+    assert captured == exported == ["a#s1#turn0", "a#turn0"]
+    hidden = {s.prompt_id: s.token_ids for s in iter_hidden(cap)}
+    assert sorted(hidden) == ["a", "a#s1"], "two samples, two hidden samples"
+    for unit, rows in (("a", zero), ("a#s1", one)):
+        assert list(hidden[unit]) == rows[0]["prompt_token_ids"] + rows[0]["output_token_ids"]
+
+
 def test_the_capture_space_check_gives_capture_advice_in_human_units(tmp_path, tok):
     from pipeline.capture import Pending, check_space
     from pipeline.hidden.errors import InsufficientStorage

@@ -116,6 +116,26 @@ def test_streaming_run(tmp_path, ray_cluster, vllm_fleet, tokenizer):
     check_ids(rows, tokenizer)  # prompt ids from the first chunk, output ids joined from every chunk
 
 
+def test_three_samples_at_temperature_are_distinct_completions_with_exact_ids(tmp_path, ray_cluster, vllm_fleet,
+                                                                              tokenizer):
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 3)
+    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], samples_per_prompt=3,
+                          sampling={"temperature": 0.8, "max_tokens": 16})
+    result = run_regen("generate", "--config", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = rows_of(tmp_path / "out" / "t")
+    by_prompt = collections.defaultdict(list)
+    for row in rows:
+        by_prompt[row["prompt_id"]].append(row)
+    assert len(by_prompt) == 3
+    for samples in by_prompt.values():
+        assert sorted(r["sample_index"] for r in samples) == [0, 1, 2]
+        assert len({tuple(r["output_token_ids"]) for r in samples}) == 3, "three distinct completions"
+        assert len({r["seed"] for r in samples}) == 3
+    check_ids(rows, tokenizer)  # each sample's ids decode to its own content and the chat rendering
+
+
 def test_over_long_prompt_is_one_terminal_attempt_with_the_server_message(tmp_path, ray_cluster, vllm_fleet):
     prompts = tmp_path / "prompts.jsonl"
     rows = write_prompts(prompts, 2)

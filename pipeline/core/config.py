@@ -35,6 +35,11 @@ class RunConfig(_Strict):
     mode: Literal["last_turn", "all_turns"] = Field("last_turn", description=(
         "`last_turn`: regenerate the final assistant turn given the source's context; `all_turns`: regenerate every "
         "assistant turn in order, with the target's own earlier replies as history."))
+    samples_per_prompt: int = Field(1, ge=1, le=1000, description=(
+        "k: draw k completions of each prompt (all_turns: conversations), each a unit of work of its own. Sample 0 "
+        "keeps the prompt's id and seed; sample j > 0 is exported as `<id>#s<j>`, seeded from a hash of the prompt "
+        "and j. Needs temperature > 0 (and top_k not 1). In the run identity only when not 1; raising it on a run "
+        "needs `regen generate --add-samples`, lowering it is refused (docs/samples.md)."))
     thinking: bool | None = Field(None, description=(
         "Explicit thinking mode: sent as chat_template_kwargs {\"thinking\": ...} (Kimi's switch). None: the "
         "server's default."))
@@ -157,6 +162,11 @@ class RunConfig(_Strict):
             raise ValueError(f"endpoints are listed twice: {sorted(labels)}")
         return self
 
+    @model_validator(mode="after")
+    def _samples_differ(self) -> "RunConfig":
+        self.sampling.check_samples_differ(self.samples_per_prompt)
+        return self
+
     def static_endpoints(self) -> list[Endpoint]:
         return list(self.endpoints) + (self.local_fleet.endpoints() if self.local_fleet else [])
 
@@ -232,6 +242,7 @@ class RunConfig(_Strict):
             **({"tool_choice": self.tool_choice} if self.tool_choice != "auto" else {}),
             **({"tool_reasoning_history": self.tool_reasoning_history}
                if self.tool_reasoning_history != "current_turn" else {}),
+            **({"samples_per_prompt": self.samples_per_prompt} if self.samples_per_prompt != 1 else {}),
         }
 
     def prompt_identity(self) -> dict[str, Any]:

@@ -110,6 +110,14 @@ class Sampling(_Strict):
     def explicit(self) -> dict[str, Any]:
         return {"top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
 
+    def check_samples_differ(self, samples_per_prompt: int) -> None:
+        """Greedy decoding (temperature 0, or top_k 1) would make k samples of a prompt the same completion."""
+        if samples_per_prompt > 1 and (self.temperature == 0 or self.top_k == 1):
+            why = "sampling.temperature is 0" if self.temperature == 0 else "sampling.top_k is 1"
+            raise ValueError(f"samples_per_prompt: {samples_per_prompt} with {why} (greedy decoding): every sample "
+                             "of a prompt would be the same completion. Set sampling.temperature above 0 (and top_k "
+                             "to -1 or above 1), or samples_per_prompt: 1")
+
 
 class SourceRef(_Strict):
     spec: str = Field(description=(

@@ -38,7 +38,10 @@ INFORMATIONAL: frozenset[str] = frozenset()
 # Keys written into the identity only when they differ from their default (so that the runs made before them keep
 # their fingerprint): a document without one means the default, and a resume compares it as such.
 OMITTED_AT_DEFAULT: dict[str, object] = {"generation.tool_choice": "auto",
-                                         "generation.tool_reasoning_history": "current_turn"}
+                                         "generation.tool_reasoning_history": "current_turn",
+                                         "generation.samples_per_prompt": 1}
+SAMPLES_KEY = "generation.samples_per_prompt"
+ADD_SAMPLES_FLAG = "--add-samples"
 
 # Features a run may have been made with that this regen no longer has: a stored value other than None refuses
 # the resume with the reason (the config can only say None: core/config.py refuses the key).
@@ -91,6 +94,7 @@ class IdentityCheck:
     drift: list[str] = field(default_factory=list)  # "key: stored -> config" lines: the resume is refused
     adopted: dict[str, Any] = field(default_factory=dict)  # keys the stored run.json lacked -> the config's value
     records: StoredRecords = field(default_factory=StoredRecords)  # what the run's records showed
+    raised_samples: tuple[int, int] | None = None  # samples_per_prompt (stored, config), raised by --add-samples
 
     @property
     def resumable(self) -> bool:
@@ -138,9 +142,10 @@ def upgraded(manifest: dict[str, Any], records: StoredRecords) -> dict[str, Any]
 
 
 def check_identity(manifest: dict[str, Any], identity: dict[str, Any], *, refresh_prompts: bool,
-                   records: StoredRecords = StoredRecords()) -> IdentityCheck:
+                   records: StoredRecords = StoredRecords(), add_samples: bool = False) -> IdentityCheck:
     """Compare a stored run.json with the config's identity. With --refresh-prompts the prompt set may change.
-    `records`: what the run's committed records show (read for a run.json older than IDENTITY_VERSION)."""
+    `records`: what the run's committed records show (read for a run.json older than IDENTITY_VERSION).
+    `add_samples` (--add-samples): a config that raises samples_per_prompt may resume the run (lowering never)."""
     stored = upgraded(manifest, records)
     check = IdentityCheck(records=records)
     version = stored.get("identity_version", 1)
@@ -161,7 +166,32 @@ def check_identity(manifest: dict[str, Any], identity: dict[str, Any], *, refres
     if version == 1 and records.count:
         _refuse_unrecorded(stored, identity, check)
     _refuse_retired(stored, check)
+    _samples_change(stored, identity, check, add_samples)
     return check
+
+
+def samples_per_prompt(generation: dict[str, Any] | None) -> int:
+    """k of a generation identity (absent: 1)."""
+    return int((generation or {}).get("samples_per_prompt", OMITTED_AT_DEFAULT[SAMPLES_KEY]))
+
+
+def _samples_change(stored: dict[str, Any], identity: dict[str, Any], check: IdentityCheck, add: bool) -> None:
+    """samples_per_prompt differs: raising it adds only the new samples, with --add-samples; lowering it is refused
+    (the records of the samples past the new k exist, and a run never drops records)."""
+    old, new = samples_per_prompt(stored.get("generation")), samples_per_prompt(identity["generation"])
+    if old == new or not isinstance(stored.get("generation"), dict):
+        return
+    check.drift = [line for line in check.drift if not line.startswith(f"{SAMPLES_KEY}:")]
+    if new < old:
+        check.drift.append(f"{SAMPLES_KEY}: {old} -> {new}: lowering it is refused, even with {ADD_SAMPLES_FLAG}: "
+                           f"this run has records of samples up to {old - 1}, which a run of {new} would not make. "
+                           f"Keep samples_per_prompt: {old} (export what you need), or start a new run (--new-run)")
+    elif not add:
+        check.drift.append(f"{SAMPLES_KEY}: {old} -> {new}: raising it adds samples {old} to {new - 1} of every "
+                           f"prompt to this run; pass {ADD_SAMPLES_FLAG} to do so (only the new samples are sent), "
+                           "or --new-run to start a new run")
+    else:
+        check.raised_samples = (old, new)
 
 
 def spec_renames(stored: dict[str, Any], current: dict[str, Any]) -> dict[str, str]:

@@ -1,5 +1,10 @@
 """The units of work that pass between the driver and the endpoint actors. Pure data, plus the routing key a
-work item carries (`affinity_key`, computed where records are built and read by dispatch/routing.py)."""
+work item carries (`affinity_key`, computed where records are built and read by dispatch/routing.py).
+
+The unit of work is a sample: with `samples_per_prompt: k` each prompt is k units, `unit_id(prompt_id, j)`. Sample 0
+is the prompt's own id (a run of k = 1 is what it always was); sample j > 0 is `<prompt_id>#s<j>`. Work items,
+outcomes, the router, hedging and the ledger speak of units; records keep the prompt's id and say j in
+`sample_index` (store/records.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -18,6 +23,29 @@ def affinity_key(messages: list[dict], prefix_chars: int, tools_json: bytes | No
         text = f"tools\x1e{tools_json.decode()}\x1f{text}"
     text = text[:prefix_chars]
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+SAMPLE_SEP = "#s"
+
+
+def unit_id(prompt_id: str, sample_index: int | None) -> str:
+    """The id of sample `sample_index` of a prompt: the prompt's id for sample 0 (or None: a record of a run of one
+    sample), `<prompt_id>#s<j>` for j > 0."""
+    return prompt_id if not sample_index else f"{prompt_id}{SAMPLE_SEP}{sample_index}"
+
+
+def split_unit(unit: str) -> tuple[str, int]:
+    """The inverse of unit_id: (prompt_id, sample_index). A prompt id is hex, so it never holds the separator."""
+    base, sep, j = unit.rpartition(SAMPLE_SEP)
+    if sep and j.isdigit() and base:
+        return base, int(j)
+    return unit, 0
+
+
+def record_unit(row: dict) -> str:
+    """The unit a committed row belongs to (a record: its prompt_id and sample_index; a failure row: its prompt_id,
+    which is the unit's id)."""
+    return unit_id(row["prompt_id"], row.get("sample_index"))
 
 
 def _tool_fields(message: dict) -> str:

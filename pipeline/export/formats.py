@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import orjson
 
+from ..core.work import record_unit
 from ..store.quality import cut_at_max_tokens
 
 Record = Mapping[str, Any]
@@ -22,8 +23,15 @@ SPECFORGE_ROLES = ("system", "user", "assistant", "tool")
 
 
 def turn_id(prompt_id: str, turn_index: int) -> str:
-    """SpecForge's per-turn id (scripts/expand_reasoning_conversations.py)."""
+    """SpecForge's per-turn id (scripts/expand_reasoning_conversations.py). `prompt_id`: the unit's id
+    (core/work.py unit_id), so sample j > 0 of a prompt is `<prompt_id>#s<j>#turn<k>`."""
     return f"{prompt_id}#turn{turn_index}"
+
+
+def conversation_id(record: Record) -> str:
+    """The id of the conversation a record belongs to: its prompt's id, `<prompt_id>#s<j>` for sample j > 0 of a
+    run with samples_per_prompt (sample 0's ids are what a run of one sample writes)."""
+    return record_unit(record)
 
 
 def speculators_id(prompt_id: str, turn_index: int) -> str:
@@ -87,7 +95,7 @@ def specforge_per_turn_row(record: Record, reasoning_of: Callable[[int], str | N
                            reasoning_history: str = "none") -> dict[str, Any]:
     """One assistant step as the last message of its own row; train with `train_only_last_turn: true`."""
     return {
-        "id": turn_id(record["prompt_id"], record["turn_index"]),
+        "id": turn_id(conversation_id(record), record["turn_index"]),
         "conversations": history(record, reasoning_of, reasoning_history) + [reply_message(record)],
         **tools_field(record),
         "source_id": record["prompt_id"],
@@ -120,7 +128,7 @@ def specforge_conversation_row(turns: Sequence[Record]) -> dict[str, Any]:
         raise HistoryMismatch(f"{last['prompt_id']}: history has {assistant_index} assistant turns, "
                               f"expected {len(turns) - 1}")
     conversation.append(reply_message(last))
-    return {"id": last["prompt_id"], "conversations": conversation, **tools_field(last)}
+    return {"id": conversation_id(last), "conversations": conversation, **tools_field(last)}
 
 
 def validate_specforge_row(row: Any) -> list[str]:
@@ -196,14 +204,16 @@ def tokens_and_mask(record: Record) -> tuple[list[int], list[int]]:
 
 def specforge_tokens_row(record: Record) -> dict[str, Any]:
     input_ids, loss_mask = tokens_and_mask(record)
-    return {"id": turn_id(record["prompt_id"], record["turn_index"]), "input_ids": input_ids, "loss_mask": loss_mask}
+    return {"id": turn_id(conversation_id(record), record["turn_index"]), "input_ids": input_ids,
+            "loss_mask": loss_mask}
 
 
 def speculators_row(record: Record, sampling_params: Mapping[str, Any]) -> dict[str, Any]:
     input_ids, loss_mask = tokens_and_mask(record)
     return {
-        "id": speculators_id(record["prompt_id"], record["turn_index"]),
-        "primary_id": record["prompt_id"],
+        # speculators' primary_id names a conversation (its resume keys on it): each sample is one of its own
+        "id": speculators_id(conversation_id(record), record["turn_index"]),
+        "primary_id": conversation_id(record),
         "input_ids": input_ids,
         "loss_mask": loss_mask,
         "text": record["content"] or "",

@@ -38,7 +38,7 @@ from ..store.capture_ledger import capture_run_dir
 from ..store.rundir import RunDir, atomic_write
 from ..store.storage import Location
 from . import folders
-from .formats import Filters
+from .formats import Filters, conversation_id
 
 FORMATS = ("specforge-offline", "speculators-hidden")
 GROUP = 2000
@@ -137,16 +137,17 @@ def _save_rows(out: Path, rows: dict[str, list]) -> None:
 
 
 def _dropped_by(run: RunDir, filters: Filters | None) -> dict[tuple[str, int], str]:
-    """(prompt_id, turn_index) of the run's records the token exports' filters drop, with the reason."""
+    """(unit id, turn_index) of the run's records the token exports' filters drop, with the reason."""
     if filters is None or filters == Filters():
         return {}
     out: dict[tuple[str, int], str] = {}
     for part in RunDir.parts(run.data):
-        for rec in part.read_parquet(columns=["prompt_id", "turn_index", "source", "finish_reason",
+        samples = ["sample_index"] if "sample_index" in part.parquet_schema().names else []
+        for rec in part.read_parquet(columns=["prompt_id", *samples, "turn_index", "source", "finish_reason",
                                               "flags"]).to_pylist():
             reason = filters.reason_to_drop(rec)
-            if reason:
-                out[(rec["prompt_id"], int(rec["turn_index"] or 0))] = reason
+            if reason:  # the capture names a sample of a prompt by its unit id, as the token exports do
+                out[(conversation_id(rec), int(rec["turn_index"] or 0))] = reason
     return out
 
 

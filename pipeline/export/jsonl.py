@@ -101,10 +101,11 @@ def committed_part_records(run_dir: RunDir) -> Iterator[list[dict[str, Any]]]:
 
 
 def conversations_in(records: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
-    """Group a part's records by prompt_id, in first-seen order, each group ordered by turn_index."""
+    """Group a part's records by conversation (a prompt, or one sample of it: formats.conversation_id), in
+    first-seen order, each group ordered by turn_index."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for record in records:
-        groups.setdefault(record["prompt_id"], []).append(record)
+        groups.setdefault(formats.conversation_id(record), []).append(record)
     for turns in groups.values():
         yield sorted(turns, key=lambda r: r["turn_index"] or 0)
 
@@ -175,7 +176,7 @@ class _Exporter:
         self.seen: set[tuple[str, int]] = set()
 
     def _is_duplicate(self, record: dict[str, Any]) -> bool:
-        key = (record["prompt_id"], record["turn_index"])
+        key = (formats.conversation_id(record), record["turn_index"])
         if key in self.seen:
             self.summary.drop(DUPLICATE)
             return True
@@ -214,7 +215,7 @@ class _Exporter:
             for turns in conversations_in(records):
                 self._whole_conversation(turns)
             return
-        reasoning = {(r["prompt_id"], r["turn_index"]): r.get("reasoning_content") for r in records} \
+        reasoning = {(formats.conversation_id(r), r["turn_index"]): r.get("reasoning_content") for r in records} \
             if self.reasoning_history != "none" else {}
         for record in records:
             if not self._keep(record):
@@ -223,7 +224,7 @@ class _Exporter:
                 if self.reasoning_history == "none":
                     self._emit(formats.specforge_per_turn_row(record), 1)
                 else:
-                    pid = record["prompt_id"]
+                    pid = formats.conversation_id(record)
                     self._emit(formats.specforge_per_turn_row(record, lambda j: reasoning.get((pid, j)),
                                                               self.reasoning_history), 1)
             elif self.fmt == "specforge-tokens":

@@ -21,11 +21,13 @@ says which go back with their `reasoning_content` (docs/tool-calls.md):
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 import orjson
 
+from ..core.work import unit_id
 from .tool_calls import canonical_json
 
 REASONING_HISTORY = ("current_turn", "every_turn", "none")
@@ -207,3 +209,15 @@ def seed_for(prompt_id: str, temperature: float) -> int | None:
     the record from it only when launched with --enable-deterministic-inference).
     Generation k of an all_turns conversation (its turn_index: each tool-calling step counts) uses seed + k."""
     return int(prompt_id[:8], 16) & 0x7FFFFFFF if temperature > 0 else None
+
+
+def sample_seed(prompt_id: str, sample_index: int | None, temperature: float) -> int | None:
+    """The seed of sample `sample_index` of a prompt (samples_per_prompt). Sample 0 keeps `seed_for`; sample j > 0
+    takes 31 bits of a blake2b hash of its unit id (`<prompt_id>#s<j>`), never seed + j: generation k of an
+    all_turns conversation already uses its sample's seed + k."""
+    if not sample_index:
+        return seed_for(prompt_id, temperature)
+    if temperature <= 0:
+        return None
+    digest = hashlib.blake2b(unit_id(prompt_id, sample_index).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF

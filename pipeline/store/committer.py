@@ -1,5 +1,5 @@
 """The Committer: buffers finished records and failures and commits them as parts (invariant 4: a part is
-committed whole or not at all; a prompt id is committed once). A commit whose outcome is unknown is settled by
+committed whole or not at all; a unit of work, a sample of a prompt (core/work.py record_unit), is committed once). A commit whose outcome is unknown is settled by
 looking (`committed_part`); SIGINT and SIGTERM wait until a commit is settled (`signals_deferred`)."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from . import schema
 from ..core.errors import PartExists, StorageError
+from ..core.work import record_unit
 from .lock import RunLock
 from .rundir import RunDir, committed_part
 
@@ -47,15 +48,15 @@ def signals_deferred():
 
 
 class Committer:
-    """The single committer: buffers results, drops any prompt already committed or buffered, and
-    commits a part when the buffer is full or old enough. A SIGKILL loses only the buffer."""
+    """The single committer: buffers results, drops any unit (a prompt, or one sample of it) already committed or
+    buffered, and commits a part when the buffer is full or old enough. A SIGKILL loses only the buffer."""
 
     def __init__(self, run_dir: RunDir, done: set[str], flush_records: int, flush_interval_s: float,
                  records_schema: pa.Schema = schema.RECORDS, lock: RunLock | None = None):
         """`lock`: the run's lock; a driver that has lost it (a lease taken over or expired) commits nothing."""
         self.run_dir, self.lock = run_dir, lock
         self.records_schema = records_schema  # the run's own (schema.records_schema of its run.json)
-        self.done = done  # committed data + terminal failures (unless retried)
+        self.done = done  # unit ids of committed data + terminal failures (unless retried)
         self.flush_records, self.flush_interval_s = flush_records, flush_interval_s
         self.records: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []
@@ -65,29 +66,30 @@ class Committer:
         self.committed_failures = 0
         self._oldest = time.monotonic()
         self.commit_seconds = 0.0  # time spent writing parts (the commit overhead)
-        # kind -> (part, its prompt ids, its rows) of a commit whose outcome is not known yet
+        # kind -> (part, its unit ids, its rows) of a commit whose outcome is not known yet
         self._unsettled: dict[str, tuple[Location, frozenset[str], int]] = {}
         # told the rows of each records part once it is known committed (the goodput count, store/goodput.py)
         self.on_committed: Callable[[list[dict[str, Any]]], None] | None = None
 
-    def _accept(self, prompt_id: str) -> bool:
-        if prompt_id in self.done or prompt_id in self.buffered:
+    def _accept(self, unit: str) -> bool:
+        """`unit`: the unit's id, so that sample 1 of a prompt is not a duplicate of its sample 0."""
+        if unit in self.done or unit in self.buffered:
             self.dropped_duplicates += 1
             return False
         if not self.buffered:
             self._oldest = time.monotonic()
-        self.buffered.add(prompt_id)
+        self.buffered.add(unit)
         return True
 
     def add_records(self, rows: list[dict[str, Any]]) -> bool:
-        """All rows of one prompt (one per regenerated turn) are committed together, in one part."""
-        if self._accept(rows[0]["prompt_id"]):
+        """All rows of one unit (one per regenerated turn) are committed together, in one part."""
+        if self._accept(record_unit(rows[0])):
             self.records.extend(rows)
             return True
         return False
 
     def add_failure(self, row: dict[str, Any]) -> bool:
-        if self._accept(row["prompt_id"]):
+        if self._accept(record_unit(row)):
             self.failures.append(row)
             return True
         return False
@@ -129,7 +131,7 @@ class Committer:
         if self.lock is not None:
             self.lock.check()  # LeaseLost: another driver may own these prompts now
         path = self.run_dir.next_part(folder)
-        ids = frozenset(row["prompt_id"] for row in rows)
+        ids = frozenset(record_unit(row) for row in rows)
         self._unsettled[kind] = (path, ids, len(rows))
         try:
             with signals_deferred():
@@ -154,9 +156,9 @@ class Committer:
             if kind == "records":
                 self.committed += n_rows
                 if self.on_committed is not None:
-                    self.on_committed([row for row in self.records if row["prompt_id"] in ids])
+                    self.on_committed([row for row in self.records if record_unit(row) in ids])
             else:
                 self.committed_failures += n_rows
         self.done |= ids
         self.buffered -= ids
-        setattr(self, kind, [row for row in getattr(self, kind) if row["prompt_id"] not in ids])
+        setattr(self, kind, [row for row in getattr(self, kind) if record_unit(row) not in ids])

@@ -28,6 +28,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from ..core.work import record_unit
 from .quality import QUALITY_FLAGS, TRUNCATED, default_export_drop, whole_conversation_cut
 
 TRAINING, FLAGGED = "training", "flagged"
@@ -58,7 +59,7 @@ def purposes(rows: Iterable[dict[str, Any]], whole_conversations: bool) -> Itera
         return
     conversations: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
-        conversations[row["prompt_id"]].append(row)
+        conversations[record_unit(row)].append(row)  # each sample of a prompt is a conversation
     for turns in conversations.values():
         turns.sort(key=lambda r: r["turn_index"] or 0)
         kept, reason = whole_conversation_cut(turns, default_export_drop)

@@ -48,6 +48,8 @@ class Progress:
     goodput: Goodput = field(default_factory=Goodput)  # this session's committed records (store/goodput.py)
     thrown_away: Goodput = field(default_factory=Goodput)  # this session's, counted by the dispatch
     quality_gate: dict[str, Any] = field(default_factory=dict)  # the gate's verdict (store/gate.py)
+    # samples_per_prompt: with k > 1 total, done, failed and pending count samples (prompts x k), and say so
+    samples_per_prompt: int = 1
     terminal: bool | None = None  # None: whether stderr is a terminal
 
     def __post_init__(self) -> None:
@@ -60,7 +62,7 @@ class Progress:
         if self.terminal is None:
             self.terminal = sys.stderr.isatty()
         # A bar redraws itself with carriage returns: only a terminal shows it; nohup and pipes get log lines.
-        self.bar = tqdm(total=self.total, initial=self.already_done + self.failed_before, unit="prompt",
+        self.bar = tqdm(total=self.total, initial=self.already_done + self.failed_before, unit="prompt" if self.samples_per_prompt == 1 else "sample",
                         dynamic_ncols=True, file=sys.stderr, mininterval=0.5, smoothing=0.05) if self.terminal else None
 
     def begin(self) -> None:
@@ -156,8 +158,9 @@ class Progress:
         done, failed = self.already_done + self.done, self.failed_before + self.failed
         share = f" ({100 * (done + failed) / self.total:.1f}%)" if self.total else ""
         fleet = ", ".join(f"{label} {e.get('state', '?')}" for label, e in self.endpoints.items())
-        log.info("progress: %d/%d done%s, %d failed, %d pending; recent %.2f prompts/s %.0f tok/s (last %s), "
-                 "overall %.2f prompts/s %.0f tok/s; ETA %s; fleet: %s; %s", done, self.total, share, failed,
+        counted = "" if self.samples_per_prompt == 1 else f" samples ({self.samples_per_prompt} per prompt)"
+        log.info("progress: %d/%d%s done%s, %d failed, %d pending; recent %.2f prompts/s %.0f tok/s (last %s), "
+                 "overall %.2f prompts/s %.0f tok/s; ETA %s; fleet: %s; %s", done, self.total, counted, share, failed,
                  self.pending(), recent["prompts_s"], recent["tok_s"], duration(recent["window_s"]),
                  overall["prompts_s"], overall["tok_s"], duration(self.eta_s(rates)), fleet or "none",
                  summary_line(self.goodput_total().as_dict()),
@@ -171,6 +174,7 @@ class Progress:
             "state": state,
             "updated_at": now_utc().isoformat(timespec="seconds"),
             "total": self.total,
+            "samples_per_prompt": self.samples_per_prompt,
             "done": done,
             "failed": failed,
             "pending": self.pending(),

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..core.errors import StorageError
-from ..core.work import affinity_key
+from ..core.work import affinity_key, split_unit, unit_id
 from ..prompts.tool_calls import message_from_row
 from .seam import io_seam, storage_errors
 from .storage import Location
@@ -39,9 +39,10 @@ ROW_COLUMNS = ("prompt_id", "source", "messages", "reference", "tools")  # "tool
 
 
 class PendingPrompt(NamedTuple):
-    """What the driver holds for a prompt not yet handed out: a few dozen bytes, never its messages."""
+    """What the driver holds for a unit of work (a sample of a prompt) not yet handed out: a few dozen bytes, never
+    its messages. The samples of one prompt share its row and routing key (the same endpoint: prefix-cache hits)."""
 
-    prompt_id: str
+    prompt_id: str  # the unit's id (core/work.py unit_id): the prompt's own id for sample 0, `<id>#s<j>` for j > 0
     position: int  # its row in the pinned prompt-set file
     affinity: int  # its routing key (core/work.py affinity_key; dispatch/routing.py)
 
@@ -61,11 +62,13 @@ class PromptRow:
 
 @dataclass
 class PendingScan:
+    """Counts of units: samples of prompts (prompts x samples_per_prompt; with k = 1, prompts)."""
+
     pending: list[PendingPrompt]
-    total: int  # prompts in the set
+    total: int  # samples of the set's prompts
     done: int  # of them committed
     failed: int  # of them failed terminally (and not committed)
-    waiting: int = 0  # pending prompts (also when they are only counted)
+    waiting: int = 0  # pending samples (also when they are only counted)
 
 
 def route_schema(table_schema: pa.Schema, affinity_chars: int) -> pa.Schema:
@@ -156,9 +159,10 @@ class PromptSetReader:
 
     # --- the pending set ----------------------------------------------------------------------------
     def pending(self, committed: set[str], failed: set[str], skip_failed: bool, affinity_chars: int,
-                listed: bool = True) -> PendingScan:
-        """Each prompt neither committed nor (with `skip_failed`) failed, in file order, with its routing key
-        (`listed=False`: counted only)."""
+                listed: bool = True, samples: int = 1) -> PendingScan:
+        """Each unit (sample 0 to `samples` - 1 of each prompt; `committed`, `failed` hold unit ids) neither
+        committed nor (with `skip_failed`) failed, in file order, a prompt's samples one after the other, with the
+        prompt's routing key (`listed=False`: counted only)."""
         stored = affinity_chars > 0 and self.route_key_chars() == affinity_chars
         if affinity_chars > 0 and not stored:
             log.info("prompt set %s has no routing keys for prefix_affinity_chars=%d: computing them from the "
@@ -180,23 +184,26 @@ class PromptSetReader:
                         for messages, t in zip(table.column("messages").to_pylist(), tools)]
             else:
                 keys = [0] * len(ids)
-            for offset, (pid, key) in enumerate(zip(ids, keys)):
-                scan.total += 1
-                if pid in committed:
-                    scan.done += 1
-                    continue
-                if pid in failed:
-                    scan.failed += 1
-                    if skip_failed:
+            for offset, (prompt_id, key) in enumerate(zip(ids, keys)):
+                for j in range(samples):
+                    pid = unit_id(prompt_id, j)
+                    scan.total += 1
+                    if pid in committed:
+                        scan.done += 1
                         continue
-                scan.waiting += 1
-                if listed:
-                    scan.pending.append(PendingPrompt(pid, start + offset, key))
+                    if pid in failed:
+                        scan.failed += 1
+                        if skip_failed:
+                            continue
+                    scan.waiting += 1
+                    if listed:
+                        scan.pending.append(PendingPrompt(pid, start + offset, key))
         return scan
 
     # --- rows by position ---------------------------------------------------------------------------
     def rows(self, pending: list[PendingPrompt]) -> list[PromptRow]:
-        """The stored rows of these prompts, in their order. Checks each row is the prompt asked for."""
+        """The stored rows of these prompts (or samples of prompts), in their order. Checks each row is the prompt
+        asked for. A row's `prompt_id` is the prompt's own id, whichever sample asked for it."""
         by_group: dict[int, list[int]] = {}
         for i, p in enumerate(pending):
             if not 0 <= p.position < self.num_rows:
@@ -213,10 +220,11 @@ class PromptSetReader:
             for i in indexes:
                 p = pending[i]
                 r = p.position - self.starts[group]
-                if ids[r].as_py() != p.prompt_id:
+                base = split_unit(p.prompt_id)[0]
+                if ids[r].as_py() != base:
                     raise StorageError(f"{self.where}: row {p.position} holds prompt {ids[r].as_py()}, not "
-                                       f"{p.prompt_id}: the prompt set changed under the run")
-                out[i] = PromptRow(p.prompt_id, p.position, sources[r].as_py(),
+                                       f"{base}: the prompt set changed under the run")
+                out[i] = PromptRow(base, p.position, sources[r].as_py(),
                                    [message_from_row(m) for m in messages[r].as_py()],
                                    references[r].as_py(), tools[r].as_py() if tools is not None else None,
                                    p.affinity)

@@ -131,6 +131,16 @@ def check_schema_takes_tools(staged: StagedPromptSet, schema_version: int | None
                           "run_name); nothing was written to this run")
 
 
+def check_schema_takes_samples(samples: int, schema_version: int | None) -> None:
+    """A run created before records had `sample_index` (schema < 5) cannot tell several samples of a prompt apart."""
+    version = schema_version or 1
+    if samples > 1 and version < schema.SAMPLES_VERSION:
+        raise ConfigError(f"samples_per_prompt: {samples}: this run was created at records schema {version}, whose "
+                          f"records have no sample_index (it came with schema {schema.SAMPLES_VERSION}), so its "
+                          "samples could not be told apart. Start a new run for several samples (regen generate "
+                          "--new-run, or another run_name); nothing was written to this run")
+
+
 def source_specs(cfg: RunConfig) -> dict[str, tuple[SourceSpec, int | None]]:
     """Each source of the config by its spec path as the config names it, with its limit (the run's, else the
     spec's)."""

@@ -8,8 +8,8 @@ import pyarrow.compute as pc
 
 from ..core.config import RunConfig
 from ..core.identity import StoredRecords
-from ..core.work import Outcome, WorkItem
-from ..prompts.conversation import calls_json, histories, seed_for
+from ..core.work import Outcome, WorkItem, split_unit
+from ..prompts.conversation import calls_json, histories, sample_seed
 from ..prompts.tool_calls import message_row
 from .prompt_reader import PendingPrompt, PromptRow, PromptSetReader
 from .quality import quality_flags
@@ -18,39 +18,46 @@ from .rundir import RunDir, now_utc
 
 class RecordBuilder:
     """Turns an outcome into data rows (one per regenerated turn) or a failure row. It holds no prompt set: a
-    prompt's row is read when it is handed out (`work_items`) and kept, in `in_flight`, until its record is built."""
+    prompt's row is read when it is handed out (`work_items`) and kept, in `in_flight`, until its record is built.
+    Work items and outcomes name a unit (core/work.py unit_id: a sample of a prompt); the records name the prompt
+    and, when the run draws several samples of each, the sample (`sample_index`; null in a run of one sample)."""
 
     def __init__(self, reader: PromptSetReader | None, cfg: RunConfig, fingerprint: str | None = None):
         """`reader`: the run's pinned prompt set; `fingerprint`: the run's, from its run.json (a run keeps the one
         it was created with)."""
         self.reader = reader
-        self.in_flight: dict[str, PromptRow] = {}  # handed out, no final outcome yet
+        self.in_flight: dict[str, PromptRow] = {}  # unit id -> its prompt's row: handed out, no final outcome yet
         self.fingerprint = fingerprint or cfg.fingerprint()
         self.temperature, self.mode = cfg.sampling.temperature, cfg.mode
         self.max_tokens = cfg.sampling.max_tokens
         self.tool_reasoning_history = cfg.tool_reasoning_history
+        self.samples = cfg.samples_per_prompt
 
     def work_items(self, batch: list[PendingPrompt | WorkItem]) -> list[WorkItem]:
         """The dispatcher's `load`: pending prompts become work items, their rows read from the prompt set in one
         pass over their row groups; a work item (a retry, already read) passes through."""
         pending = [item for item in batch if isinstance(item, PendingPrompt)]
-        rows = iter(self.reader.rows(pending)) if pending else iter(())
-        return [self.work_item(next(rows)) if isinstance(item, PendingPrompt) else item for item in batch]
+        rows = iter(zip(pending, self.reader.rows(pending))) if pending else iter(())
+        return [self.work_item(*next(rows)) if isinstance(item, PendingPrompt) else item for item in batch]
 
-    def work_item(self, row: PromptRow) -> WorkItem:
+    def work_item(self, pending: PendingPrompt | PromptRow, row: PromptRow | None = None) -> WorkItem:
         """The row's messages (normalised: a tool-free message is exactly {"role", "content"}) and tools travel
-        with the in-flight item; its routing key is the prompt set's `route_key` (tools included)."""
-        self.in_flight[row.prompt_id] = row
+        with the in-flight item; its routing key is the prompt set's `route_key` (tools included). `pending`: the
+        unit (a sample of the row's prompt); a row alone is its prompt's sample 0."""
+        row = row or pending
+        unit = pending.prompt_id
+        self.in_flight[unit] = row
         tools_json = None if row.tools is None else row.tools.encode()
-        return WorkItem(row.prompt_id, orjson.dumps(row.messages), seed_for(row.prompt_id, self.temperature),
-                        row.affinity, tools_json)
+        return WorkItem(unit, orjson.dumps(row.messages), sample_seed(row.prompt_id, split_unit(unit)[1],
+                                                                      self.temperature), row.affinity, tools_json)
 
     def records(self, outcome: Outcome, attempts: int) -> list[dict[str, Any]]:
         """One row per generation. all_turns: the conversation is replayed from the answers (each tool-calling step
         is a generation, turn_index counts them); its last row says why it ended early, if it did."""
         row = self.in_flight.pop(outcome.prompt_id)
+        prompt_id, j = split_unit(outcome.prompt_id)
         sent, _ = histories(self.mode, row.messages, outcome.completions, self.tool_reasoning_history)
-        seed = seed_for(outcome.prompt_id, self.temperature)
+        seed = sample_seed(prompt_id, j, self.temperature)
         tools, last = row.tools, len(outcome.completions) - 1  # canonical JSON text, as stored
         rows = []
         for k, (messages, c) in enumerate(zip(sent, outcome.completions)):
@@ -61,8 +68,10 @@ class RecordBuilder:
                 extra["tool_calls"] = calls_json(c.tool_calls)
             if k == last and outcome.conversation_end is not None:
                 extra["conversation_end"] = outcome.conversation_end
+            if self.samples > 1 or j:  # a run of one sample leaves it null (records schema 5)
+                extra["sample_index"] = j
             rows.append({
-                "prompt_id": outcome.prompt_id, "source": row.source,
+                "prompt_id": prompt_id, "source": row.source,
                 "messages": [message_row(m) for m in messages],
                 "turn_index": k if self.mode == "all_turns" else sum(m["role"] == "assistant" for m in messages),
                 "n_turns": len(outcome.completions), "reference": row.reference if self.mode != "all_turns" else None,
@@ -81,6 +90,8 @@ class RecordBuilder:
         return rows
 
     def failure(self, outcome: Outcome, attempts: int) -> dict[str, Any]:
+        """A failure row names the unit that failed: its `prompt_id` is the unit's id (`<id>#s<j>` for a sample
+        j > 0; the failures' schema has no sample column)."""
         row = self.in_flight.pop(outcome.prompt_id)
         return {
             "prompt_id": outcome.prompt_id, "source": row.source,

@@ -52,11 +52,11 @@ def records_of_older(run_dir: RunDir, manifest: dict[str, Any]) -> StoredRecords
     return stored_records(run_dir)
 
 
-def identity_drift(cfg: RunConfig, run_dir: RunDir, refresh_prompts: bool) -> list[str]:
+def identity_drift(cfg: RunConfig, run_dir: RunDir, refresh_prompts: bool, add_samples: bool = False) -> list[str]:
     """How the config differs from the run's recorded identity (empty: it may resume the run)."""
     manifest = run_dir.read_manifest()
     check = check_identity(manifest, cfg.identity(), refresh_prompts=refresh_prompts,
-                           records=records_of_older(run_dir, manifest))
+                           records=records_of_older(run_dir, manifest), add_samples=add_samples)
     files = [] if refresh_prompts else check_source_files(cfg, manifest).drift
     return with_prompt_advice(check.drift + files, bool(files))
 
@@ -77,7 +77,8 @@ class ChosenRun:
     notice: str | None = None  # said loudly once the run's log is open (log + stderr)
 
 
-def choose_run(cfg: RunConfig, *, new_run: bool, refresh_prompts: bool, run_dir: str | None = None) -> ChosenRun:
+def choose_run(cfg: RunConfig, *, new_run: bool, refresh_prompts: bool, run_dir: str | None = None,
+               add_samples: bool = False) -> ChosenRun:
     """The run directory a `regen generate` opens (see the module docstring)."""
     if run_dir is not None:
         named = RunDir(run_dir)
@@ -98,7 +99,7 @@ def choose_run(cfg: RunConfig, *, new_run: bool, refresh_prompts: bool, run_dir:
         return ChosenRun(resolve_run_dir(cfg.output_dir, cfg.run_name, False))
     newest, diffs = started[0], []
     for run in started:
-        diffs.append(identity_drift(cfg, run, refresh_prompts))
+        diffs.append(identity_drift(cfg, run, refresh_prompts, add_samples))
         if not diffs[-1]:
             if run is newest:
                 return ChosenRun(run)

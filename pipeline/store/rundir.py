@@ -26,10 +26,12 @@ from typing import Any, Callable
 
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schema
 from ..core.errors import StorageError
+from ..core.work import unit_id
 from .lock import RunLock  # the run's lock lives with its directory
 from .prompt_reader import PromptSetReader, pinned_reader
 from .storage import TMP_PREFIX, Location, read_columns
@@ -162,11 +164,22 @@ class RunDir:
         return path
 
     def ids_in(self, folder: Location) -> set[str]:
-        """The ledger: prompt_ids of committed parts, reading the id column only."""
+        """The ledger: the unit ids (core/work.py unit_id) of committed parts, reading the id columns only. A record
+        of sample j > 0 (`sample_index`) is `<prompt_id>#s<j>`; a failure row's prompt_id is its unit's id; a
+        record whose sample_index is null or 0 is its prompt's sample 0, the prompt's own id."""
         parts = self.parts(folder)
         if not parts:
             return set()
-        return set(read_columns(parts, ["prompt_id"]).column(0).to_pylist())
+        # every part of one run has its run's columns: the first one's say whether records name samples
+        with_samples = "sample_index" in parts[0].parquet_schema().names
+        table = read_columns(parts, ["prompt_id", "sample_index"] if with_samples else ["prompt_id"])
+        ids = table.column(0).to_pylist()
+        if with_samples:
+            samples = table.column(1)
+            if samples.null_count < len(samples):
+                for i in pc.indices_nonzero(pc.fill_null(pc.greater(samples, 0), False)).to_pylist():
+                    ids[i] = unit_id(ids[i], samples[i].as_py())
+        return set(ids)
 
     def committed_ids(self) -> set[str]:
         return self.ids_in(self.data)

@@ -11,6 +11,7 @@ SCHEMA_VERSION = 5  # 2: `deterministic`; 3: `engine`, `engine_version`; 4: no `
 RECORDS_ADDED = {"deterministic": 2, "engine": 3, "engine_version": 3,  # column -> the version that added it
                  "tools": 5, "tool_calls": 5, "sample_index": 5, "conversation_end": 5}
 TOOLS_VERSION = 5  # the first records schema that can store a prompt with tools
+SAMPLES_VERSION = 5  # the first records schema with `sample_index` (samples_per_prompt > 1)
 # column -> the first version without it. hidden_part/hidden_row named the generating request's hidden parts (a
 # route retired for `regen capture`, whose ledger names its own parts): null in every row regen writes now.
 RECORDS_RETIRED = {"hidden_part": 4, "hidden_row": 4}
@@ -81,7 +82,8 @@ _EVERY_RECORD_COLUMN = pa.schema(
         ("hidden_part", pa.string()),
         ("hidden_row", pa.int32()),
         ("created_at", pa.timestamp("ms", tz="UTC")),
-        # Reserved for several samples of one prompt (issue 25): null for now.
+        # samples_per_prompt k > 1: which sample of the prompt this row belongs to (0..k-1); null in a run of one
+        # sample (readers take null as 0). Its unit of work is `<prompt_id>#s<j>` for j > 0 (core/work.py).
         ("sample_index", pa.int32()),
         # all_turns: on the last row of a conversation cut short, why and at which step; null otherwise.
         ("conversation_end", pa.string()),

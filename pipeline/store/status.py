@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 
+from ..core.identity import samples_per_prompt
 from ..prompts.fileid import file_states
 from ..prompts.report import report_lines
 from .capture_ledger import capture_counts
@@ -19,14 +20,18 @@ from .tool_counts import tool_counts
 
 
 def ledger_counts(run_dir: RunDir) -> dict[str, Any]:
-    """Counted from the prompt set's id column, a row group at a time: the set is never loaded whole."""
-    prompts = run_dir.prompt_set_reader(run_dir.read_manifest().get("prompt_set_version"))
+    """Counted from the prompt set's id column, a row group at a time: the set is never loaded whole. With
+    samples_per_prompt k > 1 the counts are of samples (prompts x k), `samples_per_prompt` says k."""
+    manifest = run_dir.read_manifest()
+    prompts = run_dir.prompt_set_reader(manifest.get("prompt_set_version"))
     committed = run_dir.committed_ids()
     failed = run_dir.failed_ids() - committed
+    samples = samples_per_prompt(manifest.get("generation"))
     scan = PendingScan([], 0, 0, 0)
     if prompts is not None:
-        scan = prompts.pending(committed, failed, True, 0, listed=False)
+        scan = prompts.pending(committed, failed, True, 0, listed=False, samples=samples)
     return {
+        "samples_per_prompt": samples,
         "total": scan.total,
         "done": scan.done,
         "failed": scan.failed,
@@ -43,7 +48,8 @@ def counts_line(run_dir: RunDir) -> str:
         counts = ledger_counts(run_dir)
     except Exception as exc:  # noqa: BLE001 - a store that cannot be read is named; the run still ends
         return f"counts unavailable ({exc})"
-    return f"{counts['done']} done, {counts['failed']} failed, {counts['pending']} pending of {counts['total']}"
+    line = f"{counts['done']} done, {counts['failed']} failed, {counts['pending']} pending of {counts['total']}"
+    return line if counts["samples_per_prompt"] == 1 else f"{line} samples ({counts['samples_per_prompt']} a prompt)"
 
 
 def run_state(run_dir: RunDir, counts: dict[str, Any]) -> str:
@@ -85,7 +91,9 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
     print(f"{path}: {report['state']}")
-    print(f"  prompts {counts['total']}: done {counts['done']}, failed {counts['failed']}, "
+    k = counts["samples_per_prompt"]
+    what = "prompts" if k == 1 else f"samples ({k} per prompt, {counts['total'] // k} prompts)"
+    print(f"  {what} {counts['total']}: done {counts['done']}, failed {counts['failed']}, "
           f"pending {counts['pending']}; rejected inputs {counts['rejects']}; parts {counts['parts']}")
     for line in report_lines(sources) + [f"  {line}" for line in files]:
         print(line)

@@ -9,9 +9,10 @@ from typing import Any
 
 import orjson
 
+from ..core.work import record_unit
 from .rundir import RunDir
 
-TOOL_COLUMNS = ("prompt_id", "turn_index", "tools", "tool_calls", "conversation_end")
+TOOL_COLUMNS = ("prompt_id", "sample_index", "turn_index", "tools", "tool_calls", "conversation_end")
 
 
 @dataclass
@@ -23,7 +24,7 @@ class ToolCounts:
     _seen: set[tuple[str, int]] = field(default_factory=set)
 
     def add(self, row: dict[str, Any]) -> None:
-        key = (row["prompt_id"], row.get("turn_index") or 0)
+        key = (record_unit(row), row.get("turn_index") or 0)
         if key in self._seen:  # a duplicate of a committed record (a hedged request answered twice)
             return
         self._seen.add(key)

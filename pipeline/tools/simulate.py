@@ -95,7 +95,8 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
         finally:
             for server in servers:
                 server.stop()
-    scale = total / max(1, done)
+    units = total * cfg.samples_per_prompt  # samples_per_prompt: the sample ran k samples of each of its prompts
+    scale = units / max(1, done)
     mean_tokens = tokens / max(1, done)
     stretch = (mean_completion_tokens / mean_tokens) if mean_completion_tokens else 1.0
     startup = max(0.0, elapsed - generating)  # Ray, preflight, the last commit: not compressed
@@ -107,7 +108,7 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
     generating_real = max(sum(request_s) * scale / slots, max(request_s, default=0.0))
     disk_total = disk * scale
     return Prediction(prompts=total, sample=done, sample_wall_s=elapsed, wall_s=startup + generating_real,
-                      completion_tokens=int(mean_tokens * stretch * total), disk_bytes=int(disk_total))
+                      completion_tokens=int(mean_tokens * stretch * units), disk_bytes=int(disk_total))
 
 
 def _generating_seconds(parts: list[Path]) -> float:

@@ -1,0 +1,146 @@
+"""How diverse the samples of a run with `samples_per_prompt: k > 1` are, for the dataset card (card.py).
+
+Measured on a deterministic subset of the prompts (at most MAX_PROMPTS: those of lowest blake2b hash of their id,
+so the same run gives the same subset), never the whole run in memory: one pass over the id columns keeps the
+subset's ids, a second reads the subset's completions. For each prompt whose k samples are all committed:
+
+- distinct completions: how many of its k samples differ (by token ids);
+- the mean pairwise Jaccard overlap of the samples' token 4-gram sets (1: the same 4-grams, 0: none shared).
+
+A sample's completion is its first generation (all_turns: turn 0; later turns follow different histories). Its
+tokens are its `output_token_ids`; a record without them (e.g. llama.cpp) is split into whitespace words of its
+content and reasoning, and the card says how many were.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Any
+
+from ..store.rundir import RunDir
+
+MAX_PROMPTS = 2000
+NGRAM = 4
+
+
+@dataclass(frozen=True)
+class Diversity:
+    samples_per_prompt: int
+    prompts_measured: int  # prompts of the subset with all k samples committed
+    subset: int  # prompts in the subset (at most MAX_PROMPTS)
+    prompts_committed: int  # distinct prompts with a committed record
+    distinct_mean: float
+    distinct_min: int
+    jaccard_mean: float | None  # None: no prompt had two samples with a 4-gram each
+    word_tokens: int  # samples measured by whitespace words (no token ids)
+
+
+def _rank(prompt_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(prompt_id.encode(), digest_size=8).digest(), "big")
+
+
+def _subset(run_dir: RunDir, size: int) -> set[str]:
+    """The `size` committed prompts of lowest hash (a prompt left out once is never taken later: the bar only
+    falls), holding `size` ids at most."""
+    heap: list[tuple[int, str]] = []  # (-rank, id): the kept ids, worst on top
+    kept: set[str] = set()
+    for part in RunDir.parts(run_dir.data):
+        for pid in set(part.read_parquet(columns=["prompt_id"]).column(0).to_pylist()):
+            if pid in kept:
+                continue
+            rank = _rank(pid)
+            if len(heap) < size:
+                heapq.heappush(heap, (-rank, pid))
+                kept.add(pid)
+            elif -heap[0][0] > rank:
+                _, out = heapq.heapreplace(heap, (-rank, pid))
+                kept.discard(out)
+                kept.add(pid)
+    return kept
+
+
+def _ngrams(tokens: tuple) -> set[tuple]:
+    return {tokens[i:i + NGRAM] for i in range(len(tokens) - NGRAM + 1)}
+
+
+def jaccard(a: set, b: set) -> float:
+    union = len(a | b)
+    return len(a & b) / union if union else 1.0
+
+
+def _tokens(row: dict[str, Any]) -> tuple[tuple, bool]:
+    """(the sample's tokens, whether they are whitespace words)."""
+    if row.get("output_token_ids"):
+        return tuple(row["output_token_ids"]), False
+    text = " ".join(t for t in (row.get("reasoning_content"), row.get("content"), row.get("tool_calls")) if t)
+    return tuple(text.split()), True
+
+
+def sample_diversity(run_dir: RunDir, k: int, committed: int, max_prompts: int = MAX_PROMPTS) -> Diversity | None:
+    """None for a run of one sample, or one with no committed record. `committed`: distinct prompts committed."""
+    if k <= 1:
+        return None
+    subset = _subset(run_dir, max_prompts)
+    if not subset:
+        return None
+    first: dict[tuple[str, int], tuple[int, dict[str, Any]]] = {}  # (prompt, sample) -> its lowest turn's row
+    columns = ["prompt_id", "sample_index", "turn_index", "output_token_ids", "content", "reasoning_content",
+               "tool_calls"]
+    for part in RunDir.parts(run_dir.data):
+        present = set(part.parquet_schema().names)
+        for row in part.read_parquet(columns=[c for c in columns if c in present]).to_pylist():
+            if row["prompt_id"] not in subset:
+                continue
+            key, turn = (row["prompt_id"], row.get("sample_index") or 0), row.get("turn_index") or 0
+            if key not in first or turn < first[key][0]:
+                first[key] = (turn, row)
+    by_prompt: dict[str, list[dict[str, Any]]] = {}
+    for (pid, j), (_, row) in first.items():
+        if j < k:
+            by_prompt.setdefault(pid, []).append(row)
+    distinct, overlaps, words = [], [], 0
+    for rows in by_prompt.values():
+        if len(rows) < k:
+            continue  # not all of its samples are committed yet
+        tokens = []
+        for row in rows:
+            t, by_words = _tokens(row)
+            tokens.append(t)
+            words += by_words
+        distinct.append(len(set(tokens)))
+        grams = [_ngrams(t) for t in tokens]
+        pairs = [jaccard(a, b) for a, b in combinations(grams, 2) if a or b]
+        if pairs:
+            overlaps.append(sum(pairs) / len(pairs))
+    if not distinct:
+        return Diversity(k, 0, len(subset), committed, 0.0, 0, None, words)
+    return Diversity(k, len(distinct), len(subset), committed, sum(distinct) / len(distinct), min(distinct),
+                     sum(overlaps) / len(overlaps) if overlaps else None, words)
+
+
+def diversity_lines(d: Diversity | None) -> list[str]:
+    """The card's "Samples" section (nothing for a run of one sample)."""
+    if d is None:
+        return []
+    lines = ["## Samples", "",
+             f"{d.samples_per_prompt} samples of each prompt (`samples_per_prompt`), each drawn with a seed of its "
+             "own. Measured on "
+             + (f"all {d.subset} committed prompts" if d.subset == d.prompts_committed else
+                f"a deterministic subset of {d.subset} of the {d.prompts_committed} committed prompts (those of "
+                "lowest blake2b hash of their id)")
+             + f"; {d.prompts_measured} of them have all {d.samples_per_prompt} samples committed and are counted. "
+             "Each sample's first generation (all_turns: turn 0) is compared.", ""]
+    if not d.prompts_measured:
+        return lines + ["No prompt has all its samples committed yet.", ""]
+    jaccard_text = "-" if d.jaccard_mean is None else f"{d.jaccard_mean:.3f}"
+    lines += ["| figure | value |", "|---|---:|",
+              f"| distinct completions per prompt (mean, of {d.samples_per_prompt}) | {d.distinct_mean:.2f} |",
+              f"| distinct completions per prompt (min) | {d.distinct_min} |",
+              f"| mean pairwise Jaccard overlap of token {NGRAM}-grams | {jaccard_text} |", "",
+              "A Jaccard overlap near 1 means the samples repeat each other (little to gain from k > 1); near 0, "
+              "they share few 4-grams."]
+    if d.word_tokens:
+        lines.append(f"{d.word_tokens} samples had no token ids: their whitespace-separated words were compared.")
+    return lines + [""]
