@@ -1,0 +1,43 @@
+"""samples_per_prompt at its edges, on real Parquet runs built by the record builder and the committer: a prompt
+with only some of its samples committed, a sample that failed, the card's counts and its Samples section."""
+from __future__ import annotations
+
+from pipeline.core.work import DONE, TERMINAL, Completion, Outcome
+from pipeline.export.card import write_card
+from pipeline.store.committer import Committer
+from pipeline.store.records import RecordBuilder
+from pipeline.store.rundir import RunDir
+from tests.test_samples_units import IDS, config, prompt_set
+
+ANSWER = Completion("an answer", None, "stop", 5, 2, None, None, "m", None, 0.1, "r", [1, 2], [3, 4])
+
+
+def run_of(tmp_path, k: int, outcomes: dict[tuple[str, int], Completion | None]) -> RunDir:
+    """A run of the two prompts of `prompt_set` with k samples each: (prompt, j) -> its completion, or None for a
+    terminal failure; a unit not named stays pending."""
+    cfg = config(tmp_path, f"samples_per_prompt: {k}\nsampling: {{temperature: 0.7}}\n")
+    reader = prompt_set(tmp_path)
+    run = RunDir(tmp_path / "run")
+    run.create()
+    run.write_manifest({"generation": cfg.generation_identity(), "schema_version": 5})
+    builder = RecordBuilder(reader, cfg, fingerprint="f")
+    committer = Committer(run, set(), flush_records=100, flush_interval_s=60)
+    pending = {p.prompt_id: p for p in reader.pending(set(), set(), True, 0, samples=k).pending}
+    for (pid, j), answer in outcomes.items():
+        unit = pid if j == 0 else f"{pid}#s{j}"
+        item = builder.work_items([pending[unit]])[0]
+        if answer is None:
+            committer.add_failure(builder.failure(Outcome(item.prompt_id, TERMINAL, "e", 3, message="x"), 3))
+        else:
+            committer.add_records(builder.records(Outcome(item.prompt_id, DONE, "e", 1, [answer]), 1))
+    committer.flush()
+    return run
+
+
+def test_the_card_counts_a_failed_sample_zero_whose_sample_one_was_committed(tmp_path):
+    # prompt 0: sample 0 failed for good, sample 1 committed; prompt 1: both committed
+    run = run_of(tmp_path, 2, {(IDS[0], 0): None, (IDS[0], 1): ANSWER, (IDS[1], 0): ANSWER, (IDS[1], 1): ANSWER})
+    assert run.failed_ids() - run.committed_ids() == {IDS[0]}, "the ledger: one sample failed"
+    write_card(run.path)
+    card = (run.path / "README.md").read_bytes().decode()
+    assert "- terminal failures (samples without a record): 1 — terminal 1" in card, card
