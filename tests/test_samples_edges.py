@@ -2,6 +2,9 @@
 with only some of its samples committed, a sample that failed, the card's counts and its Samples section."""
 from __future__ import annotations
 
+import pytest
+
+from pipeline.core.errors import ConfigError
 from pipeline.core.work import DONE, TERMINAL, Completion, Outcome
 from pipeline.export.card import write_card
 from pipeline.store.committer import Committer
@@ -41,3 +44,11 @@ def test_the_card_counts_a_failed_sample_zero_whose_sample_one_was_committed(tmp
     write_card(run.path)
     card = (run.path / "README.md").read_bytes().decode()
     assert "- terminal failures (samples without a record): 1 — terminal 1" in card, card
+
+
+def test_min_p_of_one_is_greedy_decoding_and_refused_with_several_samples(tmp_path):
+    # min_p keeps the tokens whose probability is at least min_p x the top one's: at 1 only the top token remains
+    with pytest.raises(ConfigError) as err:
+        config(tmp_path, "samples_per_prompt: 2\nsampling: {temperature: 0.8, min_p: 1.0}\n")
+    assert "samples_per_prompt" in str(err.value) and "sampling.min_p" in str(err.value)
+    assert config(tmp_path, "samples_per_prompt: 2\nsampling: {temperature: 0.8, min_p: 0.9}\n").samples_per_prompt == 2
