@@ -52,3 +52,17 @@ def test_min_p_of_one_is_greedy_decoding_and_refused_with_several_samples(tmp_pa
         config(tmp_path, "samples_per_prompt: 2\nsampling: {temperature: 0.8, min_p: 1.0}\n")
     assert "samples_per_prompt" in str(err.value) and "sampling.min_p" in str(err.value)
     assert config(tmp_path, "samples_per_prompt: 2\nsampling: {temperature: 0.8, min_p: 0.9}\n").samples_per_prompt == 2
+
+
+def card_of(run: RunDir) -> str:
+    write_card(run.path)
+    return (run.path / "README.md").read_bytes().decode()
+
+
+def test_an_empty_completion_is_compared_by_its_token_ids_not_counted_as_a_record_without_them(tmp_path):
+    empty = Completion("", None, "stop", 5, 0, None, None, "m", None, 0.1, "r", [1, 2], [])
+    other = Completion("two words", None, "stop", 5, 5, None, None, "m", None, 0.1, "r", [1, 2], [7, 8, 9, 10, 11])
+    run = run_of(tmp_path, 2, {(IDS[0], 0): empty, (IDS[0], 1): other, (IDS[1], 0): ANSWER, (IDS[1], 1): other})
+    card = card_of(run)
+    assert "| distinct completions per prompt (min) | 2 |" in card
+    assert "had no token ids" not in card, "every record has its token ids (one of them is empty)"

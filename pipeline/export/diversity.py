@@ -71,8 +71,8 @@ def jaccard(a: set, b: set) -> float:
 
 
 def _tokens(row: dict[str, Any]) -> tuple[tuple, bool]:
-    """(the sample's tokens, whether they are whitespace words)."""
-    if row.get("output_token_ids"):
+    """(the sample's tokens, whether they are whitespace words). An empty completion has its (empty) token ids."""
+    if row.get("output_token_ids") is not None:
         return tuple(row["output_token_ids"]), False
     text = " ".join(t for t in (row.get("reasoning_content"), row.get("content"), row.get("tool_calls")) if t)
     return tuple(text.split()), True
