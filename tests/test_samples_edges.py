@@ -7,6 +7,7 @@ import pytest
 from pipeline.core.errors import ConfigError
 from pipeline.core.work import DONE, TERMINAL, Completion, Outcome
 from pipeline.export.card import write_card
+from pipeline.export.diversity import sample_diversity
 from pipeline.store.committer import Committer
 from pipeline.store.records import RecordBuilder
 from pipeline.store.rundir import RunDir
@@ -66,3 +67,18 @@ def test_an_empty_completion_is_compared_by_its_token_ids_not_counted_as_a_recor
     card = card_of(run)
     assert "| distinct completions per prompt (min) | 2 |" in card
     assert "had no token ids" not in card, "every record has its token ids (one of them is empty)"
+
+
+def test_a_large_k_bounds_the_samples_the_card_holds_and_the_pairs_it_compares(tmp_path):
+    k = 40  # 780 pairs of each prompt's samples: the card compares the pairs of its first 16 (120)
+    answers = {(pid, j): Completion("x", None, "stop", 5, 6, None, None, "m", None, 0.1, "r", [1, 2],
+                                    list(range(j, j + 6))) for pid in IDS[:2] for j in range(k)}
+    run = run_of(tmp_path, k, answers)
+    card = card_of(run)
+    assert "| distinct completions per prompt (min) | 40 |" in card
+    assert "the Jaccard overlap over the pairs of each prompt's first 16 samples" in card
+    # the samples' tokens held at once are bounded: past max_samples / k prompts, a smaller subset
+    held = sample_diversity(run, k, 2, max_samples=k)
+    assert (held.subset, held.prompts_measured, held.distinct_min) == (1, 1, 40)
+    # 16 samples shifted by one token: consecutive ones share 2 of their 3 4-grams (Jaccard 0.5), the others fewer
+    assert 0 < held.jaccard_mean < 0.5
