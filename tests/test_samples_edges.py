@@ -1,16 +1,19 @@
-"""samples_per_prompt at its edges, on real Parquet runs built by the record builder and the committer: a prompt
-with only some of its samples committed, a sample that failed, the card's counts and its Samples section."""
+"""samples_per_prompt at its edges, on real Parquet runs built by the record builder and the committer (and one
+end to end on the SGLang emulator): a prompt with only some of its samples committed, a sample that failed and its
+retry, greedy-equivalent sampling, the card's counts and its Samples section (empty completions, a large k)."""
 from __future__ import annotations
 
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.core.errors import ConfigError
-from pipeline.core.work import DONE, TERMINAL, Completion, Outcome
+from pipeline.core.work import DONE, TERMINAL, Completion, Outcome, record_unit
 from pipeline.export.card import write_card
 from pipeline.export.diversity import sample_diversity
 from pipeline.store.committer import Committer
 from pipeline.store.records import RecordBuilder
 from pipeline.store.rundir import RunDir
+from tests.helpers import data_parts, emulators, run_regen, write_config, write_prompts, write_source
 from tests.test_samples_units import IDS, config, prompt_set
 
 ANSWER = Completion("an answer", None, "stop", 5, 2, None, None, "m", None, 0.1, "r", [1, 2], [3, 4])
@@ -82,3 +85,33 @@ def test_a_large_k_bounds_the_samples_the_card_holds_and_the_pairs_it_compares(t
     assert (held.subset, held.prompts_measured, held.distinct_min) == (1, 1, 40)
     # 16 samples shifted by one token: consecutive ones share 2 of their 3 4-grams (Jaccard 0.5), the others fewer
     assert 0 < held.jaccard_mean < 0.5
+
+
+def test_a_failed_sample_is_failed_alone_counted_per_sample_and_retried_into_exactly_once(tmp_path, ray_cluster):
+    prompts = tmp_path / "p.jsonl"
+    write_prompts(prompts, 2)
+    prompts.write_bytes(prompts.read_bytes() + b'{"prompt": "Name a POISONOUS plant."}\n')
+    # the first request carrying the text is refused with 400 (a terminal failure): one sample of that prompt
+    with emulators(1, preset="kimi", poison_text="POISONOUS", poison_fault="400", poison_times=1) as (server,):
+        config = write_config(tmp_path, [{"url": server.url, "concurrency": 1, "name": "emu"}],
+                              [write_source(tmp_path, prompts)], model="moonshotai/Kimi-K2.5",
+                              sampling={"temperature": 0.8, "max_tokens": 8}, samples_per_prompt=2)
+        assert run_regen("generate", "--config", str(config)).returncode == 0
+        run = tmp_path / "out" / "t"
+        rows = [r for part in data_parts(run) for r in pq.read_table(part).to_pylist()]
+        failures = [r for p in sorted((run / "failures").glob("part-*.parquet")) for r in pq.read_table(p).to_pylist()]
+        poisoned = next(r["prompt_id"] for r in rows if "POISONOUS" in r["messages"][-1]["content"])
+        assert len(rows) == 5 and len(failures) == 1
+        failed_unit = failures[0]["prompt_id"]
+        assert failed_unit in (poisoned, f"{poisoned}#s1"), "a failure names the sample that failed"
+        assert {record_unit(r) for r in rows} | {failed_unit} == {
+            unit for r in rows for unit in (r["prompt_id"], f"{r['prompt_id']}#s1")}, "the other sample committed"
+        status = run_regen("status", str(run)).stdout
+        assert "samples (2 per prompt, 3 prompts) 6: done 5, failed 1, pending 0" in status, status
+        assert "- terminal failures (samples without a record): 1" in card_of(RunDir(run))
+
+        assert run_regen("generate", "--config", str(config), "--retry-failures").returncode == 0
+        units = [record_unit(r) for part in data_parts(run) for r in pq.read_table(part).to_pylist()]
+        assert len(units) == len(set(units)) == 6 and failed_unit in units, "retried: each sample exactly once"
+        assert "6: done 6, failed 0, pending 0" in run_regen("status", str(run)).stdout
+        assert "- terminal failures (samples without a record): 0" in card_of(RunDir(run))
