@@ -115,3 +115,15 @@ def test_a_failed_sample_is_failed_alone_counted_per_sample_and_retried_into_exa
         assert len(units) == len(set(units)) == 6 and failed_unit in units, "retried: each sample exactly once"
         assert "6: done 6, failed 0, pending 0" in run_regen("status", str(run)).stdout
         assert "- terminal failures (samples without a record): 0" in card_of(RunDir(run))
+
+
+def test_the_metrics_say_that_the_run_counts_samples_and_how_many_a_prompt():
+    from prometheus_client import generate_latest
+
+    from pipeline.dispatch.metrics import RunMetrics
+
+    metrics = RunMetrics("r", "m", "f")
+    metrics.status({"total": 18, "done": 6, "failed": 0, "pending": 12, "samples_per_prompt": 3})
+    scrape = generate_latest(metrics.registry).decode()
+    assert 'regen_prompts{run="r",state="total"} 18.0' in scrape, "regen_prompts counts samples (6 prompts x 3)"
+    assert 'regen_samples_per_prompt{run="r"} 3.0' in scrape
