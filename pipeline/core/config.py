@@ -38,8 +38,8 @@ class RunConfig(_Strict):
     samples_per_prompt: int = Field(1, ge=1, le=1000, description=(
         "k: draw k completions of each prompt (all_turns: conversations), each a unit of work of its own. Sample 0 "
         "keeps the prompt's id and seed; sample j > 0 is exported as `<id>#s<j>`, seeded from a hash of the prompt "
-        "and j. Needs temperature > 0 (and top_k not 1). In the run identity only when not 1; raising it on a run "
-        "needs `regen generate --add-samples`, lowering it is refused (docs/samples.md)."))
+        "and j. Needs temperature > 0 (and top_k not 1, min_p below 1). In the run identity only when not 1; "
+        "raising it on a run needs `regen generate --add-samples`, lowering it is refused (docs/samples.md)."))
     thinking: bool | None = Field(None, description=(
         "Explicit thinking mode: sent as chat_template_kwargs {\"thinking\": ...} (Kimi's switch). None: the "
         "server's default."))

@@ -111,12 +111,15 @@ class Sampling(_Strict):
         return {"top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
 
     def check_samples_differ(self, samples_per_prompt: int) -> None:
-        """Greedy decoding (temperature 0, or top_k 1) would make k samples of a prompt the same completion."""
-        if samples_per_prompt > 1 and (self.temperature == 0 or self.top_k == 1):
-            why = "sampling.temperature is 0" if self.temperature == 0 else "sampling.top_k is 1"
-            raise ValueError(f"samples_per_prompt: {samples_per_prompt} with {why} (greedy decoding): every sample "
-                             "of a prompt would be the same completion. Set sampling.temperature above 0 (and top_k "
-                             "to -1 or above 1), or samples_per_prompt: 1")
+        """Greedy decoding (temperature 0, top_k 1, or min_p 1: only the most likely token is kept) would make k
+        samples of a prompt the same completion."""
+        greedy = {"sampling.temperature is 0": self.temperature == 0, "sampling.top_k is 1": self.top_k == 1,
+                  "sampling.min_p is 1": self.min_p == 1}
+        why = [reason for reason, holds in greedy.items() if holds]
+        if samples_per_prompt > 1 and why:
+            raise ValueError(f"samples_per_prompt: {samples_per_prompt} with {why[0]} (greedy decoding): every "
+                             "sample of a prompt would be the same completion. Set sampling.temperature above 0 (and "
+                             "top_k to -1 or above 1, min_p below 1), or samples_per_prompt: 1")
 
 
 class SourceRef(_Strict):

@@ -29,7 +29,10 @@ class RunMetrics:
         Gauge("regen_run_info", "The run this driver serves (value 1)", ["run", "model", "fingerprint"],
               registry=registry).labels(run_name, model, fingerprint or "").set(1)
         self.prompts = Gauge("regen_prompts", "Prompts of the run by state (done, failed, pending, total), "
-                             "counted over every session", ["run", "state"], registry=registry)
+                             "counted over every session; samples of prompts when regen_samples_per_prompt > 1",
+                             ["run", "state"], registry=registry)
+        self.samples = Gauge("regen_samples_per_prompt", "samples_per_prompt k: regen_prompts counts samples "
+                             "(prompts x k) when k > 1", ["run"], registry=registry)
         self.session = Counter("regen_session_outcomes", "Final outcomes of this session",
                                ["run", "endpoint", "outcome"], registry=registry)
         self.tokens = Counter("regen_completion_tokens", "Completion tokens committed this session, by endpoint",
@@ -75,6 +78,7 @@ class RunMetrics:
     def status(self, status: dict[str, Any]) -> None:
         for key in ("done", "failed", "pending", "total"):
             self.prompts.labels(self.run, key).set(status.get(key, 0))
+        self.samples.labels(self.run).set(status.get("samples_per_prompt", 1))
         for window, rates in (status.get("rates") or {}).items():
             self.prompt_rate.labels(self.run, window).set(rates.get("prompts_s", 0))
             self.token_rate.labels(self.run, window).set(rates.get("tok_s", 0))

@@ -61,7 +61,7 @@ class RunContents:
 
     records: int = 0
     prompts: set[str] = field(default_factory=set)
-    samples: set[str] = field(default_factory=set)  # unit ids of the samples j > 0 (samples_per_prompt)
+    units: set[str] = field(default_factory=set)  # unit ids of the committed samples (core/work.py record_unit)
     by_source: Counter = field(default_factory=Counter)
     finish_reasons: Counter = field(default_factory=Counter)
     flags: Counter = field(default_factory=Counter)
@@ -79,8 +79,7 @@ class RunContents:
     def add(self, row: dict[str, Any]) -> None:
         self.records += 1
         self.prompts.add(row["prompt_id"])
-        if row.get("sample_index"):
-            self.samples.add(record_unit(row))
+        self.units.add(record_unit(row))  # sample 0's unit id is its prompt id (the same string)
         self.by_source[row.get("source") or "?"] += 1
         self.finish_reasons[row.get("finish_reason") or "?"] += 1
         flags = row.get("flags") or []
@@ -200,9 +199,9 @@ def _prompt_sources(manifest: dict[str, Any]) -> list[str]:
 
 def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents) -> str:
     generation = manifest.get("generation") or {}
-    # a failure row names its unit: a prompt, or `<id>#s<j>`, committed if that sample has records
-    failed, failure_classes, rejected, reject_reasons = failure_and_reject_counts(run_dir,
-                                                                                  contents.prompts | contents.samples)
+    # a failure row names its unit: a prompt, or `<id>#s<j>`, committed only if that sample has records (a
+    # prompt whose sample 1 is committed does not make its failed sample 0 committed)
+    failed, failure_classes, rejected, reject_reasons = failure_and_reject_counts(run_dir, contents.units)
     k = samples_per_prompt(generation)
     name = run_dir.path.name
     reasoning_rows = [("reasoning (tokens)", LengthStats.of(contents.reasoning_tokens))]

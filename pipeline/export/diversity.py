@@ -1,11 +1,13 @@
 """How diverse the samples of a run with `samples_per_prompt: k > 1` are, for the dataset card (card.py).
 
-Measured on a deterministic subset of the prompts (at most MAX_PROMPTS: those of lowest blake2b hash of their id,
-so the same run gives the same subset), never the whole run in memory: one pass over the id columns keeps the
-subset's ids, a second reads the subset's completions. For each prompt whose k samples are all committed:
+Measured on a deterministic subset of the prompts (at most MAX_PROMPTS, and at most MAX_SAMPLES samples in all, so
+a large k takes fewer prompts: those of lowest blake2b hash of their id, so the same run gives the same subset),
+never the whole run in memory: one pass over the id columns keeps the subset's ids, a second reads the subset's
+completions (their tokens only). For each prompt whose k samples are all committed:
 
 - distinct completions: how many of its k samples differ (by token ids);
-- the mean pairwise Jaccard overlap of the samples' token 4-gram sets (1: the same 4-grams, 0: none shared).
+- the mean pairwise Jaccard overlap of the samples' token 4-gram sets (1: the same 4-grams, 0: none shared), over
+  the pairs of its first MAX_PAIRED samples (k (k - 1) / 2 pairs would not end for a large k).
 
 A sample's completion is its first generation (all_turns: turn 0; later turns follow different histories). Its
 tokens are its `output_token_ids`; a record without them (e.g. llama.cpp) is split into whitespace words of its
@@ -22,6 +24,8 @@ from typing import Any
 from ..store.rundir import RunDir
 
 MAX_PROMPTS = 2000
+MAX_SAMPLES = 8000  # the samples' tokens held at once: 2000 prompts up to k = 4, fewer prompts past it
+MAX_PAIRED = 16  # the samples of a prompt whose pairs are compared (120 pairs at most)
 NGRAM = 4
 
 
@@ -35,6 +39,7 @@ class Diversity:
     distinct_min: int
     jaccard_mean: float | None  # None: no prompt had two samples with a 4-gram each
     word_tokens: int  # samples measured by whitespace words (no token ids)
+    paired: int = 0  # the samples of each prompt whose pairs the Jaccard overlap compares (its first ones)
 
 
 def _rank(prompt_id: str) -> int:
@@ -71,21 +76,23 @@ def jaccard(a: set, b: set) -> float:
 
 
 def _tokens(row: dict[str, Any]) -> tuple[tuple, bool]:
-    """(the sample's tokens, whether they are whitespace words)."""
-    if row.get("output_token_ids"):
+    """(the sample's tokens, whether they are whitespace words). An empty completion has its (empty) token ids."""
+    if row.get("output_token_ids") is not None:
         return tuple(row["output_token_ids"]), False
     text = " ".join(t for t in (row.get("reasoning_content"), row.get("content"), row.get("tool_calls")) if t)
     return tuple(text.split()), True
 
 
-def sample_diversity(run_dir: RunDir, k: int, committed: int, max_prompts: int = MAX_PROMPTS) -> Diversity | None:
+def sample_diversity(run_dir: RunDir, k: int, committed: int, max_prompts: int = MAX_PROMPTS,
+                     max_samples: int = MAX_SAMPLES) -> Diversity | None:
     """None for a run of one sample, or one with no committed record. `committed`: distinct prompts committed."""
     if k <= 1:
         return None
-    subset = _subset(run_dir, max_prompts)
+    subset = _subset(run_dir, max(1, min(max_prompts, max_samples // k)))
     if not subset:
         return None
-    first: dict[tuple[str, int], tuple[int, dict[str, Any]]] = {}  # (prompt, sample) -> its lowest turn's row
+    # (prompt, sample) -> its lowest turn, that turn's tokens and whether they are words
+    first: dict[tuple[str, int], tuple[int, tuple, bool]] = {}
     columns = ["prompt_id", "sample_index", "turn_index", "output_token_ids", "content", "reasoning_content",
                "tool_calls"]
     for part in RunDir.parts(run_dir.data):
@@ -95,29 +102,26 @@ def sample_diversity(run_dir: RunDir, k: int, committed: int, max_prompts: int =
                 continue
             key, turn = (row["prompt_id"], row.get("sample_index") or 0), row.get("turn_index") or 0
             if key not in first or turn < first[key][0]:
-                first[key] = (turn, row)
-    by_prompt: dict[str, list[dict[str, Any]]] = {}
-    for (pid, j), (_, row) in first.items():
+                first[key] = (turn, *_tokens(row))
+    by_prompt: dict[str, dict[int, tuple[tuple, bool]]] = {}
+    for (pid, j), (_, t, by_words) in first.items():
         if j < k:
-            by_prompt.setdefault(pid, []).append(row)
+            by_prompt.setdefault(pid, {})[j] = (t, by_words)
     distinct, overlaps, words = [], [], 0
-    for rows in by_prompt.values():
-        if len(rows) < k:
+    for samples in by_prompt.values():
+        if len(samples) < k:
             continue  # not all of its samples are committed yet
-        tokens = []
-        for row in rows:
-            t, by_words = _tokens(row)
-            tokens.append(t)
-            words += by_words
+        tokens = [samples[j][0] for j in range(k)]
+        words += sum(samples[j][1] for j in range(k))
         distinct.append(len(set(tokens)))
-        grams = [_ngrams(t) for t in tokens]
+        grams = [_ngrams(t) for t in tokens[:MAX_PAIRED]]
         pairs = [jaccard(a, b) for a, b in combinations(grams, 2) if a or b]
         if pairs:
             overlaps.append(sum(pairs) / len(pairs))
     if not distinct:
-        return Diversity(k, 0, len(subset), committed, 0.0, 0, None, words)
+        return Diversity(k, 0, len(subset), committed, 0.0, 0, None, words, min(k, MAX_PAIRED))
     return Diversity(k, len(distinct), len(subset), committed, sum(distinct) / len(distinct), min(distinct),
-                     sum(overlaps) / len(overlaps) if overlaps else None, words)
+                     sum(overlaps) / len(overlaps) if overlaps else None, words, min(k, MAX_PAIRED))
 
 
 def diversity_lines(d: Diversity | None) -> list[str]:
@@ -131,7 +135,9 @@ def diversity_lines(d: Diversity | None) -> list[str]:
                 f"a deterministic subset of {d.subset} of the {d.prompts_committed} committed prompts (those of "
                 "lowest blake2b hash of their id)")
              + f"; {d.prompts_measured} of them have all {d.samples_per_prompt} samples committed and are counted. "
-             "Each sample's first generation (all_turns: turn 0) is compared.", ""]
+             "Each sample's first generation (all_turns: turn 0) is compared"
+             + ("." if d.paired >= d.samples_per_prompt else
+                f"; the Jaccard overlap over the pairs of each prompt's first {d.paired} samples."), ""]
     if not d.prompts_measured:
         return lines + ["No prompt has all its samples committed yet.", ""]
     jaccard_text = "-" if d.jaccard_mean is None else f"{d.jaccard_mean:.3f}"
