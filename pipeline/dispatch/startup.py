@@ -3,11 +3,14 @@
 Starting an actor is a new Python process that imports Ray and regen's worker modules (about 1.5 s of CPU). Ray
 starts every actor asked for at once, so on a small machine 16 actors asked together share its cores and the first
 is ready only when nearly all are: 13 s on 2 idle cores (37 s on a loaded one), where one alone is ready in 1.5 s.
-So the actors start `ray.actor_start_concurrency` at a time (default: the cluster's CPUs; a big cluster starts them
-all at once), each next one as one answers, endpoints that passed the preflight before those it holds out.
+So a session starts a first wave of `ray.actor_start_concurrency` actors (default: as many as the cluster has CPUs;
+a big cluster starts them all at once), and the rest once one of the first is ready: the first request needs one
+ready actor, not sixteen. (Starting the rest a few at a time too was measured: once actors work, each next start
+shares the CPU with them, and the fleet took 88 s to be whole instead of about 20.) Endpoints that passed the
+preflight start before those it holds out.
 
-The first of them start early (`EarlyActors`): as soon as the session knows its run, overlapping the ledger read,
-the pending scan and the fleet's preflight. They stay empty (actors.RayEndpointWorker) until the dispatch begins
+The first wave starts early (`EarlyActors`): as soon as the session knows its run, overlapping the ledger read, the
+pending scan and the fleet's preflight. They stay empty (actors.RayEndpointWorker) until the dispatch begins
 them with the settings the preflight settled: nothing reaches an endpoint before the preflight has passed it, and an
 actor no endpoint takes (a refused run, a signal, nothing pending) is killed.
 """
@@ -93,7 +96,8 @@ class EarlyActors:
 
 
 class StartGate:
-    """Which slots' actors start now: at most `concurrency` starting at once (None: all), early ones at once."""
+    """Which slots' actors start now: early ones at once; then at most `concurrency` starting at once (None: no
+    limit) until one actor is ready, and from then on the rest."""
 
     def __init__(self, slots: dict[str, Slot], concurrency: int | None, early: list[str],
                  asked_at: float | None):
@@ -112,7 +116,7 @@ class StartGate:
         while self.queue:
             slot = slots.get(self.queue[0])
             if slot is not None and slot.handle is None and not (
-                    slot.label in self.early or self.concurrency is None or starting < self.concurrency):
+                    slot.label in self.early or self.concurrency is None or self.ready or starting < self.concurrency):
                 break
             self.queue.pop(0)
             if slot is not None and slot.handle is None and slot.restart_at is None:
