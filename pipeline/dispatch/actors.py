@@ -15,7 +15,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..core.config import Endpoint, RunConfig
-from ..endpoints.client import ClientSettings
+from ..endpoints.client import ClientSettings, warm_up
 from .worker import EndpointWorker
 
 ACTOR_NAMESPACE = "regen"
@@ -53,6 +53,7 @@ class RayEndpointWorker:
         self.worker: EndpointWorker | None = None
         self.failed: Exception | None = None
         self.begun = asyncio.Event()
+        warm_up()
 
     async def ping(self) -> bool:
         return True
