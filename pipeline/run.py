@@ -34,7 +34,7 @@ from .store.rundir import RunDir, RunLock, now_utc, successor_run_dir
 from .dispatch.fleet import FleetDrift, check_fleet_first, fleet_preflight
 from .store.prompt_reader import PromptSetReader
 from .store.records import RecordBuilder
-from .dispatch.session import run_dispatch
+from .dispatch.session import run_dispatch, session_start
 
 log = logging.getLogger("regen")
 
@@ -293,6 +293,12 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
 
 def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any],
                      prompts: PromptSetReader, stop: StopFlag, lock: RunLock | None = None) -> int:
+    with session_start(cfg, run_dir, stop) as (early, metrics):  # the first actors start while the rest is read
+        return dispatch_started(cfg, opts, run_dir, manifest, prompts, stop, lock, early, metrics)
+
+
+def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any],
+                     prompts: PromptSetReader, stop: StopFlag, lock: RunLock | None, early, metrics) -> int:
     from .endpoints.localfleet import local_fleet
     from .store.progress import Progress
 
@@ -328,7 +334,8 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
         committer = Committer(run_dir, done, cfg.flush_records, cfg.flush_interval_s,  # no lease: no commit
                               schema.records_schema(manifest.get("schema_version")), lock=lock)
         try:
-            state = run_dispatch(cfg, run_dir, builder, pending, committer, run_progress, stop, fleet)
+            state = run_dispatch(cfg, run_dir, builder, pending, committer, run_progress, stop, fleet, early,
+                                 metrics)
         except BaseException as exc:
             salvage(committer, run_progress, "interrupted" if isinstance(exc, KeyboardInterrupt) else
                     "stopped_by_quality_gate" if isinstance(exc, QualityGateStopped) else "failed")

@@ -82,7 +82,8 @@ def test_actors_are_pinned_by_resource_or_label_and_the_rest_spread(tmp_path, tw
     with emulators(4, preset="kimi", tok_per_s=50) as servers:
         config = write_config(tmp_path, [{"url": s.url, "concurrency": 4, **pin} for s, pin in zip(servers, pins)],
                               [prompt_source(tmp_path, 160)], model=MODEL,
-                              sampling={"temperature": 0.0, "max_tokens": 8}, status_interval_s=0.2)
+                              sampling={"temperature": 0.0, "max_tokens": 8}, status_interval_s=0.2,
+                              ray={"actor_start_concurrency": 4})  # all four at once: each must take work
         result = run_regen("generate", "--config", str(config), env=two_node_cluster["env"])
     assert result.returncode == 0, result.stderr
     endpoints = status_of(tmp_path / "out" / "t")["endpoints"]

@@ -145,6 +145,10 @@ class RayOptions(_Strict):
     actor_num_cpus: float = Field(0.0, ge=0.0, description=(
         "CPUs Ray reserves for each endpoint actor of `regen generate`. A capture config ignores it: its actors "
         "take the top-level `actor_num_cpus`."))
+    actor_start_concurrency: int | None = Field(None, ge=1, description=(
+        "Endpoint actors of `regen generate` started first, while the run is read and the fleet probed; the rest "
+        "start once one of them is ready. None: as many as the cluster has CPUs (a small machine otherwise shares "
+        "its cores among all the actors' starts, and the first is ready only when nearly all are)."))
 
 
 class MetricsServer(_Strict):

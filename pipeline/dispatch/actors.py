@@ -1,15 +1,21 @@
-"""The endpoint actors of a run: the settings every request carries, and where each actor is placed."""
+"""The endpoint actors of a run: the settings every request carries, and where each actor is placed.
+
+An actor is started empty (`RayEndpointWorker`: its process up and regen's modules imported), and `begin` builds
+its EndpointWorker once the preflight has settled the settings. So a run can start the first actors early, while it
+reads the ledger and probes the fleet (prestart.py), and nothing reaches an endpoint before `begin`."""
 from __future__ import annotations
 
+import asyncio
+import functools
 import itertools
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..core.config import Endpoint, RunConfig
-from ..endpoints.client import ClientSettings
+from ..endpoints.client import ClientSettings, warm_up
 from .worker import EndpointWorker
 
 ACTOR_NAMESPACE = "regen"
@@ -39,31 +45,73 @@ def client_settings(cfg: RunConfig, weight_version: str | None = None,
     )
 
 
-def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None]):
-    """Actors are spread round-robin over the cluster's live nodes (Ray's SPREAD leaves zero-CPU actors on
+class RayEndpointWorker:
+    """The Ray actor of one endpoint: empty until `begin` builds its EndpointWorker with the run's settings (an
+    `exchange` that comes first waits for it). Its module imports the worker's, so a started actor has paid them."""
+
+    def __init__(self) -> None:
+        self.worker: EndpointWorker | None = None
+        self.failed: Exception | None = None
+        self.begun = asyncio.Event()
+        warm_up()
+
+    async def ping(self) -> bool:
+        return True
+
+    async def begin(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            self.worker = EndpointWorker(*args, **kwargs)
+        except Exception as exc:  # the driver hears of it at its exchange, as of an actor that failed to start
+            self.failed = exc
+        self.begun.set()
+
+    async def exchange(self, work: list, wait_s: float = 0.5):
+        await self.begun.wait()
+        if self.worker is None:
+            raise RuntimeError(f"the endpoint worker did not start: {self.failed!r}")
+        return await self.worker.exchange(work, wait_s)
+
+
+@functools.cache
+def _remote_class():
+    return ray.remote(RayEndpointWorker)
+
+
+def start_actor(cfg: RunConfig, e: Endpoint, n: int) -> ray.actor.ActorHandle:
+    """An empty actor for endpoint `e` (the `n`th of this driver), placed as make_actor_factory says."""
+    # Named, so an operator (or a test) can find the actor of an endpoint in the cluster.
+    name = f"{cfg.run_name}:{os.getpid()}:{e.label}:{n}"
+    if e.ray_resources or e.ray_labels:
+        placement = {"resources": dict(e.ray_resources), "label_selector": dict(e.ray_labels)}
+    else:
+        nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
+        placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(nodes[n % len(nodes)], soft=False)}
+    return _remote_class().options(
+        num_cpus=cfg.ray.actor_num_cpus, max_concurrency=4, max_restarts=0, name=name, namespace=ACTOR_NAMESPACE,
+        **placement).remote()
+
+
+def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None],
+                       early: Any = None):
+    """`early`: the actors started before the preflight (prestart.EarlyActors); an endpoint's first actor is its
+    early one when there is one.
+
+    Actors are spread round-robin over the cluster's live nodes (Ray's SPREAD leaves zero-CPU actors on
     one node); an endpoint may pin its actor instead through Ray resources (e.g. `{"node:10.0.0.7": 0.01}`,
     or a custom resource given to `ray start --resources`) or node labels (`ray start --labels rack=b`).
     A replacement actor goes to a node still alive."""
-    remote_worker = ray.remote(EndpointWorker)
-    generation = itertools.count()
+    generation = itertools.count(early.count if early is not None else 0)
 
     def factory(e: Endpoint, start_open: bool) -> ray.actor.ActorHandle:
-        n = next(generation)
-        # Named, so an operator (or a test) can find the actor of an endpoint in the cluster.
-        name = f"{cfg.run_name}:{os.getpid()}:{e.label}:{n}"
-        if e.ray_resources or e.ray_labels:
-            placement = {"resources": dict(e.ray_resources), "label_selector": dict(e.ray_labels)}
-        else:
-            nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
-            placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(nodes[n % len(nodes)], soft=False)}
-        return remote_worker.options(
-            num_cpus=cfg.ray.actor_num_cpus, max_concurrency=4, max_restarts=0, name=name,
-            namespace=ACTOR_NAMESPACE, **placement,
-        ).remote(
+        handle = early.take(e) if early is not None else None
+        if handle is None:
+            handle = start_actor(cfg, e, next(generation))
+        handle.begin.remote(
             e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
             cfg.circuit_failures, readmission=cfg, start_open=start_open,
             tool_reasoning_history=cfg.tool_reasoning_history,
         )
+        return handle
 
     return factory
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
+from typing import Any, Callable
 
 from ..core.config import RunConfig
 from ..core.errors import ConfigError
@@ -49,6 +51,18 @@ def init_ray(address: str | None) -> None:
             os.environ.pop(LOOPBACK_SWITCH, None)
         else:
             os.environ[LOOPBACK_SWITCH] = saved
+
+
+def join_ray(address: str | None, stop: Any) -> None:
+    """init_ray under the run's signal handling: a SIGTERM while Ray starts stops the run (KeyboardInterrupt, as
+    before dispatch), and the run's handlers are put back (ray.init replaces the SIGTERM one)."""
+    try:
+        init_ray(address)
+    except SystemExit as exc:  # ray.init's own SIGTERM handler, in place while it runs
+        if exc.code == signal.SIGTERM:
+            raise KeyboardInterrupt from None
+        raise
+    stop.install()
 
 
 class EndpointsFileWatch:

@@ -22,7 +22,8 @@ from ..core.work import DONE, DROPPED, RETRY, RETURNED, TERMINAL, Exchange, Outc
 from .actors import ACTOR_NAMESPACE, client_settings, make_actor_factory  # noqa: F401 - the run's imports
 from .isolation import Isolation
 from .routing import Router
-from .slot import Slot
+from .slot import Slot, can_isolate
+from .startup import StartGate
 from .story import log_change
 from .transport import ActorLost, RayTransport, Transport
 from .waste import ThrownAway
@@ -51,9 +52,13 @@ class Dispatcher:
         transport: Transport | None = None,
         refused: Mapping[str, str] | None = None,
         load: Callable[[list[Any]], list[WorkItem]] | None = None,
+        start_concurrency: int | None = None,
+        started_early: Collection[str] = (),
+        asked_at: float | None = None,
     ):
         """`items`: WorkItems, or light pending prompts (a prompt_id and an affinity) that `load` turns into
-        WorkItems when they are handed out, so the messages of the queued work are never all in memory."""
+        WorkItems when they are handed out, so the messages of the queued work are never all in memory. Actors
+        start `start_concurrency` at a time (None: all); `started_early` ones were started at `asked_at`."""
         self.cfg = cfg
         self.load = load
         self.transport = transport or RayTransport()
@@ -69,8 +74,8 @@ class Dispatcher:
         self.refused = dict(refused or {})
         fleet = cfg.all_endpoints()
         held = set(unreachable) | set(self.refused)
-        self.slots = {e.label: Slot(e, actor_factory(e, e.label in held),
-                                    state="open" if e.label in held else "healthy") for e in fleet}
+        self.slots = {e.label: Slot(e, None, state="open" if e.label in held else "healthy") for e in fleet}
+        self.starts = StartGate(self.slots, start_concurrency, list(started_early), asked_at)
         self.router.set_endpoints(list(self.slots))
         self.router.add(items)
         self.calls: dict[Any, str] = {}
@@ -86,9 +91,10 @@ class Dispatcher:
 
     # --- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
-        for slot in self.slots.values():
-            self._call(slot, [], wait_s=0.0)  # work goes only to an actor that answered: one Ray placed
         while self.unfinished and not self.should_stop():
+            for slot in self.starts.due(self.slots):  # a few at a time; work goes to each as soon as it answers
+                slot.handle, slot.created_at = self.actor_factory(slot.endpoint, slot.state == "open"), time.monotonic()
+                self._call(slot, [], wait_s=0.0)  # work goes only to an actor that answered: one Ray placed
             for call in self.transport.wait(list(self.calls), 0.2):
                 label = self.calls.pop(call)
                 slot = self.slots.get(label)
@@ -105,6 +111,7 @@ class Dispatcher:
         except ActorLost as exc:
             self._actor_lost(slot, exc)
             return
+        self.starts.answered(slot)
         slot.answered = True
         if any(o.kind != RETURNED for o in exchange.outcomes):
             slot.losses = 0  # it ran a prompt and lived: an actor that only answers an empty call is not proven
@@ -201,12 +208,7 @@ class Dispatcher:
         return []
 
     def _can_isolate(self, slot: Slot) -> bool:
-        if slot.draining or slot.handle is None:
-            return False
-        # Half-open, once the router has no prompt to probe with: the suspect is then its one request. Only a
-        # request that succeeds closes a circuit, so with only suspects left, waiting for a healthy endpoint
-        # would hang the run; while other work is queued, a suspect that crashes it would only starve that work.
-        return slot.state == "healthy" or (slot.state == "probing" and not len(self.router))
+        return can_isolate(slot, len(self.router))
 
     # --- outcomes -----------------------------------------------------------------------------------
     def _absorb(self, slot: Slot, exchange: Exchange) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import signal
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from ..core.errors import QualityGateStopped
 from ..core.work import DONE, Outcome
@@ -16,41 +16,59 @@ from ..store.goodput import DUPLICATE
 from ..store.prompt_reader import PendingPrompt
 from ..store.records import RecordBuilder
 from ..store.rundir import RunDir
-from .cluster import EndpointsFileWatch, init_ray
+from .cluster import EndpointsFileWatch, join_ray
+from .startup import EarlyActors, start_concurrency
 from .fleet import FleetFacts
 
 log = logging.getLogger("regen")
 
 
 def run_dispatch(cfg: Any, run_dir: RunDir, builder: RecordBuilder, pending: list[PendingPrompt], committer: Committer,
-                 progress, stop: Any, fleet: FleetFacts) -> str:
+                 progress, stop: Any, fleet: FleetFacts, early: EarlyActors | None = None, metrics=None) -> str:
+    """`early`: the actors the session started before the preflight; `metrics`: the opt-in /metrics, bound by the
+    caller before Ray starts (a port already taken stops the run at once, no actor started)."""
     from .metrics import serve_metrics
 
     stop.graceful = True  # from here a signal ends the dispatch and the buffer is committed
-    # the opt-in /metrics is bound before Ray starts: a port already taken stops the run at once, no actor started
-    metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
+    bound = metrics is None and cfg.metrics is not None  # not bound by session_start (no pending work expected)
+    if bound:
+        metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
     if metrics is None:
-        return dispatch_with_ray(cfg, run_dir, builder, pending, committer, progress, stop, fleet, None)
+        return dispatch_with_ray(cfg, run_dir, builder, pending, committer, progress, stop, fleet, None, early)
     progress.extra["metrics_url"] = metrics.url
     metrics.status(progress.status("running"))  # the run's counts from the first scrape, while Ray starts
     try:
-        return dispatch_with_ray(cfg, run_dir, builder, pending, committer, progress, stop, fleet, metrics)
+        return dispatch_with_ray(cfg, run_dir, builder, pending, committer, progress, stop, fleet, metrics, early)
     finally:
-        metrics.close()
+        if bound:
+            metrics.close()
         progress.extra.pop("metrics_url", None)  # status.json names no dead address
 
 
+@contextmanager
+def session_start(cfg: Any, run_dir: RunDir, stop: Any) -> Iterator[tuple[EarlyActors, Any]]:
+    """Before the ledger is read: the opt-in /metrics is bound (a port already taken stops the run at once, before
+    Ray), then the first endpoint actors start (startup.py), unless the run's status says it is complete. Yields
+    them (for run_dispatch); on the way out the actors no endpoint took are killed and /metrics closed."""
+    from .metrics import serve_metrics
+
+    early, metrics = EarlyActors(cfg), None
+    try:
+        if (run_dir.read_status() or {}).get("state") != "complete":
+            metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
+            early.start(stop)
+        yield early, metrics
+    finally:
+        early.close()
+        if metrics is not None:
+            metrics.close()
+
+
 def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[PendingPrompt], committer: Committer,
-                      progress, stop: Any, fleet: FleetFacts, metrics) -> str:
+                      progress, stop: Any, fleet: FleetFacts, metrics, early: EarlyActors | None = None) -> str:
     from .dispatcher import Dispatcher, client_settings, make_actor_factory
 
-    try:
-        init_ray(cfg.ray.address)
-    except SystemExit as exc:  # ray.init's own SIGTERM handler, in place while it runs
-        if exc.code == signal.SIGTERM:
-            raise KeyboardInterrupt from None
-        raise
-    stop.install()  # again: ray.init replaced the SIGTERM handler
+    join_ray(cfg.ray.address, stop)  # at once if the session's early actors joined it
     if stop():
         return "interrupted"
 
@@ -94,9 +112,13 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
     dispatcher = Dispatcher(cfg, pending, on_outcome, on_tick,
                             lambda: stop() or bool(gate_stopped),
                             make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines,
-                                                                    fleet.run_engines, fleet.tools), cfg.api_key),
+                                                                    fleet.run_engines, fleet.tools), cfg.api_key,
+                                               early),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
-                            unreachable=fleet.unreachable, refused=fleet.refused, load=builder.work_items)
+                            unreachable=fleet.unreachable, refused=fleet.refused, load=builder.work_items,
+                            start_concurrency=early.concurrency if early and early.concurrency else
+                            start_concurrency(cfg), started_early=early.labels() if early else [],
+                            asked_at=early.asked_at if early else None)
     progress.thrown_away = dispatcher.waste.goodput
     # all_turns: the default export writes whole conversations, cut before a dropped turn (store/goodput.py)
     committer.on_committed = functools.partial(progress.committed, whole_conversations=cfg.mode == "all_turns")

@@ -32,3 +32,13 @@ class Slot:
     @property
     def label(self) -> str:
         return self.endpoint.label
+
+
+def can_isolate(slot: Slot, queued: int) -> bool:
+    """May a crash suspect run alone on this slot's endpoint (`queued`: prompts the router still holds)?"""
+    if slot.draining or slot.handle is None:
+        return False
+    # Half-open, once the router has no prompt to probe with: the suspect is then its one request. Only a
+    # request that succeeds closes a circuit, so with only suspects left, waiting for a healthy endpoint
+    # would hang the run; while other work is queued, a suspect that crashes it would only starve that work.
+    return slot.state == "healthy" or (slot.state == "probing" and not queued)
