@@ -5,6 +5,7 @@ greedy sampling refused, all_turns conversations per sample."""
 from __future__ import annotations
 
 import collections
+import re
 from pathlib import Path
 
 import orjson
@@ -91,6 +92,9 @@ def test_three_samples_of_each_prompt_are_distinct_exact_and_named_in_exports_an
         (f"{pid}_gen0", pid) if j == 0 else (f"{pid}#s{j}_gen0", f"{pid}#s{j}") for pid, j in units(rows)}
     status = run_regen("status", str(run))
     assert "samples (3 per prompt, 6 prompts) 18: done 18, failed 0, pending 0" in status.stdout, status.stdout
+    assert re.search(r"overall rate: [\d.]+ samples/s", status.stdout), status.stdout  # rates count samples too
+    log = (run / "logs" / "regen.log").read_text()
+    assert "dispatch: 18 samples (3 per prompt) to 2 endpoints" in log, log[-2000:]
     assert run_regen("card", str(run)).returncode == 0
     card = (run / "README.md").read_text()
     assert "## Samples" in card and "(6 prompts, 3 samples of each)" in card

@@ -122,7 +122,8 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
     progress.thrown_away = dispatcher.waste.goodput
     # all_turns: the default export writes whole conversations, cut before a dropped turn (store/goodput.py)
     committer.on_committed = functools.partial(progress.committed, whole_conversations=cfg.mode == "all_turns")
-    log.info("dispatch: %d prompts to %d endpoints", len(pending), len(dispatcher.slots))
+    log.info("dispatch: %d %s to %d endpoints", len(pending), "prompts" if cfg.samples_per_prompt == 1 else
+             f"samples ({cfg.samples_per_prompt} per prompt)", len(dispatcher.slots))
     progress.begin()
     try:
         dispatcher.run()

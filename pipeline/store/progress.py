@@ -159,10 +159,11 @@ class Progress:
         share = f" ({100 * (done + failed) / self.total:.1f}%)" if self.total else ""
         fleet = ", ".join(f"{label} {e.get('state', '?')}" for label, e in self.endpoints.items())
         counted = "" if self.samples_per_prompt == 1 else f" samples ({self.samples_per_prompt} per prompt)"
-        log.info("progress: %d/%d%s done%s, %d failed, %d pending; recent %.2f prompts/s %.0f tok/s (last %s), "
-                 "overall %.2f prompts/s %.0f tok/s; ETA %s; fleet: %s; %s", done, self.total, counted, share, failed,
-                 self.pending(), recent["prompts_s"], recent["tok_s"], duration(recent["window_s"]),
-                 overall["prompts_s"], overall["tok_s"], duration(self.eta_s(rates)), fleet or "none",
+        unit = "prompts" if self.samples_per_prompt == 1 else "samples"  # the rates count what the totals count
+        log.info("progress: %d/%d%s done%s, %d failed, %d pending; recent %.2f %s/s %.0f tok/s (last %s), "
+                 "overall %.2f %s/s %.0f tok/s; ETA %s; fleet: %s; %s", done, self.total, counted, share, failed,
+                 self.pending(), recent["prompts_s"], unit, recent["tok_s"], duration(recent["window_s"]),
+                 overall["prompts_s"], unit, overall["tok_s"], duration(self.eta_s(rates)), fleet or "none",
                  summary_line(self.goodput_total().as_dict()),
                  extra={"file_only": self.bar is not None})
 

@@ -92,6 +92,7 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
         return 0
     print(f"{path}: {report['state']}")
     k = counts["samples_per_prompt"]
+    unit = "prompts" if k == 1 else "samples"  # the rates count what the totals count
     what = "prompts" if k == 1 else f"samples ({k} per prompt, {counts['total'] // k} prompts)"
     print(f"  {what} {counts['total']}: done {counts['done']}, failed {counts['failed']}, "
           f"pending {counts['pending']}; rejected inputs {counts['rejects']}; parts {counts['parts']}")
@@ -107,7 +108,7 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
               f"{session.get('tok_s', 0)} tok/s, {duration(session.get('elapsed_s'))} "
               f"(status of {report['last_update']})")
     for window, rates in report["rates"].items():
-        print(f"  {window} rate: {rates.get('prompts_s', 0):.2f} prompts/s, {rates.get('tok_s', 0):.0f} tok/s "
+        print(f"  {window} rate: {rates.get('prompts_s', 0):.2f} {unit}/s, {rates.get('tok_s', 0):.0f} tok/s "
               f"(over {duration(rates.get('window_s'))})")
     if state.startswith("running"):
         print(f"  ETA {duration(report['eta_s'])} at the recent rate"
@@ -132,6 +133,6 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
         done, prompts_s = stats.get("session_done", "-"), stats.get("session_prompts_s")
         print(f"  {label:<28} {stats.get('state', '?'):<10} on {stats.get('node', '?'):<15} "
               f"in flight {stats.get('in_flight', 0):>4}  {done:>7} done  "
-              f"{'-' if prompts_s is None else f'{prompts_s:.2f}':>7} prompts/s  "
+              f"{'-' if prompts_s is None else f'{prompts_s:.2f}':>7} {unit}/s  "
               f"{stats.get('session_tok_s', stats.get('tok_s', 0)):>8} tok/s  errors {stats.get('errors', {})}")
     return 0
