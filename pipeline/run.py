@@ -18,7 +18,7 @@ from .store import schema
 from .core import exits
 from .core.config import RunConfig, load_config
 from .core.errors import DriftError, LeaseLost, QualityGateStopped, RegenError, StorageError
-from .core.identity import IDENTITY_VERSION, check_identity, resumed_manifest
+from .core.identity import IDENTITY_VERSION, check_identity, new_samples, resumed_manifest
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
 from .prompts.tokens import load_length_check
@@ -158,9 +158,9 @@ def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> OpenedRu
         updated["source_files"] = files.recorded
     if check.raised_samples:
         old, new = check.raised_samples
-        log.warning("samples_per_prompt raised from %d to %d (--add-samples): samples %d to %d of every prompt are "
-                    "added to this run; its committed samples are kept, run.json records %d", old, new, old, new - 1,
-                    new)
+        log.warning("samples_per_prompt raised from %d to %d (--add-samples): %s of every prompt %s added to this "
+                    "run; its committed samples are kept, run.json records %d", old, new, new_samples(old, new),
+                    "is" if new - old == 1 else "are", new)
     if check.adopted:
         log.warning("run.json (identity version %s) did not record %s; recorded from this config, compared from "
                     "now on", manifest.get("identity_version", 1),

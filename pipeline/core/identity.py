@@ -175,6 +175,11 @@ def samples_per_prompt(generation: dict[str, Any] | None) -> int:
     return int((generation or {}).get("samples_per_prompt", OMITTED_AT_DEFAULT[SAMPLES_KEY]))
 
 
+def new_samples(old: int, new: int) -> str:
+    """The samples raising k from `old` to `new` adds, in words: "sample 2", "samples 2 to 3"."""
+    return f"sample {old}" if new - old == 1 else f"samples {old} to {new - 1}"
+
+
 def _samples_change(stored: dict[str, Any], identity: dict[str, Any], check: IdentityCheck, add: bool) -> None:
     """samples_per_prompt differs: raising it adds only the new samples, with --add-samples; lowering it is refused
     (the records of the samples past the new k exist, and a run never drops records)."""
@@ -184,10 +189,10 @@ def _samples_change(stored: dict[str, Any], identity: dict[str, Any], check: Ide
     check.drift = [line for line in check.drift if not line.startswith(f"{SAMPLES_KEY}:")]
     if new < old:
         check.drift.append(f"{SAMPLES_KEY}: {old} -> {new}: lowering it is refused, even with {ADD_SAMPLES_FLAG}: "
-                           f"this run has records of samples up to {old - 1}, which a run of {new} would not make. "
+                           f"this run has records of {new_samples(new, old)}, which a run of {new} would not make. "
                            f"Keep samples_per_prompt: {old} (export what you need), or start a new run (--new-run)")
     elif not add:
-        check.drift.append(f"{SAMPLES_KEY}: {old} -> {new}: raising it adds samples {old} to {new - 1} of every "
+        check.drift.append(f"{SAMPLES_KEY}: {old} -> {new}: raising it adds {new_samples(old, new)} of every "
                            f"prompt to this run; pass {ADD_SAMPLES_FLAG} to do so (only the new samples are sent), "
                            "or --new-run to start a new run")
     else:
