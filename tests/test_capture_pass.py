@@ -155,20 +155,27 @@ def test_a_record_the_route_cannot_take_fails_alone_and_is_named(tmp_path, ray_c
     assert '"failed_prompts":1' in proc.stderr
 
 
-def test_all_turns_a_turn_without_ids_is_refused_alone_and_the_capture_completes(tmp_path, ray_cluster, tok):
+def capture_then_export_ids(tmp_path, run) -> tuple[list[str], list[str]]:
+    """`regen capture` on the run, then the sample ids its ledger holds and those `specforge-tokens` exports."""
     from pipeline.cli import main
-    from pipeline.store.capture_ledger import capture_counts
     from tests.helpers import run_regen
 
-    records = (all_turns_records(tok, "a", [("Hi there.", "Hello!"), ("Name a colour.", "Blue.")])
-               + all_turns_records(tok, "b", [("One?", "Two."), ("Three?", "Four.")], no_ids_turn=1))
-    run = make_smollm2_run(tmp_path / "run", [records], mode="all_turns")
     proc = run_regen("capture", str(run.path), "--config", str(config_file(tmp_path, tiny_llama(tmp_path / "m"))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     cap = capture_run_dir(run)
     captured = sorted(cap.read_table(cap.data).column("sample_id").to_pylist())
     assert main(["export", str(run.path), "--format", "specforge-tokens", "--out", str(tmp_path / "t.jsonl")]) == 0
     exported = sorted(orjson.loads(line)["id"] for line in (tmp_path / "t.jsonl").read_text().splitlines())
+    return captured, exported
+
+
+def test_all_turns_a_turn_without_ids_is_refused_alone_and_the_capture_completes(tmp_path, ray_cluster, tok):
+    from pipeline.store.capture_ledger import capture_counts
+
+    records = (all_turns_records(tok, "a", [("Hi there.", "Hello!"), ("Name a colour.", "Blue.")])
+               + all_turns_records(tok, "b", [("One?", "Two."), ("Three?", "Four.")], no_ids_turn=1))
+    run = make_smollm2_run(tmp_path / "run", [records], mode="all_turns")
+    captured, exported = capture_then_export_ids(tmp_path, run)
     assert captured == exported == ["a#turn0", "a#turn1", "b#turn0"]
     counts = capture_counts(run)
     assert (counts["state"], counts["captured"], counts["capturable"], counts["refused_no_token_ids"]) == \
@@ -176,9 +183,7 @@ def test_all_turns_a_turn_without_ids_is_refused_alone_and_the_capture_completes
 
 
 def test_each_sample_of_a_prompt_is_captured_with_its_own_hidden_rows(tmp_path, ray_cluster, tok):
-    from pipeline.cli import main
     from pipeline.hidden.parts import iter_hidden
-    from tests.helpers import run_regen
 
     zero = all_turns_records(tok, "a", [("Name a colour.", "Blue.")])
     one = all_turns_records(tok, "a", [("Name a colour.", "Green, like grass.")])
@@ -186,13 +191,9 @@ def test_each_sample_of_a_prompt_is_captured_with_its_own_hidden_rows(tmp_path, 
         for row in rows:
             row["sample_index"] = j
     run = make_smollm2_run(tmp_path / "run", [zero + one])
-    proc = run_regen("capture", str(run.path), "--config", str(config_file(tmp_path, tiny_llama(tmp_path / "m"))))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cap = capture_run_dir(run)
-    captured = sorted(cap.read_table(cap.data).column("sample_id").to_pylist())
-    assert main(["export", str(run.path), "--format", "specforge-tokens", "--out", str(tmp_path / "t.jsonl")]) == 0
-    exported = sorted(orjson.loads(line)["id"] for line in (tmp_path / "t.jsonl").read_text().splitlines())
+    captured, exported = capture_then_export_ids(tmp_path, run)
     assert captured == exported == ["a#s1#turn0", "a#turn0"]
+    cap = capture_run_dir(run)
     hidden = {s.prompt_id: s.token_ids for s in iter_hidden(cap)}
     assert sorted(hidden) == ["a", "a#s1"], "two samples, two hidden samples"
     for unit, rows in (("a", zero), ("a#s1", one)):
