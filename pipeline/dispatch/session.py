@@ -119,6 +119,8 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
                             start_concurrency=early.concurrency if early and early.concurrency else
                             start_concurrency(cfg), started_early=early.labels() if early else [],
                             asked_at=early.asked_at if early else None)
+    if early is not None:
+        early.keep_only(dispatcher.slots)  # an endpoint removed from the endpoints file since its actor started
     progress.thrown_away = dispatcher.waste.goodput
     # all_turns: the default export writes whole conversations, cut before a dropped turn (store/goodput.py)
     committer.on_committed = functools.partial(progress.committed, whole_conversations=cfg.mode == "all_turns")
