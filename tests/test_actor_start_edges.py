@@ -3,14 +3,19 @@ the run is read and the fleet probed, signals during the start. Real `regen gene
 head, against SGLang emulators that log every request they get."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pipeline.endpoints.probes import PROBE_RID_PREFIX
-from tests.helpers import emulators, prompt_source, start_regen, wait_for, write_config
-from tests.test_actor_start import MODEL, requests_to
+from tests.helpers import emulators, prompt_source, regen_cmd, start_regen, wait_for, write_config
+from tests.test_actor_start import MODEL, SHORT_CONTEXT, requests_to
 
 
 def run_log(tmp_path: Path) -> str:
@@ -58,3 +63,99 @@ def test_an_endpoint_edited_into_the_file_during_the_preflight_still_gets_work(t
     assert proc.returncode == 0, console[-3000:]
     generations = [r for r in requests_to(logs[1 if edit == "concurrency" else 2]) if not r["rid"].startswith(PROBE_RID_PREFIX)]
     assert generations, run_log(tmp_path)[-4000:]
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def still_running(procs: list[psutil.Process]) -> list[str]:
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_embedded_ray_cluster_starts_stops_the_run_and_leaves_no_ray_process(tmp_path, sig):
+    """No Ray address: the session starts its own cluster before it reads the run. A signal while it starts: exit
+    130, the log's last line says interrupted, and none of the cluster's processes outlives the driver."""
+    with emulators(1, preset="kimi", request_log=str(tmp_path / "e0.jsonl")) as servers:
+        config = write_config(tmp_path, [{"url": servers[0].url, "concurrency": 2}], [prompt_source(tmp_path, 6)],
+                              model=MODEL, sampling={"temperature": 0.0, "max_tokens": 8})
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+        with open(tmp_path / "console.txt", "wb") as out:
+            driver = subprocess.Popen(regen_cmd("generate", "--config", str(config)), stdout=out,
+                                      stderr=subprocess.STDOUT, env=env)
+        seen: dict[int, psutil.Process] = {}
+        try:
+            def ray_starting() -> bool:
+                for proc in descendants(driver.pid):
+                    seen[proc.pid] = proc
+                return any("gcs_server" in " ".join(p.cmdline()) for p in seen.values() if p.is_running())
+
+            wait_for(ray_starting, 120, 0.05, "the embedded cluster's gcs_server")
+            assert "endpoint actors while the run is read" not in run_log(tmp_path)
+            driver.send_signal(sig)
+            end = time.monotonic() + 60
+            while driver.poll() is None and time.monotonic() < end:
+                for proc in descendants(driver.pid):
+                    seen[proc.pid] = proc
+                time.sleep(0.05)
+            code = driver.wait(timeout=5)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
+        time.sleep(5)  # what dies with its parent has died by now
+        left = still_running(list(seen.values()))
+        for proc in seen.values():
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+    console = (tmp_path / "console.txt").read_text(errors="replace")
+    assert code == 130, console[-3000:]
+    assert not left, left
+    assert run_log(tmp_path).strip().splitlines()[-1].split(": ", 1)[1].startswith("run ended (exit 130): interrupted")
+    assert not [r for r in requests_to(tmp_path / "e0.jsonl") if not r["rid"].startswith(PROBE_RID_PREFIX)]
+
+
+def test_a_fleet_the_preflight_refuses_is_refused_without_starting_an_embedded_ray_cluster(tmp_path):
+    """No Ray address: the session would start a whole cluster of its own (several seconds, and Ray's lines on the
+    terminal) to refuse a misconfigured fleet. The refusal comes first, as before the early start: exit 1, the
+    refusal on the terminal, no Ray process ever started, no actor line in the log."""
+    with emulators(1, preset="kimi", context_length=SHORT_CONTEXT) as bad:
+        config = write_config(tmp_path, [{"url": bad[0].url, "concurrency": 2}], [prompt_source(tmp_path, 6)],
+                              model=MODEL, sampling={"temperature": 0.0, "max_tokens": 32})
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+        with open(tmp_path / "console.txt", "wb") as out:
+            driver = subprocess.Popen(regen_cmd("generate", "--config", str(config)), stdout=out,
+                                      stderr=subprocess.STDOUT, env=env)
+        started: set[str] = set()
+        try:
+            end = time.monotonic() + 120
+            while driver.poll() is None and time.monotonic() < end:
+                for proc in descendants(driver.pid):
+                    try:
+                        started.update(part for part in ("gcs_server", "raylet") if part in " ".join(proc.cmdline()))
+                    except psutil.NoSuchProcess:
+                        continue
+                time.sleep(0.02)
+            code = driver.wait(timeout=5)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
+    console = (tmp_path / "console.txt").read_text(errors="replace")
+    assert code == 1, console[-3000:]
+    assert "fleet preflight refused the run" in console
+    assert not started, f"Ray started to refuse the run: {started}"
+    assert "endpoint actors" not in run_log(tmp_path)

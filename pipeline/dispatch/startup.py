@@ -12,7 +12,9 @@ preflight start before those it holds out.
 The first wave starts early (`EarlyActors`): as soon as the session knows its run, overlapping the ledger read, the
 pending scan and the fleet's preflight. They stay empty (actors.RayEndpointWorker) until the dispatch begins
 them with the settings the preflight settled: nothing reaches an endpoint before the preflight has passed it, and an
-actor no endpoint takes (a refused run, a signal, nothing pending) is killed.
+actor no endpoint takes (a refused run, a signal, nothing pending) is killed. Only on a cluster to join: a run that
+starts its own embedded cluster starts it with the dispatch, after the preflight (a refused fleet is refused
+without starting a cluster).
 """
 from __future__ import annotations
 
