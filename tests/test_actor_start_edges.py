@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from pipeline.endpoints.probes import PROBE_RID_PREFIX
-from tests.helpers import emulators, prompt_source, regen_cmd, start_regen, wait_for, write_config
+from tests.helpers import committed_ids, emulators, prompt_source, regen_cmd, start_regen, wait_for, write_config
 from tests.test_actor_start import MODEL, SHORT_CONTEXT, requests_to
 
 
@@ -159,3 +159,68 @@ def test_a_fleet_the_preflight_refuses_is_refused_without_starting_an_embedded_r
     assert "fleet preflight refused the run" in console
     assert not started, f"Ray started to refuse the run: {started}"
     assert "endpoint actors" not in run_log(tmp_path)
+
+
+def endpoint_actor_processes() -> list[str]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "RayEndpointWorker" in cmd:
+            found.append(f"{proc.pid} {cmd[:100]}")
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_preflight_kills_the_early_actors_and_sends_nothing(tmp_path, ray_cluster, sig):
+    """The early actors run while an endpoint that never answers holds the preflight; a signal then: exit 130, the
+    log's last line says interrupted, the servers got no prompt, and no endpoint actor is left in the cluster."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)
+    try:
+        with emulators(2, preset="kimi", request_log=str(tmp_path / "e.jsonl")) as servers:
+            endpoints = [{"url": s.url, "concurrency": 2} for s in servers] + [
+                {"url": f"http://127.0.0.1:{hole.getsockname()[1]}", "concurrency": 2}]
+            config = write_config(tmp_path, endpoints, [prompt_source(tmp_path, 6)], model=MODEL,
+                                  ray={"address": ray_cluster["address"], "actor_start_concurrency": 2})
+            proc = start_regen("generate", "--config", str(config), "--start-with-passing",
+                               log=tmp_path / "console.txt")
+            try:
+                wait_for(lambda: "started 2 of 3 endpoint actors" in run_log(tmp_path), 120, 0.02, "the early actors")
+                wait_for(lambda: len(endpoint_actor_processes()) >= 2, 60, 0.1, "the early actors' processes")
+                assert " regen: dispatch: " not in run_log(tmp_path)
+                proc.send_signal(sig)
+                code = proc.wait(timeout=60)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    finally:
+        hole.close()
+    assert code == 130, (tmp_path / "console.txt").read_text()[-3000:]
+    assert run_log(tmp_path).strip().splitlines()[-1].split(": ", 1)[1].startswith("run ended (exit 130): interrupted")
+    assert not [r for r in requests_to(tmp_path / "e.jsonl") if not r["rid"].startswith(PROBE_RID_PREFIX)]
+    wait_for(lambda: not endpoint_actor_processes(), 30, 0.5, "the early actors to end")
+
+
+def test_a_first_actor_ray_cannot_place_does_not_keep_the_rest_from_starting(tmp_path, ray_cluster):
+    """actor_start_concurrency 1 and the first endpoint pinned to a resource no node has: its early actor never
+    starts. The second endpoint's actor still starts (once the first has held the start for START_HOLD_S), every
+    prompt is committed once by it, and the run ends."""
+    with emulators(2, preset="kimi", request_log=str(tmp_path / "e.jsonl")) as servers:
+        endpoints = [{"url": servers[0].url, "concurrency": 2, "name": "pinned",
+                      "ray_resources": {"no_such_node": 1}},
+                     {"url": servers[1].url, "concurrency": 2, "name": "free"}]
+        config = write_config(tmp_path, endpoints, [prompt_source(tmp_path, 6)], model=MODEL,
+                              ray={"address": ray_cluster["address"], "actor_start_concurrency": 1})
+        proc = start_regen("generate", "--config", str(config), log=tmp_path / "console.txt")
+        try:
+            code = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    said = run_log(tmp_path)
+    assert code == 0, said[-3000:]
+    assert "1 of 2 endpoint actors ready" in said and "(free)" in said
+    assert len(committed_ids(tmp_path / "out" / "t")) == 6
