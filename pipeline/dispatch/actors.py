@@ -2,7 +2,7 @@
 
 An actor is started empty (`RayEndpointWorker`: its process up and regen's modules imported), and `begin` builds
 its EndpointWorker once the preflight has settled the settings. So a run can start the first actors early, while it
-reads the ledger and probes the fleet (prestart.py), and nothing reaches an endpoint before `begin`."""
+reads the ledger and probes the fleet (startup.py), and nothing reaches an endpoint before `begin`."""
 from __future__ import annotations
 
 import asyncio
@@ -93,7 +93,7 @@ def start_actor(cfg: RunConfig, e: Endpoint, n: int) -> ray.actor.ActorHandle:
 
 def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None],
                        early: Any = None):
-    """`early`: the actors started before the preflight (prestart.EarlyActors); an endpoint's first actor is its
+    """`early`: the actors started before the preflight (startup.EarlyActors); an endpoint's first actor is its
     early one when there is one.
 
     Actors are spread round-robin over the cluster's live nodes (Ray's SPREAD leaves zero-CPU actors on

@@ -74,7 +74,8 @@ class Dispatcher:
         self.refused = dict(refused or {})
         fleet = cfg.all_endpoints()
         held = set(unreachable) | set(self.refused)
-        self.slots = {e.label: Slot(e, None, state="open" if e.label in held else "healthy") for e in fleet}
+        # down from when the start gate asks for its actor: a wait behind an unplaceable first wave is not downtime
+        self.slots = {e.label: Slot(e, None, state="open" if e.label in held else "healthy", down_since=None) for e in fleet}
         self.starts = StartGate(self.slots, start_concurrency, list(started_early), asked_at)
         self.router.set_endpoints(list(self.slots))
         self.router.add(items)
@@ -94,6 +95,7 @@ class Dispatcher:
         while self.unfinished and not self.should_stop():
             for slot in self.starts.due(self.slots):  # a few at a time; work goes to each as soon as it answers
                 slot.handle, slot.created_at = self.actor_factory(slot.endpoint, slot.state == "open"), time.monotonic()
+                slot.down_since = slot.down_since or slot.created_at  # down until its actor answers
                 self._call(slot, [], wait_s=0.0)  # work goes only to an actor that answered: one Ray placed
             for call in self.transport.wait(list(self.calls), 0.2):
                 label = self.calls.pop(call)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -16,7 +17,7 @@ from ..store.goodput import DUPLICATE
 from ..store.prompt_reader import PendingPrompt
 from ..store.records import RecordBuilder
 from ..store.rundir import RunDir
-from .cluster import EndpointsFileWatch, join_ray
+from .cluster import EndpointsFileWatch, embedded_ray, join_ray
 from .startup import EarlyActors, start_concurrency
 from .fleet import FleetFacts
 
@@ -48,15 +49,18 @@ def run_dispatch(cfg: Any, run_dir: RunDir, builder: RecordBuilder, pending: lis
 @contextmanager
 def session_start(cfg: Any, run_dir: RunDir, stop: Any) -> Iterator[tuple[EarlyActors, Any]]:
     """Before the ledger is read: the opt-in /metrics is bound (a port already taken stops the run at once, before
-    Ray), then the first endpoint actors start (startup.py), unless the run's status says it is complete. Yields
-    them (for run_dispatch); on the way out the actors no endpoint took are killed and /metrics closed."""
+    Ray), then the first endpoint actors start (startup.py), unless the run's status says it is complete or there
+    is no cluster to join: an embedded one is started by the dispatch, after the preflight, so a refused fleet (or
+    a run with nothing pending) never pays a whole cluster's start. Yields them (for run_dispatch); on the way out
+    the actors no endpoint took are killed and /metrics closed."""
     from .metrics import serve_metrics
 
     early, metrics = EarlyActors(cfg), None
     try:
         if (run_dir.read_status() or {}).get("state") != "complete":
             metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
-            early.start(stop)
+            if not embedded_ray(cfg.ray.address, dict(os.environ)):
+                early.start(stop)
         yield early, metrics
     finally:
         early.close()
@@ -119,6 +123,8 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
                             start_concurrency=early.concurrency if early and early.concurrency else
                             start_concurrency(cfg), started_early=early.labels() if early else [],
                             asked_at=early.asked_at if early else None)
+    if early is not None:
+        early.keep_only(dispatcher.slots)  # an endpoint removed from the endpoints file since its actor started
     progress.thrown_away = dispatcher.waste.goodput
     # all_turns: the default export writes whole conversations, cut before a dropped turn (store/goodput.py)
     committer.on_committed = functools.partial(progress.committed, whole_conversations=cfg.mode == "all_turns")

@@ -12,13 +12,15 @@ preflight start before those it holds out.
 The first wave starts early (`EarlyActors`): as soon as the session knows its run, overlapping the ledger read, the
 pending scan and the fleet's preflight. They stay empty (actors.RayEndpointWorker) until the dispatch begins
 them with the settings the preflight settled: nothing reaches an endpoint before the preflight has passed it, and an
-actor no endpoint takes (a refused run, a signal, nothing pending) is killed.
+actor no endpoint takes (a refused run, a signal, nothing pending) is killed. Only on a cluster to join: a run that
+starts its own embedded cluster starts it with the dispatch, after the preflight (a refused fleet is refused
+without starting a cluster).
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from ..core.config import Endpoint, RunConfig
 from .cluster import join_ray
@@ -71,28 +73,37 @@ class EarlyActors:
                  len(self.handles), len(self.cfg.all_endpoints()), self.concurrency)
 
     def take(self, e: Endpoint) -> Any:
-        """The early actor of endpoint `e` (None: none, or it was started for another entry of that label)."""
-        entry = self.handles.get(e.label)
-        if entry is None or entry[0] != e:
+        """The early actor of endpoint `e` (None: none, or it was started for another entry of that label, edited
+        in the endpoints file since: that one is killed, or it would hold the CPUs its new actor needs)."""
+        entry = self.handles.pop(e.label, None)
+        if entry is not None and entry[0] != e:
+            _kill(entry[1])
             return None
-        del self.handles[e.label]
-        return entry[1]
+        return entry[1] if entry is not None else None
 
     def labels(self) -> list[str]:
         return list(self.handles)
 
+    def keep_only(self, labels: Collection[str]) -> None:
+        """Kill the actors of endpoints no longer in the fleet (removed from the endpoints file since they started):
+        the dispatch never takes them, and each would sit idle for the whole run on the CPUs it holds."""
+        for label in [label for label in self.handles if label not in labels]:
+            _kill(self.handles.pop(label)[1])
+
     def close(self) -> None:
         """Kill the actors no endpoint took."""
-        if not self.handles:
-            return
-        import ray
-
         for _, handle in self.handles.values():
-            try:
-                ray.kill(handle)
-            except Exception as exc:  # noqa: BLE001 - already gone, or Ray is down: nothing left to end
-                log.debug("ray.kill: %s", exc)
+            _kill(handle)
         self.handles.clear()
+
+
+def _kill(handle: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(handle)
+    except Exception as exc:  # noqa: BLE001 - already gone, or Ray is down: nothing left to end
+        log.debug("ray.kill: %s", exc)
 
 
 class StartGate:
