@@ -95,6 +95,18 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+@contextlib.contextmanager
+def regen_running(*args: str, log: Path | None = None):
+    """`regen *args` started in the background; killed on the way out if the test left it running."""
+    proc = start_regen(*args, log=log)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def sigkill(process: subprocess.Popen) -> None:
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from pipeline.endpoints.probes import PROBE_RID_PREFIX
-from tests.helpers import committed_ids, emulators, prompt_source, regen_cmd, start_regen, wait_for, write_config
+from tests.helpers import committed_ids, emulators, prompt_source, regen_cmd, regen_running, wait_for, write_config
 from tests.test_actor_start import MODEL, SHORT_CONTEXT, requests_to
 
 
@@ -45,23 +45,19 @@ def test_an_endpoint_edited_into_the_file_during_the_preflight_still_gets_work(t
                                   endpoints_file_interval_s=1, dead_fleet_deadline_s=120,
                                   ray={"address": ray_cluster["address"], "actor_start_concurrency": 2,
                                        "actor_num_cpus": 1})
-            proc = start_regen("generate", "--config", str(config), "--start-with-passing",
-                               log=tmp_path / "console.txt")
-            try:
+            with regen_running("generate", "--config", str(config), "--start-with-passing",
+                               log=tmp_path / "console.txt") as proc:
                 wait_for(lambda: "started 2 of 3 endpoint actors" in run_log(tmp_path), 120, 0.02, "the early actors")
                 assert " regen.dispatch: dispatch: " not in run_log(tmp_path), "the preflight was over before the edit"
                 edited = f"{urls[1]} 3" if edit == "concurrency" else f"{third[0].url} 2"
                 fleet.write_text(f"{urls[0]} 2\n{edited}\n{urls[2]} 2\n")
                 proc.wait(timeout=240)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
     finally:
         hole.close()
     console = (tmp_path / "console.txt").read_text()
     assert proc.returncode == 0, console[-3000:]
-    generations = [r for r in requests_to(logs[1 if edit == "concurrency" else 2]) if not r["rid"].startswith(PROBE_RID_PREFIX)]
+    generations = [r for r in requests_to(logs[1 if edit == "concurrency" else 2])
+                   if not r["rid"].startswith(PROBE_RID_PREFIX)]
     assert generations, run_log(tmp_path)[-4000:]
 
 
@@ -172,31 +168,22 @@ def endpoint_actor_processes() -> list[str]:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_the_preflight_kills_the_early_actors_and_sends_nothing(tmp_path, ray_cluster, sig):
-    """The early actors run while an endpoint that never answers holds the preflight; a signal then: exit 130, the
-    log's last line says interrupted, the servers got no prompt, and no endpoint actor is left in the cluster."""
-    hole = socket.socket()
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(64)
-    try:
-        with emulators(2, preset="kimi", request_log=str(tmp_path / "e.jsonl")) as servers:
-            endpoints = [{"url": s.url, "concurrency": 2} for s in servers] + [
-                {"url": f"http://127.0.0.1:{hole.getsockname()[1]}", "concurrency": 2}]
-            config = write_config(tmp_path, endpoints, [prompt_source(tmp_path, 6)], model=MODEL,
-                                  ray={"address": ray_cluster["address"], "actor_start_concurrency": 2})
-            proc = start_regen("generate", "--config", str(config), "--start-with-passing",
-                               log=tmp_path / "console.txt")
-            try:
-                wait_for(lambda: "started 2 of 3 endpoint actors" in run_log(tmp_path), 120, 0.02, "the early actors")
-                wait_for(lambda: len(endpoint_actor_processes()) >= 2, 60, 0.1, "the early actors' processes")
-                assert " regen: dispatch: " not in run_log(tmp_path)
-                proc.send_signal(sig)
-                code = proc.wait(timeout=60)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-    finally:
-        hole.close()
+    """The early actors run while an endpoint whose generation probe takes 30 s (0.25 tok/s: the probe's timeout)
+    holds the preflight; a signal then: exit 130, the log's last line says interrupted, the servers got no prompt,
+    and no endpoint actor is left in the cluster. (An endpoint that accepts and never answers held the preflight
+    only for the 5 s of its information requests: too short for two actors to start on a loaded machine.)"""
+    with emulators(2, preset="kimi", request_log=str(tmp_path / "e.jsonl")) as servers, \
+            emulators(1, preset="kimi", tok_per_s=0.25) as (slow,):
+        endpoints = [{"url": s.url, "concurrency": 2} for s in (*servers, slow)]
+        config = write_config(tmp_path, endpoints, [prompt_source(tmp_path, 6)], model=MODEL,
+                              ray={"address": ray_cluster["address"], "actor_start_concurrency": 2})
+        with regen_running("generate", "--config", str(config), "--start-with-passing",
+                           log=tmp_path / "console.txt") as proc:
+            wait_for(lambda: "started 2 of 3 endpoint actors" in run_log(tmp_path), 120, 0.02, "the early actors")
+            wait_for(lambda: len(endpoint_actor_processes()) >= 2, 25, 0.1, "the early actors' processes")
+            assert " regen: dispatch: " not in run_log(tmp_path)
+            proc.send_signal(sig)
+            code = proc.wait(timeout=60)
     assert code == 130, (tmp_path / "console.txt").read_text()[-3000:]
     assert run_log(tmp_path).strip().splitlines()[-1].split(": ", 1)[1].startswith("run ended (exit 130): interrupted")
     assert not [r for r in requests_to(tmp_path / "e.jsonl") if not r["rid"].startswith(PROBE_RID_PREFIX)]
@@ -213,13 +200,8 @@ def test_a_first_actor_ray_cannot_place_does_not_keep_the_rest_from_starting(tmp
                      {"url": servers[1].url, "concurrency": 2, "name": "free"}]
         config = write_config(tmp_path, endpoints, [prompt_source(tmp_path, 6)], model=MODEL,
                               ray={"address": ray_cluster["address"], "actor_start_concurrency": 1})
-        proc = start_regen("generate", "--config", str(config), log=tmp_path / "console.txt")
-        try:
+        with regen_running("generate", "--config", str(config), log=tmp_path / "console.txt") as proc:
             code = proc.wait(timeout=180)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
     said = run_log(tmp_path)
     assert code == 0, said[-3000:]
     assert "1 of 2 endpoint actors ready" in said and "(free)" in said
