@@ -167,6 +167,16 @@ def object_store(tmp_path_factory):
     log.close()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_ray_connection_left_to_the_next_module():
+    """A module that ran `regen generate` in this process may leave this process joined to the test cluster (the
+    session's early actors join it); the next module's own ray.init would then fail. Each module ends it."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def regen_logger_as_it_was():
     """A test that runs `regen generate` in this process (cli.main) leaves run.py's setup_logging in place: the

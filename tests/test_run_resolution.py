@@ -44,9 +44,13 @@ class Result:
 
 def regen(*args: str, cwd: Path = REPO) -> Result:
     """`regen ARGS` run in this process from `cwd` (the command's own main: its exit code, stdout and stderr),
-    where a subprocess would spend seconds importing; its signal handlers and log handlers are put back."""
+    where a subprocess would spend seconds importing; its signal handlers and log handlers are put back, and the
+    Ray connection its session opened (the early actors join the test cluster) is closed."""
+    import ray
+
     from pipeline.cli import main
 
+    connected = ray.is_initialized()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
     try:
@@ -60,6 +64,8 @@ def regen(*args: str, cwd: Path = REPO) -> Result:
         for handler in list(logging.getLogger("regen").handlers):
             handler.close()
             logging.getLogger("regen").removeHandler(handler)
+        if ray.is_initialized() and not connected:
+            ray.shutdown()
     return Result(code, out.getvalue(), err.getvalue())
 
 
