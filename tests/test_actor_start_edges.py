@@ -79,6 +79,15 @@ def still_running(procs: list[psutil.Process]) -> list[str]:
     return alive
 
 
+def generate_without_a_ray_address(tmp_path: Path, config: Path) -> subprocess.Popen:
+    """`regen generate` with no Ray address in its environment (it starts an embedded cluster), its console
+    into tmp_path/console.txt."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    with open(tmp_path / "console.txt", "wb") as out:
+        return subprocess.Popen(regen_cmd("generate", "--config", str(config)), stdout=out, stderr=subprocess.STDOUT,
+                                env=env)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_the_embedded_ray_cluster_starts_stops_the_run_and_leaves_no_ray_process(tmp_path, sig):
     """No Ray address: the session starts its own cluster before it reads the run. A signal while it starts: exit
@@ -86,10 +95,7 @@ def test_a_signal_while_the_embedded_ray_cluster_starts_stops_the_run_and_leaves
     with emulators(1, preset="kimi", request_log=str(tmp_path / "e0.jsonl")) as servers:
         config = write_config(tmp_path, [{"url": servers[0].url, "concurrency": 2}], [prompt_source(tmp_path, 6)],
                               model=MODEL, sampling={"temperature": 0.0, "max_tokens": 8})
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-        with open(tmp_path / "console.txt", "wb") as out:
-            driver = subprocess.Popen(regen_cmd("generate", "--config", str(config)), stdout=out,
-                                      stderr=subprocess.STDOUT, env=env)
+        driver = generate_without_a_ray_address(tmp_path, config)
         seen: dict[int, psutil.Process] = {}
         try:
             def ray_starting() -> bool:
@@ -131,10 +137,7 @@ def test_a_fleet_the_preflight_refuses_is_refused_without_starting_an_embedded_r
     with emulators(1, preset="kimi", context_length=SHORT_CONTEXT) as bad:
         config = write_config(tmp_path, [{"url": bad[0].url, "concurrency": 2}], [prompt_source(tmp_path, 6)],
                               model=MODEL, sampling={"temperature": 0.0, "max_tokens": 32})
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-        with open(tmp_path / "console.txt", "wb") as out:
-            driver = subprocess.Popen(regen_cmd("generate", "--config", str(config)), stdout=out,
-                                      stderr=subprocess.STDOUT, env=env)
+        driver = generate_without_a_ray_address(tmp_path, config)
         started: set[str] = set()
         try:
             end = time.monotonic() + 120
