@@ -27,7 +27,8 @@ from .export.formats import turn_id
 from .hidden.layout import capture_fingerprint
 from .hidden.parts import remove_garbage_hidden_parts
 from .hidden.routes import identity_for, layout_for, legacy_weights_digests
-from .run import EXIT_INTERRUPTED, StopFlag, setup_logging
+from .dispatch.stopping import StopFlag, setup_logging
+from .run import EXIT_INTERRUPTED
 from .store import schema
 from .store.capture_ledger import CaptureDir, capture_run_dir, count_mismatch, is_truncated, record_token_ids
 from .store.committer import Committer

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 import platform
-import signal
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +33,7 @@ from .dispatch.fleet import FleetDrift, check_fleet_first, fleet_preflight
 from .store.prompt_reader import PromptSetReader
 from .store.records import RecordBuilder
 from .dispatch.session import run_dispatch, session_start
+from .dispatch.stopping import StopFlag, setup_logging
 
 log = logging.getLogger("regen")
 
@@ -191,48 +190,6 @@ def rebind_unbound(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manif
         log.info("the prompt set is read again from the sources")
     run_dir.write_manifest(rebound.manifest)
     return OpenedRun(rebound.manifest, rebound.restage)
-
-
-def setup_logging(run_dir: RunDir) -> None:
-    root = logging.getLogger("regen")
-    root.setLevel(logging.INFO)
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    file_handler = logging.FileHandler(run_dir.local_logs() / "regen.log")
-    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    console = logging.StreamHandler(sys.stderr)
-    console.setFormatter(logging.Formatter("regen: %(message)s"))
-    console.addFilter(lambda record: not getattr(record, "file_only", False))  # e.g. progress beside a tqdm bar
-    root.addHandler(file_handler)
-    root.addHandler(console)
-    root.propagate = False
-
-
-# --- signals ----------------------------------------------------------------------------------------
-class StopFlag:
-    """SIGINT/SIGTERM stop the run cleanly at any stage, with exit status 130. Before dispatch there is nothing
-    to save, so a signal stops at once (KeyboardInterrupt). During dispatch (`graceful`) it asks the dispatch
-    to end; the buffer is committed, then the run stops. A second signal stops at once."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self.graceful = False
-
-    def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, _frame: object) -> None:
-        name = signal.Signals(signum).name
-        if self.signal is not None or not self.graceful:
-            self.signal = signum
-            log.warning("%s received: stopping", name)
-            raise KeyboardInterrupt
-        self.signal = signum
-        log.warning("%s received: committing what is buffered, then stopping", name)
-
-    def __call__(self) -> bool:
-        return self.signal is not None
 
 
 # --- generate ---------------------------------------------------------------------------------------

@@ -191,7 +191,7 @@ def test_a_refused_preflight_is_in_the_log_with_the_exit_code(tmp_path):
 
 PROGRESS_SNIPPET = """
 import sys, time
-from pipeline.run import setup_logging
+from pipeline.dispatch.stopping import setup_logging
 from pipeline.store.progress import Progress
 from pipeline.store.rundir import RunDir
 run = RunDir(sys.argv[1])
