@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .config import RayOptions, _Strict, load_yaml_model
+from .config import RayOptions, _Strict
+from .yaml_model import load_yaml_model
 
 
 class VllmCapture(_Strict):

@@ -4,18 +4,18 @@ Every section rejects unknown keys, so a typo such as `concurency:` is an error 
 """
 from __future__ import annotations
 
-import difflib
 import os
 from pathlib import Path
-from typing import Any, Callable, Literal, TypeVar, get_args
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, SecretMissing
 from .paths import check_config_paths, resolve_config_paths, resolve_tokenizer
 from .identity import current_identity, flat_diff, identity_fingerprint  # noqa: F401 (flat_diff: its readers)
 from .uri import check_uri
+from .yaml_model import load_yaml_model
 
 
 from .config_sections import (  # noqa: F401 (the sections are part of this module's interface)
@@ -314,76 +314,6 @@ def spec_content(path: str | Path) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     return doc if isinstance(doc, dict) else {"content": doc}
-
-
-def _section_model(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
-    """The model class of the section at `loc` (keys and list indexes) under `model`; None if not one."""
-    current: Any = model
-    for part in loc:
-        if isinstance(part, int):
-            continue  # an index into a list: the list's item type was taken with its field
-        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
-            return None
-        current = _model_in(current.model_fields[part].annotation)
-    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
-
-
-def _model_in(annotation: Any) -> Any:
-    """The model class inside an annotation such as `Sampling`, `LocalFleet | None` or `list[Endpoint]`."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in get_args(annotation):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _unknown_key(model: type[BaseModel], loc: tuple) -> str:
-    """` (allowed: ...; did you mean ...?)`: the keys of the section the unknown key is in."""
-    section = _section_model(model, loc[:-1])
-    if section is None:
-        return ""
-    allowed = [name for name, info in section.model_fields.items() if not info.exclude]
-    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-    return f" (allowed: {', '.join(allowed)}" + (f"; did you mean {close[0]!r}?)" if close else ")")
-
-
-def _describe(error: ValidationError, path: Path, model: type[BaseModel] | None = None) -> str:
-    lines = []
-    for item in error.errors():
-        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        if item["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown key '{key}'" + (_unknown_key(model, item["loc"]) if model else ""))
-        elif item["type"] == "missing":
-            lines.append(f"{path}: missing key '{key}'")
-        else:
-            lines.append(f"{path}: key '{key}': {item['msg']}")
-    return "\n".join(lines)
-
-
-_M = TypeVar("_M", bound=BaseModel)
-
-
-def load_yaml_model(path: str | Path, model: type[_M], what: str = "config",
-                    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> _M:
-    """A YAML file validated into `model`; every problem is a ConfigError naming the file (and the key).
-    `prepare` rewrites the raw mapping first (a run config resolves its paths)."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{what} file not found: {path}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the {what} must be a mapping of keys")
-    if prepare is not None:
-        raw = prepare(raw)
-    try:
-        return model.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc, path, model)) from None
 
 
 def load_config(path: str | Path) -> RunConfig:
