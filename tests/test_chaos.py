@@ -147,7 +147,7 @@ def test_chaos_exactly_once(tmp_path, ray_cluster):
 def test_a_dying_actor_has_its_work_requeued(tmp_path, ray_cluster):
     import ray
 
-    from pipeline.dispatch.dispatcher import ACTOR_NAMESPACE
+    from pipeline.dispatch.actors import ACTOR_NAMESPACE
 
     slow = start_emulator(preset="kimi", tok_per_s=15)
     try:

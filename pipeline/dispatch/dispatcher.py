@@ -19,7 +19,6 @@ from typing import Any, Callable, Collection, Mapping
 from ..core.config import Endpoint, RunConfig
 from ..core.errors import RunFatal
 from ..core.work import DONE, DROPPED, RETRY, RETURNED, TERMINAL, Exchange, Outcome, WorkItem
-from .actors import ACTOR_NAMESPACE, client_settings, make_actor_factory  # noqa: F401 - the run's imports
 from .isolation import Isolation
 from .routing import Router
 from .slot import Slot, can_isolate
@@ -75,7 +74,8 @@ class Dispatcher:
         fleet = cfg.all_endpoints()
         held = set(unreachable) | set(self.refused)
         # down from when the start gate asks for its actor: a wait behind an unplaceable first wave is not downtime
-        self.slots = {e.label: Slot(e, None, state="open" if e.label in held else "healthy", down_since=None) for e in fleet}
+        self.slots = {e.label: Slot(e, None, state="open" if e.label in held else "healthy", down_since=None)
+                      for e in fleet}
         self.starts = StartGate(self.slots, start_concurrency, list(started_early), asked_at)
         self.router.set_endpoints(list(self.slots))
         self.router.add(items)
@@ -193,8 +193,8 @@ class Dispatcher:
         if not iso.queue:
             return None
         chosen = self.slots.get(iso.endpoint) if iso.endpoint else None
-        if chosen is None or not self._can_isolate(chosen):
-            usable = [s for s in self.slots.values() if self._can_isolate(s)]
+        if chosen is None or not can_isolate(chosen, len(self.router)):
+            usable = [s for s in self.slots.values() if can_isolate(s, len(self.router))]
             # a healthy endpoint first; one whose actor has been dying is the last choice: it would charge the innocent
             chosen = min(usable, key=lambda s: (s.losses > 0, s.state != "healthy", len(s.assigned)), default=None)
             iso.endpoint = chosen.label if chosen else None
@@ -208,9 +208,6 @@ class Dispatcher:
                 iso.running = item.prompt_id
                 return [item]
         return []
-
-    def _can_isolate(self, slot: Slot) -> bool:
-        return can_isolate(slot, len(self.router))
 
     # --- outcomes -----------------------------------------------------------------------------------
     def _absorb(self, slot: Slot, exchange: Exchange) -> None:

@@ -70,7 +70,8 @@ def session_start(cfg: Any, run_dir: RunDir, stop: Any) -> Iterator[tuple[EarlyA
 
 def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: list[PendingPrompt], committer: Committer,
                       progress, stop: Any, fleet: FleetFacts, metrics, early: EarlyActors | None = None) -> str:
-    from .dispatcher import Dispatcher, client_settings, make_actor_factory
+    from .actors import client_settings, make_actor_factory
+    from .dispatcher import Dispatcher
 
     join_ray(cfg.ray.address, stop)  # at once if the session's early actors joined it
     if stop():

@@ -1,6 +1,7 @@
 """The Committer: buffers finished records and failures and commits them as parts (invariant 4: a part is
-committed whole or not at all; a unit of work, a sample of a prompt (core/work.py record_unit), is committed once). A commit whose outcome is unknown is settled by
-looking (`committed_part`); SIGINT and SIGTERM wait until a commit is settled (`signals_deferred`)."""
+committed whole or not at all; a unit of work, a sample of a prompt (core/work.py record_unit), is committed
+once). A commit whose outcome is unknown is settled by looking (`committed_part`); SIGINT and SIGTERM wait until a
+commit is settled (`signals_deferred`)."""
 from __future__ import annotations
 
 import contextlib

@@ -62,7 +62,8 @@ class Progress:
         if self.terminal is None:
             self.terminal = sys.stderr.isatty()
         # A bar redraws itself with carriage returns: only a terminal shows it; nohup and pipes get log lines.
-        self.bar = tqdm(total=self.total, initial=self.already_done + self.failed_before, unit="prompt" if self.samples_per_prompt == 1 else "sample",
+        self.bar = tqdm(total=self.total, initial=self.already_done + self.failed_before,
+                        unit="prompt" if self.samples_per_prompt == 1 else "sample",
                         dynamic_ncols=True, file=sys.stderr, mininterval=0.5, smoothing=0.05) if self.terminal else None
 
     def begin(self) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..core.config import Endpoint, load_config
 from ..core.errors import RegenError, Retryable
-from ..dispatch.dispatcher import client_settings
+from ..dispatch.actors import client_settings
 from ..endpoints.client import EndpointClient, _error_message, classify
 from ..endpoints.engines import SGLangAdapter, vllm as vllm_engine
 from ..endpoints.identity import identify
