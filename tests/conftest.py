@@ -179,7 +179,7 @@ def no_ray_connection_left_to_the_next_module():
 
 @pytest.fixture(autouse=True)
 def regen_logger_as_it_was():
-    """A test that runs `regen generate` in this process (cli.main) leaves run.py's setup_logging in place: the
+    """A test that runs `regen generate` in this process (cli.main) leaves the run's setup_logging (dispatch/stopping.py) in place: the
     "regen" logger then writes to that run's log and no longer propagates, so a later test's caplog sees nothing.
     Each test gets the logger back as it found it."""
     import logging

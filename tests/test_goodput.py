@@ -324,4 +324,22 @@ def test_a_session_smaller_than_the_gate_sample_is_checked_when_its_dispatch_end
     tiny.observe([cut] * (SMALLEST_SAMPLE - 1))
     with caplog.at_level("INFO", logger="regen.quality"):
         tiny.finish()
-    assert tiny.verdict == {} and "too few to check" in caplog.text
+    assert tiny.verdict == {} and "too few to check (fewer than 20)" in caplog.text
+    # a quality_gate_records under 20 is the user's choice: a session of 11 of its 12 is checked at its end
+    small = QualityGate("warn", 12, thresholds, max_tokens=24)
+    small.observe([cut] * 11)
+    small.finish()
+    assert small.verdict["records"] == 11 and not small.verdict["passed"]
+
+
+def test_warn_goes_on_after_a_full_sample_and_says_how_to_stop_instead(caplog):
+    from pipeline.store.gate import QualityGate
+
+    cut = {"content": "x", "finish_reason": "length", "completion_tokens": 24, "flags": []}
+    thresholds = {"truncated": 0.1, "truncated_thinking": 0.05, "empty": 0.02, "repetition": 0.05}
+    gate = QualityGate("warn", 20, thresholds, max_tokens=24)
+    with caplog.at_level("INFO", logger="regen.quality"):
+        gate.observe([cut] * 25)  # no QualityGateStopped: `warn`
+    assert not gate.verdict["passed"] and gate.verdict["records"] == 20
+    assert "QUALITY GATE: 20 of the first 20 records" in caplog.text
+    assert "the run goes on (quality_gate: warn); `quality_gate: stop` stops it here" in caplog.text

@@ -126,3 +126,11 @@ def test_each_sample_is_a_unit_of_its_own_in_the_pending_set_records_committer_a
     assert not committer.add_records(late) and committer.dropped_duplicates == 1
     again = reader.pending(run.committed_ids(), set(), True, 0, samples=4)
     assert [p.prompt_id for p in again.pending] == [unit_id(pid, 3) for pid in IDS[:2]], "raising k adds only new"
+
+
+def test_the_samples_a_change_of_k_adds_or_leaves_past_are_named_in_words():
+    from pipeline.core.identity import new_samples
+
+    assert new_samples(2, 3) == "sample 2"  # raising 2 -> 3 adds sample 2
+    assert new_samples(1, 4) == "samples 1 to 3"
+    assert new_samples(2, 4) == "samples 2 to 3"  # lowering 4 -> 2 leaves samples 2 and 3 past the new k

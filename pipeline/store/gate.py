@@ -122,9 +122,10 @@ class QualityGate:
         is nothing left to stop."""
         if self.action == "off" or self.sample.checked or not self.sample.records:
             return
-        if self.sample.records < SMALLEST_SAMPLE:
+        smallest = min(SMALLEST_SAMPLE, self.sample.size)  # a quality_gate_records under 20 is the user's call
+        if self.sample.records < smallest:
             log.info("quality gate: this session made %d records, too few to check (fewer than %d)",
-                     self.sample.records, SMALLEST_SAMPLE)
+                     self.sample.records, smallest)
             return
         log.info("quality gate: this session made %d records, fewer than quality_gate_records=%d: checking them",
                  self.sample.records, self.sample.size)
@@ -143,7 +144,7 @@ class QualityGate:
         for finding in findings:
             log.warning("QUALITY GATE: %s", finding.message(n))
         if ended:
-            log.warning("QUALITY GATE: found at the end of the session's dispatch: the records are committed; "
+            log.warning("QUALITY GATE: found at the end of the session's dispatch, with nothing left to stop: "
                         "change the setting before the next run")
             return
         if self.action == "stop":
