@@ -28,6 +28,12 @@ pytestmark = pytest.mark.vllm
 MAX_TOKENS = 32
 
 
+def vllm_config(tmp_path: Path, endpoint_list: list[dict], specs: list[Path], **overrides) -> Path:
+    """A test config whose actors may take long to start: a real engine on a loaded 2-core machine is slow, and the
+    run would stop at write_config's 20 s dead-fleet deadline before any actor answered."""
+    return write_config(tmp_path, endpoint_list, specs, **{"dead_fleet_deadline_s": 120, **overrides})
+
+
 def endpoints(vllm_fleet) -> list[dict]:
     return [{"url": e.url, "concurrency": e.concurrency, "name": e.name} for e in vllm_fleet.fleet.endpoints()]
 
@@ -64,7 +70,7 @@ def check_ids(rows: list[dict], tokenizer) -> None:
 def test_token_ids_decode_to_the_content_and_the_chat_rendering(tmp_path, ray_cluster, vllm_fleet, tokenizer):
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 8)
-    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)],
+    config = vllm_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)],
                           sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
     result = run_regen("generate", "--config", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -107,7 +113,7 @@ def check_token_exports_in_the_libraries(tmp_path, run, rows, model_dir):
 def test_streaming_run(tmp_path, ray_cluster, vllm_fleet, tokenizer):
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 4)
-    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], stream=True,
+    config = vllm_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], stream=True,
                           sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
     result = run_regen("generate", "--config", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -120,7 +126,7 @@ def test_three_samples_at_temperature_are_distinct_completions_with_exact_ids(tm
                                                                               tokenizer):
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 3)
-    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], samples_per_prompt=3,
+    config = vllm_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], samples_per_prompt=3,
                           sampling={"temperature": 0.8, "max_tokens": 16})
     result = run_regen("generate", "--config", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -141,7 +147,7 @@ def test_over_long_prompt_is_one_terminal_attempt_with_the_server_message(tmp_pa
     rows = write_prompts(prompts, 2)
     long_prompt = {"prompt": "Summarise this: " + " ".join(["lorem ipsum dolor sit amet"] * 300)}
     prompts.write_text(prompts.read_text() + json.dumps(long_prompt) + "\n")
-    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)],
+    config = vllm_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)],
                           sampling={"temperature": 0.0, "max_tokens": 8})
     result = run_regen("generate", "--config", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -158,7 +164,7 @@ def test_a_fleet_mixing_engines_is_refused(tmp_path, vllm_fleet):
     try:
         prompts = tmp_path / "prompts.jsonl"
         write_prompts(prompts, 1)
-        config = write_config(tmp_path, endpoints(vllm_fleet)[:1] + [{"url": emulator.url, "name": "sgl"}],
+        config = vllm_config(tmp_path, endpoints(vllm_fleet)[:1] + [{"url": emulator.url, "name": "sgl"}],
                               [write_source(tmp_path, prompts)], return_token_ids=False)
         result = run_regen("preflight", str(config))
     finally:
@@ -171,7 +177,7 @@ def test_a_fleet_mixing_engines_is_refused(tmp_path, vllm_fleet):
 def test_bench_endpoints_reads_vllm_metrics(tmp_path, vllm_fleet):
     prompts = tmp_path / "p.jsonl"
     write_prompts(prompts, 1)
-    config = write_config(tmp_path, endpoints(vllm_fleet)[:1], [write_source(tmp_path, prompts)])
+    config = vllm_config(tmp_path, endpoints(vllm_fleet)[:1], [write_source(tmp_path, prompts)])
     result = run_regen("bench-endpoints", str(config), "--max-tokens", "8", "--prompts", "5", "--concurrency", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(l for l in result.stdout.splitlines() if "vllm:generation_tokens_total" in l)
@@ -264,7 +270,7 @@ def test_tool_free_chats_render_as_smollm2s_own_template(tokenizer):
 def test_driver_sigkill_mid_run_then_resume_nothing_lost_or_doubled(tmp_path, ray_cluster, vllm_fleet):
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 16)
-    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], flush_records=2,
+    config = vllm_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], flush_records=2,
                           flush_interval_s=0.5, sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
     run = tmp_path / "out" / "t"
     proc = start_regen("generate", "--config", str(config), log=tmp_path / "run1.log")
@@ -281,29 +287,41 @@ def test_driver_sigkill_mid_run_then_resume_nothing_lost_or_doubled(tmp_path, ra
 
 
 def test_sigkill_of_one_server_mid_run_moves_its_work(tmp_path, ray_cluster, vllm_fleet):
-    """Last: it leaves the module's fleet with one server."""
+    """Last: it leaves the module's fleet with one server. The fleet is an endpoints file naming local-1 alone, so
+    local-1 is certain to hold work (with both listed, local-0 may take every prompt before local-1's actor is up on
+    a loaded machine); once local-1 has answered, local-0 is added to the file and local-1 is SIGKILLed."""
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 16)
-    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], flush_records=1,
-                          flush_interval_s=0.2, sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
+    local0, local1 = vllm_fleet.fleet.endpoints()
+    fleet_file = tmp_path / "fleet.txt"
+    fleet_file.write_text(f"{local1.url} 2\n")
+    config = vllm_config(tmp_path, [], [write_source(tmp_path, prompts)], flush_records=1, flush_interval_s=0.2,
+                          endpoints_file=str(fleet_file), endpoints_file_interval_s=0.5,
+                          sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
     run = tmp_path / "out" / "t"
-    proc = start_regen("generate", "--config", str(config), log=tmp_path / "run.log")
-    wait_for(lambda: any(r["endpoint"] == "local-1" for r in rows_of(run)) if data_parts(run) else False, 240,
-             interval=0.2, what="a record from local-1")
+    log = tmp_path / "run.log"
+    label0, label1 = (e.url.split("://", 1)[1] for e in (local0, local1))
+    proc = start_regen("generate", "--config", str(config), log=log)
+    try:
+        wait_for(lambda: any(r["endpoint"] == label1 for r in rows_of(run)) if data_parts(run) else False, 240,
+                 interval=0.2, what="a record from local-1")
+    except AssertionError:
+        raise AssertionError(log.read_text()[-3000:]) from None
+    fleet_file.write_text(f"{local1.url} 2\n{local0.url} 4\n")
     victim = vllm_fleet.processes.processes[1]
     killed_at = datetime.datetime.now(datetime.timezone.utc)
     os.killpg(victim.pid, signal.SIGKILL)  # the API server, its EngineCore and its worker
     victim.wait(timeout=30)
     at_kill = len(committed_ids(run))
     assert at_kill < 16, "the kill must land mid-run"
-    assert proc.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     rows = rows_of(run)
     assert sorted(r["prompt_id"] for r in rows) == sorted(all_prompt_ids(run)), "every prompt, once"
     assert not failures_of(run)
     served = collections.Counter(r["endpoint"] for r in rows)
-    assert served["local-0"] > 0 and served["local-0"] + served["local-1"] == 16
+    assert served[label0] > 0 and served[label0] + served[label1] == 16, served
     # A record is stamped when the driver builds it: an answer local-1 sent just before it died may be built a
     # moment later (and committed after at_kill was counted), never long after.
-    late = [r["created_at"] for r in rows if r["endpoint"] == "local-1"
+    late = [r["created_at"] for r in rows if r["endpoint"] == label1
             and r["created_at"] > killed_at + datetime.timedelta(seconds=10)]
     assert not late, f"local-1 answered after it was killed at {killed_at}: {late}"
