@@ -46,7 +46,7 @@ class LocalRun:
 def run_local(cfg: RunConfig, items: list[WorkItem], time_limit_s: float = 60.0,
               fleet_watch: Callable | None = None, unreachable: set[str] = frozenset(),
               factory: Callable | None = None, transport: LocalTransport | None = None,
-              finished: dict | None = None, **worker_options: Any) -> LocalRun:
+              finished: dict | None = None, probed: set[str] | None = None, **worker_options: Any) -> LocalRun:
     """Dispatch `items` until every one has a final outcome, or time_limit_s (then the run stops, as on SIGINT).
     Raises what the dispatcher raises (RunFatal): `finished`, if given, still holds what was finished before.
     `LocalRun.seconds` is the wall time."""
@@ -63,7 +63,7 @@ def run_local(cfg: RunConfig, items: list[WorkItem], time_limit_s: float = 60.0,
 
     dispatcher = Dispatcher(cfg, items, on_outcome, lambda _status: None,
                             lambda: time.monotonic() - started > time_limit_s, factory, fleet_watch=fleet_watch,
-                            unreachable=unreachable, transport=transport)
+                            unreachable=unreachable, transport=transport, probed=probed)
     result = LocalRun(dispatcher, committed)
     try:
         dispatcher.run()

@@ -100,3 +100,22 @@ def test_an_endpoint_that_left_for_a_contract_error_rejoins_once_its_entry_chang
     assert result.kinds() == {item.prompt_id: [DONE] for item in items}
     assert result.dispatcher.fleet_changes == ["-fixed", "+fixed"]
     assert any(outcome.endpoint == "fixed" for [(outcome, _)] in result.finished.values())
+
+
+def test_an_endpoint_listed_after_the_preflight_joins_through_its_own_preflight():
+    """The endpoints file gains an endpoint between the run's preflight and the start of its dispatch, and that
+    server serves another model. Before the fix the dispatch re-read the file and started it as healthy, without a
+    preflight: it took work. It joins as a new entry does, and its readmission preflight keeps it out."""
+    from pipeline.core.config import Endpoint
+
+    with emulators(1, preset="kimi") as (good,), emulators(1, preset="kimi", served_model_name="other") as (late,):
+        entries = [{"url": good.url, "name": "good", "concurrency": 4}, {"url": late.url, "name": "late"}]
+        cfg = make_cfg(entries, hedge_tail=False)
+        listed = [Endpoint.model_validate(e) for e in entries]
+        items = [work_item(f"p{i}", f"Question {i}", cfg) for i in range(24)]
+        result = run_local(cfg, items, time_limit_s=60, fleet_watch=lambda: listed, probed={"good"})
+    assert result.kinds() == {item.prompt_id: [DONE] for item in items}
+    served = {outcome.endpoint for outs in result.finished.values() for outcome, _ in outs}
+    assert served == {"good"}, "the endpoint no preflight passed took work"
+    assert result.dispatcher.fleet_changes == ["+late"], "it joined as a new entry of the endpoints file"
+    assert result.dispatcher.slots["late"].state == "open"

@@ -54,10 +54,13 @@ class Dispatcher:
         start_concurrency: int | None = None,
         started_early: Collection[str] = (),
         asked_at: float | None = None,
+        probed: Collection[str] | None = None,
     ):
         """`items`: WorkItems, or light pending prompts (a prompt_id and an affinity) that `load` turns into
         WorkItems when they are handed out, so the messages of the queued work are never all in memory. Actors
-        start `start_concurrency` at a time (None: all); `started_early` ones were started at `asked_at`."""
+        start `start_concurrency` at a time (None: all); `started_early` ones were started at `asked_at`.
+        `probed`: the endpoints the preflight judged (None: all listed); one listed since joins as the endpoints
+        file's new entries do, through its own preflight."""
         self.cfg = cfg
         self.load = load
         self.transport = transport or RayTransport()
@@ -71,7 +74,7 @@ class Dispatcher:
         # An endpoint unreachable at the preflight starts with its circuit open: work once it passes it. So does one
         # the preflight refused under --start-with-passing (`refused`: why), shown as `refused` until it passes.
         self.refused = dict(refused or {})
-        fleet = cfg.all_endpoints()
+        fleet = [e for e in cfg.all_endpoints() if probed is None or e.label in probed]
         held = set(unreachable) | set(self.refused)
         # down from when the start gate asks for its actor: a wait behind an unplaceable first wave is not downtime
         self.slots = {e.label: Slot(e, None, state="open" if e.label in held else "healthy", down_since=None)

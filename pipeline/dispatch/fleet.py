@@ -41,6 +41,8 @@ class FleetFacts:
     # once they pass the preflight again
     refused: dict[str, str] = field(default_factory=dict)
     tools: bool = False  # the prompt set has tools: a readmitted endpoint must return tool_calls too
+    # the endpoints the preflight judged: one listed since (the endpoints file) joins through its own preflight
+    probed: frozenset[str] | None = None
 
 
 def fleet_preflight(cfg: RunConfig, run_dir: RunDir, start_with_passing: bool = False,
@@ -65,7 +67,7 @@ def fleet_preflight(cfg: RunConfig, run_dir: RunDir, start_with_passing: bool = 
     return FleetFacts(weight_version, {r.label: r.engine for r in reports if r.engine is not None},
                       {r.label for r in reports if not r.reachable}, [e for e in engines if e.get("engine")],
                       {r.label: "; ".join(r.problems) for r in reports if r.problems},
-                      tools)
+                      tools, frozenset(r.label for r in reports))
 
 
 def log_verdicts(reports, fleet_problems: list[str]) -> None:

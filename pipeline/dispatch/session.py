@@ -123,7 +123,7 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
                             unreachable=fleet.unreachable, refused=fleet.refused, load=builder.work_items,
                             start_concurrency=early.concurrency if early and early.concurrency else
                             start_concurrency(cfg), started_early=early.labels() if early else [],
-                            asked_at=early.asked_at if early else None)
+                            asked_at=early.asked_at if early else None, probed=fleet.probed)
     if early is not None:
         early.keep_only(dispatcher.slots)  # an endpoint removed from the endpoints file since its actor started
     progress.thrown_away = dispatcher.waste.goodput
