@@ -6,6 +6,7 @@ subprocess joins it through RAY_ADDRESS, as a driver on a real head node would.
 """
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import subprocess
@@ -33,6 +34,7 @@ os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled
 
 # Test modules that start real vLLM servers (about 4 GB each): one xdist worker runs them one after another.
 REAL_VLLM_MODULES = {"test_vllm_engine.py", "test_vllm_capture.py"}
+GROUP = pytest.StashKey[str]()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -40,9 +42,18 @@ def pytest_collection_modifyitems(config, items):
     """Under `-n N --dist loadgroup` (make test), each module runs whole on one worker, so that its module
     fixtures start once; the real-vLLM modules share one worker, so that at most one vLLM fleet runs at a time.
     Each worker has its own session fixtures (Ray head, fleets), on free ports and its own temp dirs."""
+    groups: dict[str, int] = collections.Counter()
     for item in items:
         module = item.path.name
-        item.add_marker(pytest.mark.xdist_group("real-vllm" if module in REAL_VLLM_MODULES else module))
+        group = "real-vllm" if module in REAL_VLLM_MODULES else module
+        item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[GROUP] = group
+        groups[group] += 1
+    # The order xdist hands the groups out in (its own reordering is off, pytest_configure): the real-vLLM group
+    # first, as it is the longest (about ten minutes on one worker), then the others by their count of tests, as
+    # xdist would. Handed out last, it ran alone at the end while the other worker idled.
+    rank = {group: (group != "real-vllm", -count) for group, count in groups.items()}
+    items.sort(key=lambda item: rank[item.stash[GROUP]])  # stable: a module's tests keep their order
 
 
 def pytest_configure(config):
@@ -52,6 +63,8 @@ def pytest_configure(config):
     if config.getoption("dist", "no") == "loadgroup" and int(pytest.__version__.split(".")[0]) >= 9:
         raise pytest.UsageError(f"pytest {pytest.__version__}: pytest-xdist's --dist loadgroup does not group under "
                                 "pytest 9; install the dev extra's pins (pip install -e '.[dev]': pytest < 9)")
+    if config.getoption("dist", "no") == "loadgroup":
+        config.option.loadscopereorder = False  # the groups go out in the order pytest_collection_modifyitems sets
 
 
 @pytest.fixture(scope="session")
