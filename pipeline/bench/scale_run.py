@@ -63,28 +63,36 @@ def _log_sizes(logs: list[Path]) -> list[int]:
     return [log.stat().st_size if log.exists() else 0 for log in logs]
 
 
+def _prompt_requests(logs: list[Path], offsets: list[int]) -> list[dict]:
+    """The prompt requests (not preflight probes) the emulators logged past the offsets, each when its answer was
+    done (`time`) with when it was received (`received`)."""
+    out = []
+    for log, offset in zip(logs, offsets):
+        try:
+            with open(log, "rb") as f:
+                f.seek(offset)
+                for line in f:
+                    if not line.endswith(b"\n"):
+                        break
+                    rec = orjson.loads(line)
+                    if not str(rec.get("rid", "")).startswith(PROBE_RID_PREFIX):
+                        out.append(rec)
+        except OSError:
+            pass
+    return out
+
+
 def _first_prompt_request(logs: list[Path], offsets: list[int], proc: subprocess.Popen,
-                          timeout: float) -> float | None:
-    """The time of the first request past the offsets in the emulators' request logs that is not a preflight
-    probe."""
+                          timeout: float) -> tuple[float, float] | None:
+    """(received, answered): when the first prompt request reached an emulator, and when the first answer was done.
+    An emulator logs a request once its answer is done, 32 tokens at 12.5 tok/s after it came: so once the first
+    line is there, the lines of the requests received before it are waited for too."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        firsts = []
-        for log, offset in zip(logs, offsets):
-            try:
-                with open(log, "rb") as f:
-                    f.seek(offset)
-                    for line in f:
-                        if not line.endswith(b"\n"):
-                            break
-                        rec = orjson.loads(line)
-                        if not str(rec.get("rid", "")).startswith(PROBE_RID_PREFIX):
-                            firsts.append(rec["time"])
-                            break
-            except OSError:
-                pass
-        if firsts:
-            return min(firsts)
+        if _prompt_requests(logs, offsets):
+            time.sleep(MAX_TOKENS / TOK_S + 1.0)
+            recs = _prompt_requests(logs, offsets)
+            return min(r.get("received", r["time"]) for r in recs), min(r["time"] for r in recs)
         time.sleep(0.02)
     return None
 
@@ -184,7 +192,8 @@ def _run(ctx: Ctx, config: Path, log: Path, run: Path, budget_s: float | None, r
     proc = start_regen(config, ctx.head.env(), log)
     sampler = RssSampler(proc.pid, None, run, interval=1.0)
     sampler.start()
-    first = _first_prompt_request(request_logs, offsets, proc, 1800)
+    seen = _first_prompt_request(request_logs, offsets, proc, 1800)
+    first, answered = seen if seen is not None else (None, None)
     while True:
         try:
             rc = proc.wait(1.0)
@@ -203,6 +212,7 @@ def _run(ctx: Ctx, config: Path, log: Path, run: Path, budget_s: float | None, r
     live = [s for s in sampler.samples if s["done"] is not None]
     ready = _logged_at(run, " prompts pending of ")
     return {"rc": rc, "wall": wall, "first": None if first is None else first - started,
+            "answered": None if answered is None else answered - started,
             "ready": None if ready is None else ready - started,
             "peak": max((s["driver_mb"] for s in sampler.samples), default=0.0),
             "materialise_peak": max((s["driver_mb"] for s in sampler.samples if s["done"] is None), default=0.0),
