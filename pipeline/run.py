@@ -281,6 +281,8 @@ def pending_scan(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts
                            samples=cfg.samples_per_prompt)
     log.info("ledger read in %.2f s (%d committed, %d failed rows), pending scan in %.2f s", read - started,
              len(committed), len(failed), time.monotonic() - read, extra={"file_only": True})
+    del committed, failed
+    pa.default_memory_pool().release_unused()  # the reads' buffers, kept by the allocator: a resume's peak RSS
     return scan
 
 
