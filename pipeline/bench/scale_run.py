@@ -7,7 +7,7 @@ ShareGPT conversations, a few KB each) end to end through 16 emulated endpoints 
 2. The run is set to 90% done: records the new run did not make are written for the prompts that lack one by
    the store's own code (RunDir.write_part, parts of 512 rows as the committer writes them; only the ledger's
    columns filled), or whole parts are removed when it did more. The resume is timed from the command to the
-   first prompt request an emulator logs (the Ray head already up), and runs to the end: 0 lost, 0 doubled.
+   first prompt request an emulator receives (the Ray head already up), and runs to the end: 0 lost, 0 doubled.
 3. Bytes per pending prompt: the driver's structures for the whole set pending (reader.pending, the router's
    queues, the dispatcher's unfinished set), measured in a fresh process as RSS growth over N.
 """
@@ -259,6 +259,8 @@ def scale(ctx: Ctx) -> Result:
         ("command → first request, resume at 90% done (Ray head up)",
          f"{fmt(resumed['first'])} s" if resumed["first"] is not None else "no request seen", "≤ 5 s at 1M",
          (resumed["first"] is not None and resumed["first"] <= 5.0) if n >= 1_000_000 else None),
+        ("resume: command → first answer done at an emulator (the row above's measure before this change)",
+         f"{fmt(resumed['answered'])} s" if resumed["answered"] is not None else "no request seen", "", None),
         ("resume: command → pending set ready (ledger, prompt-set scan, preflight)",
          f"{fmt(resumed['ready'])} s" if resumed["ready"] is not None else "not logged", "", None),
         ("new run: command → first request (materialise included)",
