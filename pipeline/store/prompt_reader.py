@@ -37,6 +37,7 @@ ROUTE_CHARS = b"regen.route_key_chars"  # schema metadata: the prefix_affinity_c
 READ_ATTEMPTS = 4
 READ_RETRY_S = 0.5  # doubled after each failed attempt
 CACHED_GROUPS = 32  # row groups held at once (each at most 1024 prompts or ~1 MB of text): ~32 MB
+PENDING_CHUNK = 1 << 16  # pending units made into Python objects at a time by the scan
 ROW_COLUMNS = ("prompt_id", "source", "messages", "reference", "tools")  # "tools": when the set has the column
 
 
@@ -152,14 +153,6 @@ class PromptSetReader:
         self.groups_read += 1
         return self._retry(f"row group {group}", read)
 
-    def read_columns(self, columns: list[str]) -> pa.Table:
-        """Whole columns of the set (small ones: the ids, the routing keys)."""
-        def read(f: pq.ParquetFile) -> pa.Table:
-            io_seam("read", self.where.path)
-            return f.read(columns=columns)
-
-        return self._retry(f"columns {', '.join(columns)}", read)
-
     def scan(self, columns: list[str]) -> Iterator[tuple[int, pa.Table]]:
         """(first position, table) of each row group in file order; one group in memory at a time."""
         present = [c for c in columns if c in self.schema.names]
@@ -207,7 +200,11 @@ class PromptSetReader:
             log.info("prompt set %s: %d prompts in %d row groups, pinned for this run", self.name, self.num_rows,
                      len(self.group_rows))
         columns = ["prompt_id"] + ([ROUTE_KEY] if stored and listed else [])
-        table = self.read_columns(columns)
+        tables = [t for _, t in self.scan(columns)]  # a group at a time: less held while reading than one read
+        if not tables:
+            return PendingScan([], 0, 0, 0)
+        table = pa.concat_tables(tables)
+        del tables
         ids = table.column("prompt_id").combine_chunks()
         committed, failed = _arrow_units(committed, ids.type), _arrow_units(failed, ids.type)
         scan = PendingScan([], self.num_rows * samples, 0, 0)
@@ -223,16 +220,18 @@ class PromptSetReader:
         if not listed or not scan.waiting:
             return scan
         flat = np.flatnonzero(waiting.ravel())  # row-major: file order, a prompt's samples one after the other
-        rows, sample = flat // samples, flat % samples
-        prompt_ids = ids.take(pa.array(rows)).to_pylist()
-        if stored:
-            keys = table.column(ROUTE_KEY).combine_chunks().fill_null(0).take(pa.array(rows)).to_pylist()
-        elif affinity_chars > 0:
-            keys = self._computed_keys(rows, affinity_chars)
-        else:
-            keys = [0] * len(rows)
-        scan.pending = [PendingPrompt(unit_id(pid, j), position, key)
-                        for pid, j, position, key in zip(prompt_ids, sample.tolist(), rows.tolist(), keys)]
+        route_keys = table.column(ROUTE_KEY).combine_chunks().fill_null(0) if stored else None
+        for lo in range(0, len(flat), PENDING_CHUNK):  # a chunk at a time: no list of a million temporaries
+            rows, sample = np.divmod(flat[lo:lo + PENDING_CHUNK], samples)
+            prompt_ids = ids.take(pa.array(rows)).to_pylist()
+            if route_keys is not None:
+                keys = route_keys.take(pa.array(rows)).to_pylist()
+            elif affinity_chars > 0:
+                keys = self._computed_keys(rows, affinity_chars)
+            else:
+                keys = [0] * len(rows)
+            scan.pending.extend(PendingPrompt(unit_id(pid, j), position, key)
+                                for pid, j, position, key in zip(prompt_ids, sample.tolist(), rows.tolist(), keys))
         return scan
 
     def _computed_keys(self, rows: np.ndarray, affinity_chars: int) -> list[int]:
