@@ -268,6 +268,7 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     finally:
         if probe is not None:
             probe.cancel()  # nothing pending, or the run stopped: the probes' answers are not needed
+        scanning.wait()  # a run stopped early (a signal, /metrics' port taken) exits with no read in flight
 
 
 def pending_scan(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts: PromptSetReader) -> PendingScan:

@@ -25,9 +25,13 @@ class Background(Generic[T]):
         finally:
             self._done.set()
 
-    def result(self) -> T:
+    def wait(self) -> None:
+        """Until the work is done, whatever it gave."""
         while not self._done.wait(0.1):
             pass
+
+    def result(self) -> T:
+        self.wait()
         if self._error is not None:
             raise self._error
         return self._result  # type: ignore[return-value]
