@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import logging
 import platform
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 
 from . import __version__
 from .store import schema
 from .core import exits
+from .core.background import Background
 from .core.config import RunConfig, load_config
 from .core.errors import DriftError, LeaseLost, QualityGateStopped, RegenError, StorageError
 from .core.identity import IDENTITY_VERSION, check_identity, new_samples, resumed_manifest
@@ -29,8 +31,8 @@ from .store.status import counts_line
 from .store.resume import (ChosenRun, choose_run, committed_nothing, prompt_set_unrecorded, rebind, records_of_older,
                            with_prompt_advice)
 from .store.rundir import RunDir, RunLock, now_utc, successor_run_dir
-from .dispatch.fleet import FleetDrift, check_fleet_first, fleet_preflight
-from .store.prompt_reader import PromptSetReader
+from .dispatch.fleet import EarlyProbe, FleetDrift, check_fleet_first, fleet_preflight
+from .store.prompt_reader import PendingScan, PromptSetReader
 from .store.records import RecordBuilder
 from .dispatch.session import run_dispatch, session_start
 from .dispatch.stopping import StopFlag, setup_logging
@@ -250,22 +252,50 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
 
 def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any],
                      prompts: PromptSetReader, stop: StopFlag, lock: RunLock | None = None) -> int:
-    with session_start(cfg, run_dir, stop) as (early, metrics):  # the first actors start while the rest is read
-        return dispatch_started(cfg, opts, run_dir, manifest, prompts, stop, lock, early, metrics)
+    """Three things start at once, each waiting on something else: the ledger read and the pending scan (a thread:
+    Arrow reads files), the fleet's probes (EarlyProbe: they wait on the endpoints) and, with the session, the
+    first endpoint actors (they wait on Ray). The probes start early unless the run starts local servers (only once
+    it knows it has work) or its status says it is complete."""
+    tools = has_tools(prompts)
+    scanning = Background(lambda: pending_scan(cfg, opts, run_dir, prompts), "regen-ledger")
+    probe = None
+    if cfg.local_fleet is None and (run_dir.read_status() or {}).get("state") != "complete":
+        probe = EarlyProbe(cfg, opts.start_with_passing, tools)
+    try:
+        with session_start(cfg, run_dir, stop) as (early, metrics):
+            return dispatch_started(cfg, opts, run_dir, manifest, prompts, stop, lock, early, metrics, tools,
+                                    scanning.result, probe)
+    finally:
+        if probe is not None:
+            probe.cancel()  # nothing pending, or the run stopped: the probes' answers are not needed
+        scanning.wait()  # a run stopped early (a signal, /metrics' port taken) exits with no read in flight
+
+
+def pending_scan(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts: PromptSetReader) -> PendingScan:
+    """The units to run: the ledger, as Arrow arrays of unit ids (no Python object per committed unit), against the
+    pinned prompt set. A few bytes per pending unit (its id, row and routing key); messages are read as work is
+    handed out. Each prompt is samples_per_prompt units; committed and failed are unit ids."""
+    started = time.monotonic()
+    committed, failed = run_dir.committed_units(), run_dir.failed_units()
+    read = time.monotonic()
+    scan = prompts.pending(committed, failed, not opts.retry_failures, cfg.prefix_affinity_chars,
+                           samples=cfg.samples_per_prompt)
+    log.info("ledger read in %.2f s (%d committed, %d failed rows), pending scan in %.2f s", read - started,
+             len(committed), len(failed), time.monotonic() - read, extra={"file_only": True})
+    del committed, failed
+    pa.default_memory_pool().release_unused()  # the reads' buffers, kept by the allocator: a resume's peak RSS
+    return scan
 
 
 def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any],
-                     prompts: PromptSetReader, stop: StopFlag, lock: RunLock | None, early, metrics) -> int:
+                     prompts: PromptSetReader, stop: StopFlag, lock: RunLock | None, early, metrics, tools: bool,
+                     scanned: Callable[[], PendingScan], probe: EarlyProbe | None) -> int:
     from .endpoints.localfleet import local_fleet
     from .store.progress import Progress
 
-    committed = run_dir.committed_ids()
-    failed = run_dir.failed_ids() - committed
-    done = committed | (set() if opts.retry_failures else failed)
-    # a few bytes per pending unit (its id, row and routing key); messages are read as work is handed out
-    samples = cfg.samples_per_prompt  # each prompt is that many units (samples); committed and failed are unit ids
-    scan = prompts.pending(committed, failed, not opts.retry_failures, cfg.prefix_affinity_chars, samples=samples)
+    scan = scanned()
     pending = scan.pending
+    samples = cfg.samples_per_prompt
     rejects = run_dir.rejects_count()
 
     def progress() -> Progress:
@@ -280,15 +310,16 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     if not pending and not (opts.new_run and manifest.get("weight_version") is not None):
         return report_complete(run_dir, progress())
     with local_fleet(cfg.local_fleet, run_dir.local_logs()):
-        fleet = fleet_preflight(cfg, run_dir, opts.start_with_passing, tools=has_tools(prompts))
+        fleet = fleet_preflight(cfg, run_dir, opts.start_with_passing, tools=tools, probed=probe)
         if not pending:
             return report_complete(run_dir, progress())
         what = "prompts" if samples == 1 else f"samples ({samples} per prompt)"
-        log.info("%d %s pending of %d (%d done, %d failed)", len(pending), what, scan.total, len(committed),
-                 len(failed))
+        log.info("%d %s pending of %d (%d done, %d failed)", len(pending), what, scan.total, scan.done, scan.failed)
         run_progress = progress()
         builder = RecordBuilder(prompts, cfg, fingerprint=manifest.get("fingerprint"))
-        committer = Committer(run_dir, done, cfg.flush_records, cfg.flush_interval_s,  # no lease: no commit
+        # the committer's duplicate check starts from this session's commits: the ledger's units are never handed
+        # out (the scan leaves them out, and the dispatcher finishes only the work it was given)
+        committer = Committer(run_dir, set(), cfg.flush_records, cfg.flush_interval_s,  # no lease: no commit
                               schema.records_schema(manifest.get("schema_version")), lock=lock)
         try:
             state = run_dispatch(cfg, run_dir, builder, pending, committer, run_progress, stop, fleet, early,

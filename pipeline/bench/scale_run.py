@@ -7,7 +7,7 @@ ShareGPT conversations, a few KB each) end to end through 16 emulated endpoints 
 2. The run is set to 90% done: records the new run did not make are written for the prompts that lack one by
    the store's own code (RunDir.write_part, parts of 512 rows as the committer writes them; only the ledger's
    columns filled), or whole parts are removed when it did more. The resume is timed from the command to the
-   first prompt request an emulator logs (the Ray head already up), and runs to the end: 0 lost, 0 doubled.
+   first prompt request an emulator receives (the Ray head already up), and runs to the end: 0 lost, 0 doubled.
 3. Bytes per pending prompt: the driver's structures for the whole set pending (reader.pending, the router's
    queues, the dispatcher's unfinished set), measured in a fresh process as RSS growth over N.
 """
@@ -63,28 +63,36 @@ def _log_sizes(logs: list[Path]) -> list[int]:
     return [log.stat().st_size if log.exists() else 0 for log in logs]
 
 
+def _prompt_requests(logs: list[Path], offsets: list[int]) -> list[dict]:
+    """The prompt requests (not preflight probes) the emulators logged past the offsets, each when its answer was
+    done (`time`) with when it was received (`received`)."""
+    out = []
+    for log, offset in zip(logs, offsets):
+        try:
+            with open(log, "rb") as f:
+                f.seek(offset)
+                for line in f:
+                    if not line.endswith(b"\n"):
+                        break
+                    rec = orjson.loads(line)
+                    if not str(rec.get("rid", "")).startswith(PROBE_RID_PREFIX):
+                        out.append(rec)
+        except OSError:
+            pass
+    return out
+
+
 def _first_prompt_request(logs: list[Path], offsets: list[int], proc: subprocess.Popen,
-                          timeout: float) -> float | None:
-    """The time of the first request past the offsets in the emulators' request logs that is not a preflight
-    probe."""
+                          timeout: float) -> tuple[float, float] | None:
+    """(received, answered): when the first prompt request reached an emulator, and when the first answer was done.
+    An emulator logs a request once its answer is done, 32 tokens at 12.5 tok/s after it came: so once the first
+    line is there, the lines of the requests received before it are waited for too."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        firsts = []
-        for log, offset in zip(logs, offsets):
-            try:
-                with open(log, "rb") as f:
-                    f.seek(offset)
-                    for line in f:
-                        if not line.endswith(b"\n"):
-                            break
-                        rec = orjson.loads(line)
-                        if not str(rec.get("rid", "")).startswith(PROBE_RID_PREFIX):
-                            firsts.append(rec["time"])
-                            break
-            except OSError:
-                pass
-        if firsts:
-            return min(firsts)
+        if _prompt_requests(logs, offsets):
+            time.sleep(MAX_TOKENS / TOK_S + 1.0)
+            recs = _prompt_requests(logs, offsets)
+            return min(r.get("received", r["time"]) for r in recs), min(r["time"] for r in recs)
         time.sleep(0.02)
     return None
 
@@ -184,7 +192,8 @@ def _run(ctx: Ctx, config: Path, log: Path, run: Path, budget_s: float | None, r
     proc = start_regen(config, ctx.head.env(), log)
     sampler = RssSampler(proc.pid, None, run, interval=1.0)
     sampler.start()
-    first = _first_prompt_request(request_logs, offsets, proc, 1800)
+    seen = _first_prompt_request(request_logs, offsets, proc, 1800)
+    first, answered = seen if seen is not None else (None, None)
     while True:
         try:
             rc = proc.wait(1.0)
@@ -203,6 +212,7 @@ def _run(ctx: Ctx, config: Path, log: Path, run: Path, budget_s: float | None, r
     live = [s for s in sampler.samples if s["done"] is not None]
     ready = _logged_at(run, " prompts pending of ")
     return {"rc": rc, "wall": wall, "first": None if first is None else first - started,
+            "answered": None if answered is None else answered - started,
             "ready": None if ready is None else ready - started,
             "peak": max((s["driver_mb"] for s in sampler.samples), default=0.0),
             "materialise_peak": max((s["driver_mb"] for s in sampler.samples if s["done"] is None), default=0.0),
@@ -249,6 +259,8 @@ def scale(ctx: Ctx) -> Result:
         ("command → first request, resume at 90% done (Ray head up)",
          f"{fmt(resumed['first'])} s" if resumed["first"] is not None else "no request seen", "≤ 5 s at 1M",
          (resumed["first"] is not None and resumed["first"] <= 5.0) if n >= 1_000_000 else None),
+        ("resume: command → first answer done at an emulator (the row above's measure before this change)",
+         f"{fmt(resumed['answered'])} s" if resumed["answered"] is not None else "no request seen", "", None),
         ("resume: command → pending set ready (ledger, prompt-set scan, preflight)",
          f"{fmt(resumed['ready'])} s" if resumed["ready"] is not None else "not logged", "", None),
         ("new run: command → first request (materialise included)",

@@ -2,7 +2,9 @@
 the fleet is deterministic and which engines serve it (all recorded in run.json)."""
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from dataclasses import dataclass, field
 
 from ..core.config import RunConfig
@@ -45,17 +47,66 @@ class FleetFacts:
     probed: frozenset[str] | None = None
 
 
+class EarlyProbe:
+    """The preflight's probes of the fleet, run in a thread while the driver reads the ledger and scans the prompt
+    set (a resume at 1M prompts spends seconds there, the probes wait on the endpoints). Only the probing: what the
+    preflight decides and records (run.json's pins) is done by `fleet_preflight` once the run knows it has work, and
+    a run with nothing pending cancels the probes (`cancel`) and never reads them."""
+
+    def __init__(self, cfg: RunConfig, start_with_passing: bool, tools: bool):
+        from ..endpoints.preflight import preflight_async
+
+        self.loop = asyncio.new_event_loop()
+        api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
+        self.probing = preflight_async(cfg, api_keys, announce=False, start_with_passing=start_with_passing,
+                                       tools=tools)
+        self.task: asyncio.Task | None = None
+        self.done = threading.Event()
+        self.reports: list | None = None
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, name="regen-preflight", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.task = self.loop.create_task(self.probing)
+            self.reports = self.loop.run_until_complete(self.task)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it (or cancelled it)
+            self.error = exc
+        finally:
+            self.loop.close()
+            self.done.set()
+
+    def __call__(self) -> list:
+        """The reports, once the probes are done (a PreflightError refusing the fleet is raised here)."""
+        while not self.done.wait(0.1):  # a short wait: a signal still reaches the main thread at once
+            pass
+        if self.error is not None:
+            raise self.error
+        return self.reports
+
+    def cancel(self) -> None:
+        if not self.done.is_set():
+            try:
+                self.loop.call_soon_threadsafe(lambda: self.task is not None and self.task.cancel())
+            except RuntimeError:  # the loop closed meanwhile: the probes are done
+                pass
+
+
 def fleet_preflight(cfg: RunConfig, run_dir: RunDir, start_with_passing: bool = False,
-                    tools: bool = False) -> FleetFacts:
+                    tools: bool = False, probed: EarlyProbe | None = None) -> FleetFacts:
     """Probe the fleet before any prompt; pin the run to the weight version it reports (or check it) and
     record whether it is deterministic. `start_with_passing`: endpoints refused for problems of their own are
     held out (FleetFacts.refused) instead of refusing the run; only the passing ones decide the pins. `tools`: the
-    prompt set has tools (the fleet must return tool_calls)."""
-    from ..endpoints.preflight import preflight
+    prompt set has tools (the fleet must return tool_calls). `probed`: the probes, started early (EarlyProbe)."""
+    from ..endpoints.preflight import announce_reports, preflight
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
     try:
-        reports = preflight(cfg, api_keys, start_with_passing=start_with_passing, tools=tools)
+        if probed is None:
+            reports = preflight(cfg, api_keys, start_with_passing=start_with_passing, tools=tools)
+        else:
+            reports = probed()
+            announce_reports(reports, cfg, start_with_passing)
     except PreflightError as refused:
         log_verdicts(getattr(refused, "reports", []), getattr(refused, "fleet_problems", []))
         raise

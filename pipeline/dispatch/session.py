@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -44,6 +45,23 @@ def run_dispatch(cfg: Any, run_dir: RunDir, builder: RecordBuilder, pending: lis
         if bound:
             metrics.close()
         progress.extra.pop("metrics_url", None)  # status.json names no dead address
+
+
+def logged_first(load):
+    """`load` (the dispatcher's), saying in the run's log when the first work is handed out: the startup's last
+    step before the first request."""
+    first = [True]
+
+    def logged(batch: list) -> list:
+        started = time.monotonic()
+        items = load(batch)
+        if first[0]:
+            first[0] = False
+            log.info("first work handed out: %d units, their rows read in %.2f s", len(items),
+                     time.monotonic() - started, extra={"file_only": True})
+        return items
+
+    return logged
 
 
 @contextmanager
@@ -120,7 +138,8 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
                                                                     fleet.run_engines, fleet.tools), cfg.api_key,
                                                early),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
-                            unreachable=fleet.unreachable, refused=fleet.refused, load=builder.work_items,
+                            unreachable=fleet.unreachable, refused=fleet.refused,
+                            load=logged_first(builder.work_items),
                             start_concurrency=early.concurrency if early and early.concurrency else
                             start_concurrency(cfg), started_early=early.labels() if early else [],
                             asked_at=early.asked_at if early else None, probed=fleet.probed)

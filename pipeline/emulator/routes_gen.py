@@ -186,7 +186,8 @@ def _finish_stats(st: ServerState, job: Job, ttft: float) -> None:
     st.record_done(gen.prompt_tokens, job.cached, gen.completion_tokens, e2e, ttft)
     st.count(job.route, "200")
     st.log_request(job.route, job.rid, job.body, gen.finish, prompt_tokens=gen.prompt_tokens,
-                   completion_tokens=gen.completion_tokens, cached_tokens=job.cached)
+                   completion_tokens=gen.completion_tokens, cached_tokens=job.cached,
+                   received=time.time() - e2e)  # a line is written when the answer is done: `time` is its end
 
 
 def _chat_extras(st: ServerState, job: Job, finish_meta: bool) -> dict:

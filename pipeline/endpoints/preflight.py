@@ -176,23 +176,8 @@ async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], annou
             raise _refuse(refusal_text(reports, []) + "\nno endpoint passes it, so --start-with-passing has none to "
                           "start with", reports, fleet)
         if any(r.reachable for r in rest):
-            if not announce:
-                return reports
-            for r in held:
-                log.error("endpoint %s failed the preflight: %s. --start-with-passing: the run starts without it; it "
-                          "joins once it passes the preflight (checked again with backoff)", r.label,
-                          "; ".join(r.problems))
-            if held:
-                log.warning("starting with %d of %d endpoints (--start-with-passing); held out: %s",
-                            len(reports) - len(held), len(reports), ", ".join(r.label for r in held))
-            for note in fleet_notes(reports, cfg):
-                log.warning("fleet: %s", note)
-            for r in rest:
-                if not r.reachable:
-                    log.warning("endpoint %s is unreachable (%s); it gets work once it answers and passes "
-                                "this preflight", r.label, r.down_reason)
-                for w in r.warnings:
-                    log.warning("endpoint %s: %s", r.label, w)
+            if announce:
+                announce_reports(reports, cfg, start_with_passing)
             return reports
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -205,6 +190,28 @@ async def preflight_async(cfg: RunConfig, api_keys: dict[str, str | None], annou
                     "; ".join(f"{r.label}: {r.down_reason}" for r in reports), pause, remaining)
         await asyncio.sleep(pause)
         delay = min(delay * 2, 30.0)
+
+
+def announce_reports(reports: list[EndpointReport], cfg: RunConfig, start_with_passing: bool = False) -> None:
+    """Log what a passed preflight found: the endpoints held out, the fleet notes, each endpoint's warnings."""
+    held = [r for r in reports if r.problems] if start_with_passing else []
+    held_labels = {r.label for r in held}
+    for r in held:
+        log.error("endpoint %s failed the preflight: %s. --start-with-passing: the run starts without it; it "
+                  "joins once it passes the preflight (checked again with backoff)", r.label, "; ".join(r.problems))
+    if held:
+        log.warning("starting with %d of %d endpoints (--start-with-passing); held out: %s",
+                    len(reports) - len(held), len(reports), ", ".join(r.label for r in held))
+    for note in fleet_notes(reports, cfg):
+        log.warning("fleet: %s", note)
+    for r in reports:
+        if r.label in held_labels:
+            continue
+        if not r.reachable:
+            log.warning("endpoint %s is unreachable (%s); it gets work once it answers and passes "
+                        "this preflight", r.label, r.down_reason)
+        for w in r.warnings:
+            log.warning("endpoint %s: %s", r.label, w)
 
 
 def _passing_hint(reports: list[EndpointReport], cfg: RunConfig) -> str:

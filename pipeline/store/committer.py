@@ -57,7 +57,7 @@ class Committer:
         """`lock`: the run's lock; a driver that has lost it (a lease taken over or expired) commits nothing."""
         self.run_dir, self.lock = run_dir, lock
         self.records_schema = records_schema  # the run's own (schema.records_schema of its run.json)
-        self.done = done  # unit ids of committed data + terminal failures (unless retried)
+        self.done = done  # unit ids committed (data + terminal failures): this session's, or from the ledger too
         self.flush_records, self.flush_interval_s = flush_records, flush_interval_s
         self.records: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []

@@ -17,13 +17,15 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Collection, Iterator, NamedTuple, Union
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..core.errors import StorageError
-from ..core.work import affinity_key, split_unit, unit_id
+from ..core.work import SAMPLE_SEP, affinity_key, split_unit, unit_id
 from ..prompts.tool_calls import message_from_row
 from .seam import io_seam, storage_errors
 from .storage import Location
@@ -35,7 +37,19 @@ ROUTE_CHARS = b"regen.route_key_chars"  # schema metadata: the prefix_affinity_c
 READ_ATTEMPTS = 4
 READ_RETRY_S = 0.5  # doubled after each failed attempt
 CACHED_GROUPS = 32  # row groups held at once (each at most 1024 prompts or ~1 MB of text): ~32 MB
+PENDING_CHUNK = 1 << 16  # pending units made into Python objects at a time by the scan
 ROW_COLUMNS = ("prompt_id", "source", "messages", "reference", "tools")  # "tools": when the set has the column
+
+
+Units = Union[Collection[str], pa.Array, pa.ChunkedArray]  # unit ids: a set, or the ledger as Arrow (RunDir.unit_ids)
+
+
+def _arrow_units(units: Units, type_: pa.DataType) -> pa.Array:
+    if isinstance(units, pa.ChunkedArray):
+        units = units.combine_chunks()
+    if not isinstance(units, pa.Array):
+        units = pa.array(list(units), pa.string())
+    return units.cast(type_) if units.type != type_ else units
 
 
 class PendingPrompt(NamedTuple):
@@ -146,10 +160,22 @@ class PromptSetReader:
             yield start, self.read_group(group, present)
 
     def has_tools(self) -> bool:
-        """Some prompt has tools (a set written before tool calls has no such column: none has)."""
+        """Some prompt has tools (a set written before tool calls has no such column: none has). Told by the footer's
+        statistics of each row group, read only where they are missing."""
         if "tools" not in self.schema.names:
             return False
-        return any(table.column(0).null_count < table.num_rows for _, table in self.scan(["tools"]))
+        meta = self._retry("footer", lambda f: f.metadata)
+        for group in range(meta.num_row_groups):
+            row_group = meta.row_group(group)
+            leaf = next(row_group.column(k) for k in range(row_group.num_columns)
+                        if row_group.column(k).path_in_schema == "tools")
+            stats = leaf.statistics  # the footer's null count: no column read, where the writer kept it
+            if stats is not None and stats.has_null_count:
+                if stats.null_count < row_group.num_rows:
+                    return True
+            elif self.read_group(group, ["tools"]).column(0).null_count < row_group.num_rows:
+                return True
+        return False
 
     def ids(self) -> set[str]:
         ids: set[str] = set()
@@ -158,47 +184,72 @@ class PromptSetReader:
         return ids
 
     # --- the pending set ----------------------------------------------------------------------------
-    def pending(self, committed: set[str], failed: set[str], skip_failed: bool, affinity_chars: int,
+    def pending(self, committed: Units, failed: Units, skip_failed: bool, affinity_chars: int,
                 listed: bool = True, samples: int = 1) -> PendingScan:
-        """Each unit (sample 0 to `samples` - 1 of each prompt; `committed`, `failed` hold unit ids) neither
-        committed nor (with `skip_failed`) failed, in file order, a prompt's samples one after the other, with the
-        prompt's routing key (`listed=False`: counted only)."""
+        """Each unit (sample 0 to `samples` - 1 of each prompt; `committed`, `failed` hold unit ids, as sets or as
+        Arrow arrays such as RunDir.unit_ids) neither committed nor (with `skip_failed`) failed, in file order, a
+        prompt's samples one after the other, with the prompt's routing key (`listed=False`: counted only).
+
+        Vectorised: the id column is read whole (a few dozen bytes a prompt) and looked up in the ledger in Arrow;
+        only the pending units become Python objects."""
         stored = affinity_chars > 0 and self.route_key_chars() == affinity_chars
-        if affinity_chars > 0 and not stored:
+        if listed and affinity_chars > 0 and not stored:
             log.info("prompt set %s has no routing keys for prefix_affinity_chars=%d: computing them from the "
-                     "messages (one pass)", self.name, affinity_chars)
+                     "messages of the pending prompts", self.name, affinity_chars)
         if listed:
             log.info("prompt set %s: %d prompts in %d row groups, pinned for this run", self.name, self.num_rows,
                      len(self.group_rows))
-        columns = ["prompt_id"] + ([ROUTE_KEY] if stored else ["messages", "tools"] if affinity_chars > 0 else [])
-        scan = PendingScan([], 0, 0, 0)
-        for start, table in self.scan(columns):
-            ids = table.column("prompt_id").to_pylist()
-            if stored:
-                keys = table.column(ROUTE_KEY).fill_null(0).to_pylist()
+        columns = ["prompt_id"] + ([ROUTE_KEY] if stored and listed else [])
+        tables = [t for _, t in self.scan(columns)]  # a group at a time: less held while reading than one read
+        if not tables:
+            return PendingScan([], 0, 0, 0)
+        table = pa.concat_tables(tables)
+        del tables
+        ids = table.column("prompt_id").combine_chunks()
+        committed, failed = _arrow_units(committed, ids.type), _arrow_units(failed, ids.type)
+        scan = PendingScan([], self.num_rows * samples, 0, 0)
+        waiting = np.zeros((len(ids), samples), dtype=bool)
+        for j in range(samples):
+            units = ids if j == 0 else pc.binary_join_element_wise(ids, pa.scalar(str(j), ids.type), SAMPLE_SEP)
+            done = pc.is_in(units, value_set=committed).to_numpy(zero_copy_only=False)
+            failed_now = pc.is_in(units, value_set=failed).to_numpy(zero_copy_only=False) & ~done
+            scan.done += int(done.sum())
+            scan.failed += int(failed_now.sum())
+            waiting[:, j] = ~done & ~failed_now if skip_failed else ~done
+        scan.waiting = int(waiting.sum())
+        if not listed or not scan.waiting:
+            return scan
+        flat = np.flatnonzero(waiting.ravel())  # row-major: file order, a prompt's samples one after the other
+        route_keys = table.column(ROUTE_KEY).combine_chunks().fill_null(0) if stored else None
+        for lo in range(0, len(flat), PENDING_CHUNK):  # a chunk at a time: no list of a million temporaries
+            rows, sample = np.divmod(flat[lo:lo + PENDING_CHUNK], samples)
+            prompt_ids = ids.take(pa.array(rows)).to_pylist()
+            if route_keys is not None:
+                keys = route_keys.take(pa.array(rows)).to_pylist()
             elif affinity_chars > 0:
-                tools = (table.column("tools").to_pylist() if "tools" in table.column_names
-                         else [None] * table.num_rows)
-                keys = [affinity_key([message_from_row(m) for m in messages], affinity_chars,
-                                     None if t is None else t.encode())
-                        for messages, t in zip(table.column("messages").to_pylist(), tools)]
+                keys = self._computed_keys(rows, affinity_chars)
             else:
-                keys = [0] * len(ids)
-            for offset, (prompt_id, key) in enumerate(zip(ids, keys)):
-                for j in range(samples):
-                    pid = unit_id(prompt_id, j)
-                    scan.total += 1
-                    if pid in committed:
-                        scan.done += 1
-                        continue
-                    if pid in failed:
-                        scan.failed += 1
-                        if skip_failed:
-                            continue
-                    scan.waiting += 1
-                    if listed:
-                        scan.pending.append(PendingPrompt(pid, start + offset, key))
+                keys = [0] * len(rows)
+            scan.pending.extend(PendingPrompt(unit_id(pid, j), position, key)
+                                for pid, j, position, key in zip(prompt_ids, sample.tolist(), rows.tolist(), keys))
         return scan
+
+    def _computed_keys(self, rows: np.ndarray, affinity_chars: int) -> list[int]:
+        """The routing keys of these rows (ascending positions) from their messages: a set staged without a
+        `route_key` column, or for another `prefix_affinity_chars`. Reads only the row groups that hold them."""
+        keys: list[int] = []
+        groups = np.searchsorted(np.asarray(self.starts), rows, side="right") - 1
+        present = [c for c in ("messages", "tools") if c in self.schema.names]
+        for group in np.unique(groups).tolist():
+            table = self.read_group(group, present)
+            offsets = (rows[groups == group] - self.starts[group]).tolist()
+            messages = table.column("messages").take(offsets).to_pylist()
+            tools = (table.column("tools").take(offsets).to_pylist() if "tools" in table.column_names
+                     else [None] * len(offsets))
+            for row_messages, t in zip(messages, tools):
+                keys.append(affinity_key([message_from_row(m) for m in row_messages], affinity_chars,
+                                         None if t is None else t.encode()))
+        return keys
 
     # --- rows by position ---------------------------------------------------------------------------
     def rows(self, pending: list[PendingPrompt]) -> list[PromptRow]:

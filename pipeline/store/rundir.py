@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from . import schema
 from ..core.errors import StorageError
-from ..core.work import unit_id
+from ..core.work import SAMPLE_SEP
 from .lock import RunLock  # the run's lock lives with its directory
 from .prompt_reader import PromptSetReader, pinned_reader
 from .storage import TMP_PREFIX, Location, read_columns
@@ -164,28 +164,41 @@ class RunDir:
         return path
 
     def ids_in(self, folder: Location) -> set[str]:
-        """The ledger: the unit ids (core/work.py unit_id) of committed parts, reading the id columns only. A record
-        of sample j > 0 (`sample_index`) is `<prompt_id>#s<j>`; a failure row's prompt_id is its unit's id; a
-        record whose sample_index is null or 0 is its prompt's sample 0, the prompt's own id."""
+        """The ledger as a set of unit ids (`unit_ids`)."""
+        return set(self.unit_ids(folder).to_pylist())
+
+    def unit_ids(self, folder: Location) -> pa.Array:
+        """The ledger: the unit ids (core/work.py unit_id) of committed parts, reading the id columns only, as one
+        Arrow array (a unit of several rows, e.g. the turns of an all_turns record, is there as often). A record of
+        sample j > 0 (`sample_index`) is `<prompt_id>#s<j>`; a failure row's prompt_id is its unit's id; a record
+        whose sample_index is null or 0 is its prompt's sample 0, the prompt's own id. Built in Arrow: a few bytes
+        per id, and no Python object per committed unit."""
         parts = self.parts(folder)
         if not parts:
-            return set()
+            return pa.array([], pa.string())
         # every part of one run has its run's columns: the first one's say whether records name samples
         with_samples = "sample_index" in parts[0].parquet_schema().names
         table = read_columns(parts, ["prompt_id", "sample_index"] if with_samples else ["prompt_id"])
-        ids = table.column(0).to_pylist()
+        ids = table.column(0).combine_chunks()
         if with_samples:
-            samples = table.column(1)
-            if samples.null_count < len(samples):
-                for i in pc.indices_nonzero(pc.fill_null(pc.greater(samples, 0), False)).to_pylist():
-                    ids[i] = unit_id(ids[i], samples[i].as_py())
-        return set(ids)
+            later = pc.fill_null(pc.greater(table.column(1), 0), False).combine_chunks()
+            if pc.any(later).as_py():
+                suffixed = pc.binary_join_element_wise(ids, pc.cast(table.column(1), pa.string()).combine_chunks(),
+                                                       SAMPLE_SEP)
+                ids = pc.if_else(later, suffixed, ids)
+        return ids
 
     def committed_ids(self) -> set[str]:
         return self.ids_in(self.data)
 
     def failed_ids(self) -> set[str]:
         return self.ids_in(self.failures)
+
+    def committed_units(self) -> pa.Array:
+        return self.unit_ids(self.data)
+
+    def failed_units(self) -> pa.Array:
+        return self.unit_ids(self.failures)
 
     def read_table(self, folder: Location, columns: list[str] | None = None) -> pa.Table | None:
         parts = self.parts(folder)

