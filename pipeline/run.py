@@ -259,9 +259,9 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     tools = has_tools(prompts)
     scanning = Background(lambda: pending_scan(cfg, opts, run_dir, prompts), "regen-ledger")
     probe = None
-    if cfg.local_fleet is None and (run_dir.read_status() or {}).get("state") != "complete":
-        probe = EarlyProbe(cfg, opts.start_with_passing, tools)
     try:
+        if cfg.local_fleet is None and (run_dir.read_status() or {}).get("state") != "complete":
+            probe = EarlyProbe(cfg, opts.start_with_passing, tools)
         with session_start(cfg, run_dir, stop) as (early, metrics):
             return dispatch_started(cfg, opts, run_dir, manifest, prompts, stop, lock, early, metrics, tools,
                                     scanning.result, probe)

@@ -37,7 +37,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ..core.errors import ConfigError, PartExists
+from ..core.errors import ConfigError, PartExists, StorageError
 from ..core.uri import check_uri
 from .seam import arm, storage_error  # noqa: F401 (arm: the tests' switch of the seam)
 from .seam import io_seam as _io, storage_errors as _errors
@@ -376,9 +376,18 @@ def read_columns(parts: list[Location], columns: list[str]) -> pa.Table:
         for part in parts:
             _io("read", part.path)
         if parts[0].local:
-            return pa.concat_tables([pq.ParquetFile(p.path).read(columns=columns, use_threads=False) for p in parts],
+            return pa.concat_tables([_read_part(p, columns) for p in parts],
                                     promote_options="default")  # a column a part lacks: nulls, as a dataset has
         return ds.dataset([p.path for p in parts], filesystem=parts[0].fs, format="parquet").to_table(columns=columns)
+
+
+def _read_part(part: Location, columns: list[str]) -> pa.Table:
+    """One local part's columns; a part that is not readable Parquet (truncated, overwritten) is named."""
+    try:
+        return pq.ParquetFile(part.path).read(columns=columns, use_threads=False)
+    except pa.ArrowInvalid as exc:
+        raise StorageError(f"cannot read {part}: not a readable Parquet part ({exc}); move it aside and rerun to "
+                           "resume: its prompts are then pending again") from exc
 
 
 def take_os_lock(where: Location, create: bool = True) -> int | None:
