@@ -93,7 +93,7 @@ def test_a_key_older_code_did_not_record_is_adopted_but_a_users_template_key_is_
 def old_run_config(tmp_path: Path, servers, **changes) -> Path:
     cfg = yaml.safe_load((OLD_RUN / "config.yaml").read_text())
     cfg["sources"] = [{**ref, "spec": str(REPO / ref["spec"])} for ref in cfg["sources"]]  # it ran from REPO
-    cfg.update(output_dir=str(tmp_path / "out"), dead_fleet_deadline_s=20,
+    cfg.update(output_dir=str(tmp_path / "out"), dead_fleet_deadline_s=120,  # > an actor start on a loaded machine
                endpoints=[{"url": s.url, "concurrency": 2, "name": f"emu-{i}"} for i, s in enumerate(servers)])
     for key, value in changes.items():
         cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
