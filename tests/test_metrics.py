@@ -193,7 +193,9 @@ def test_a_metrics_port_already_taken_stops_the_run_before_ray_starts(tmp_path):
         config = write_config(tmp_path, [{"url": server.url, "name": "emu-0"}], [prompt_source(tmp_path, 3)],
                               model=MODEL, metrics={"port": port}, ray={"address": "127.0.0.1:1"})
         try:
-            result = run_regen("generate", "--config", str(config), timeout=90)
+            # joining that address takes Ray about 7 minutes to give up; the refusal took over 90 s on a loaded
+            # 2-core machine
+            result = run_regen("generate", "--config", str(config), timeout=240)
         except subprocess.TimeoutExpired:
             pytest.fail("the run waited for Ray before it found the metrics port taken")
     assert result.returncode == 2, result.stderr
