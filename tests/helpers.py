@@ -63,7 +63,9 @@ def write_config(tmp: Path, endpoints: list[dict], specs: list[Path], **override
         "endpoints": endpoints,
         "flush_interval_s": 1,
         "flush_records": 16,
-        "dead_fleet_deadline_s": 20,
+        # An endpoint whose actor has not answered yet counts as down: on a loaded 2-core machine a run's actors
+        # can take 30 s and more to start. A test that proves the deadline sets its own.
+        "dead_fleet_deadline_s": 120,
         "status_interval_s": 0.5,
     }
     cfg.update(overrides)

@@ -160,12 +160,18 @@ def test_a_fleet_the_preflight_refuses_is_refused_without_starting_an_embedded_r
     assert "endpoint actors" not in run_log(tmp_path)
 
 
-def endpoint_actor_processes() -> list[str]:
+def endpoint_actor_processes(temp_dir: Path) -> list[str]:
+    """The endpoint actors of the Ray cluster in temp_dir (a worker of its raylet): not another xdist worker's
+    cluster's, nor another run's on the machine."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if "RayEndpointWorker" in cmd:
-            found.append(f"{proc.pid} {cmd[:100]}")
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if "RayEndpointWorker" in cmd and any(f"{temp_dir}/" in " ".join(parent.cmdline())
+                                                  for parent in proc.parents()):
+                found.append(f"{proc.pid} {cmd[:100]}")
+        except psutil.Error:
+            continue
     return found
 
 
@@ -183,14 +189,15 @@ def test_a_signal_during_the_preflight_kills_the_early_actors_and_sends_nothing(
         with regen_running("generate", "--config", str(config), "--start-with-passing",
                            log=tmp_path / "console.txt") as proc:
             wait_for(lambda: "started 2 of 3 endpoint actors" in run_log(tmp_path), 120, 0.02, "the early actors")
-            wait_for(lambda: len(endpoint_actor_processes()) >= 2, 25, 0.1, "the early actors' processes")
+            wait_for(lambda: len(endpoint_actor_processes(ray_cluster["temp_dir"])) >= 2, 25, 0.1,
+                     "the early actors' processes")
             assert " regen: dispatch: " not in run_log(tmp_path)
             proc.send_signal(sig)
             code = proc.wait(timeout=60)
     assert code == 130, (tmp_path / "console.txt").read_text()[-3000:]
     assert run_log(tmp_path).strip().splitlines()[-1].split(": ", 1)[1].startswith("run ended (exit 130): interrupted")
     assert not [r for r in requests_to(tmp_path / "e.jsonl") if not r["rid"].startswith(PROBE_RID_PREFIX)]
-    wait_for(lambda: not endpoint_actor_processes(), 30, 0.5, "the early actors to end")
+    wait_for(lambda: not endpoint_actor_processes(ray_cluster["temp_dir"]), 30, 0.5, "the early actors to end")
 
 
 def test_a_first_actor_ray_cannot_place_does_not_keep_the_rest_from_starting(tmp_path, ray_cluster):

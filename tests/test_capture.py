@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 
 from pipeline.hidden.parts import hidden_parts, iter_hidden
 from pipeline.store.capture_ledger import capture_run_dir
+from pipeline.store.faults import kill_at_data_part
 from tests.helpers import run_regen, start_regen, wait_for
 from tests.smollm2_run import SAMPLES, add_part, make_smollm2_run, smollm2_records
 from tests.trainlib import run_checks
@@ -209,10 +210,11 @@ def test_sigkill_during_capture_then_resume_captures_each_sample_exactly_once(tm
     run = make_smollm2_run(tmp_path / "run", [smollm2_records(ref.tok, samples)])
     config = write_capture_config(tmp_path, model_dir)
     cap = capture_run_dir(run)
-    proc = start_regen("capture", str(run.path), "--config", str(config), log=tmp_path / "first.log")
-    wait_for(lambda: 1 <= len(cap.committed_ids()), timeout=240, interval=0.05, what="a first commit")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    # SIGKILLed at its third commit (flush_records 1: after two samples, the third's hidden part written but not
+    # referenced); a kill from outside after a first commit could land after the last one on a loaded machine
+    proc = start_regen("capture", str(run.path), "--config", str(config), env=kill_at_data_part(3),
+                       log=tmp_path / "first.log")
+    assert proc.wait(timeout=300) == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-3000:]
     before = cap.committed_ids()
     assert 1 <= len(before) < 8, "the kill must land mid-capture"
     resumed = run_regen("capture", str(run.path), "--config", str(config), timeout=300)

@@ -61,14 +61,21 @@ def two_node_cluster(tmp_path):
 
 
 def test_losing_a_worker_node_moves_its_work_to_the_survivors(tmp_path, two_node_cluster):
+    # concurrency 2: the run takes about 10 s once its actors work (at 8 it took 2.5 s, over before a late test
+    # got to kill the node); it is killed once an actor on the second node has sent requests
     with emulators(4, preset="kimi", tok_per_s=40) as servers:
-        config = write_config(tmp_path, [{"url": s.url, "concurrency": 8, "name": f"emu-{i}"}
+        config = write_config(tmp_path, [{"url": s.url, "concurrency": 2, "name": f"emu-{i}"}
                                          for i, s in enumerate(servers)],
                               [prompt_source(tmp_path, 200)], model=MODEL,
                               sampling={"temperature": 0.0, "max_tokens": 16}, flush_records=10, status_interval_s=0.2)
         run = tmp_path / "out" / "t"
         proc = start_regen("generate", "--config", str(config), env=two_node_cluster["env"], log=tmp_path / "log")
-        wait_for(lambda: len(committed_ids(run)) >= 20, 120, what="progress on both nodes")
+
+        def working_on_both_nodes() -> bool:
+            nodes = {e.get("node") for e in status_of(run).get("endpoints", {}).values() if e.get("requests")}
+            return len(committed_ids(run)) >= 20 and {"127.0.0.2", "127.0.0.3"} <= nodes
+
+        wait_for(working_on_both_nodes, 120, 0.1, what="progress on both nodes")
         stop_cluster(two_node_cluster["worker_dir"])  # SIGKILL the second node's raylet and its workers
         assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-3000:]
         assert status_of(run)["actor_restarts"] >= 1, "the lost node held endpoint actors"
@@ -110,7 +117,9 @@ def test_endpoints_file_adds_and_drains_endpoints_live(tmp_path, ray_cluster):
     second = start_emulator(preset="kimi", tok_per_s=40)
     try:
         fleet_file = tmp_path / "endpoints.txt"
-        fleet_file.write_text(f"# the fleet\n{first.url} 4\n")
+        # first at concurrency 2: alone, it has about 44 s of work left when second is listed (at 4 it had 22 s,
+        # and could take every prompt while second's actor started on a loaded machine)
+        fleet_file.write_text(f"# the fleet\n{first.url} 2\n")
         prompts = tmp_path / "p.jsonl"
         write_prompts(prompts, 240)
         config = write_config(tmp_path, [], [write_source(tmp_path, prompts)], model=MODEL,
@@ -121,7 +130,7 @@ def test_endpoints_file_adds_and_drains_endpoints_live(tmp_path, ray_cluster):
         first_label, second_label = first.url.split("://")[1], second.url.split("://")[1]
         proc = start_regen("generate", "--config", str(config), log=tmp_path / "log")
         wait_for(lambda: len(committed_ids(run)) >= 20, 120, what="the first endpoint working")
-        fleet_file.write_text(f"{first.url} 4\n{second.url} 4\n")
+        fleet_file.write_text(f"{first.url} 2\n{second.url} 4\n")
         wait_for(lambda: any(r["endpoint"] == second_label for r in rows_of(run)), 60, what="the new endpoint's work")
         fleet_file.write_text(f"{second.url} 4\n")
         wait_for(lambda: first_label not in status_of(run).get("endpoints", {}), 60, what="the removed one to drain")

@@ -149,13 +149,22 @@ def test_committer_commits_each_prompt_once_and_the_ledger_reads_it(tmp_path):
     assert not resumed.add_records([record("c")]) and not resumed.add_failure({"prompt_id": "d"})
 
 
-def test_flush_interval_commits_a_small_buffer(tmp_path):
+def test_flush_interval_commits_a_small_buffer(tmp_path, monkeypatch):
+    import types
+
+    import pipeline.store.committer as committer_module
+
+    clock = [1000.0]  # the committer's clock, moved by the test: a busy machine's pause between lines moves nothing
+    monkeypatch.setattr(committer_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     run = RunDir(tmp_path / "run")
     run.create()
-    committer = Committer(run, done=set(), flush_records=100, flush_interval_s=0.05)
+    committer = Committer(run, done=set(), flush_records=100, flush_interval_s=0.5)
     committer.add_records([record("a")])
+    clock[0] += 0.25
     assert not committer.due()
-    time.sleep(0.06)
+    committer.maybe_flush()
+    assert run.committed_ids() == set()
+    clock[0] += 0.25
     committer.maybe_flush()
     assert run.committed_ids() == {"a"}
 

@@ -16,10 +16,12 @@ import pytest
 
 from pipeline.emulator import (EOS_ID, encode, expected_chat, expected_generate, make_config, render_chat,
                                start_emulator)
+from tests.helpers import wait_for
 
 MODEL = "moonshotai/Kimi-K2.5"
 MAIN_OPTS = dict(preset="kimi", enable_metrics=True, enable_cache_report=True, context_length=4096, fault_seed=7)
-SMALL_OPTS = dict(capacity=1, max_queue=1, tok_per_s=50.0, queue_timeout=0.25)
+# queue_timeout: long enough for a third request to arrive while a second waits, on a loaded machine
+SMALL_OPTS = dict(capacity=1, max_queue=1, tok_per_s=50.0, queue_timeout=1.0)
 # an EAGLE3 draft: speculative meta in meta_info and /metrics
 EAGLE_OPTS = dict(preset="kimi-eagle3", enable_metrics=True, sglang_version="0.5.18")
 
@@ -39,6 +41,12 @@ def call(url: str, path: str, body=None, timeout: float = 10.0, raw: bytes | Non
 def jcall(url, path, body=None, **kw):
     status, _, data = call(url, path, body, **kw)
     return status, (json.loads(data) if data else None)
+
+
+def admission(server) -> tuple[int, int]:
+    """(running, waiting) requests of an emulator now."""
+    stats = jcall(server.url, "/admin/stats")[1]
+    return stats["running"], stats["waiting"]
 
 
 def chat(content: str, max_tokens: int = 24, **extra) -> dict:
@@ -304,22 +312,23 @@ def test_every_400_message(fresh, small):
     st, b = jcall(u, "/v1/chat/completions", {**chat("x"), "model": "someone/else"})
     assert st == 200 and b["model"] == "someone/else"  # SGLang's chat checks no model name: it echoes it
     # a rid that is still running
-    with cf.ThreadPoolExecutor(2) as ex:
+    with cf.ThreadPoolExecutor(2) as ex:  # the first runs for 2 s: the second is sent once it runs
         first = ex.submit(jcall, small.url, "/v1/chat/completions",
-                          chat("slow", max_tokens=15, rid="dup", ignore_eos=True))
-        time.sleep(0.1)
+                          chat("slow", max_tokens=100, rid="dup", ignore_eos=True))
+        wait_for(lambda: admission(small) == (1, 0), 30, what="the first request running")
         st, b = jcall(small.url, "/v1/chat/completions", chat("again", max_tokens=2, rid="dup"))
         assert first.result()[0] == 200
     assert st == 400 and b["message"] == "Duplicate request ID detected: dup"
 
 
 def test_queue_full_and_queue_timeout(small):
+    # each request is sent once the one before it holds its place (running 4 s, waiting up to queue_timeout)
     with cf.ThreadPoolExecutor(3) as ex:
         running = ex.submit(jcall, small.url, "/v1/chat/completions",
-                            chat("long one", max_tokens=30, ignore_eos=True))
-        time.sleep(0.1)
+                            chat("long one", max_tokens=200, ignore_eos=True))
+        wait_for(lambda: admission(small) == (1, 0), 30, what="the first request running")
         waiting = ex.submit(jcall, small.url, "/v1/chat/completions", chat("second", max_tokens=2))
-        time.sleep(0.05)
+        wait_for(lambda: admission(small) == (1, 1), 30, 0.01, what="the second request waiting")
         st, b = jcall(small.url, "/v1/chat/completions", chat("third", max_tokens=2))
         assert (st, b["message"], b["code"]) == (503, "The request queue is full.", 503)
         st2, b2 = waiting.result()

@@ -208,13 +208,15 @@ def test_full_disk_stops_cleanly_and_resumes(tmp_path, ray_cluster, emulator_fle
 
 
 def test_sigint_commits_the_buffer_then_resume_completes(tmp_path, ray_cluster):
-    slow = start_emulator(preset="kimi", tok_per_s=40)
+    # The last prompt hangs (not hedged, no request deadline in reach) until the server restarts for the resume:
+    # the run is surely live when SIGINTed (it took about 12 s, over if the test got there late).
+    slow = start_emulator(preset="kimi", tok_per_s=40, poison_text="(#119)", poison_fault="hang")
     try:
         prompts = tmp_path / "p.jsonl"
         write_prompts(prompts, 120)
         config = write_config(tmp_path, endpoints_of([slow]), [write_source(tmp_path, prompts)], model=MODEL,
                               sampling={"temperature": 0.0, "max_tokens": 16}, flush_records=10_000,
-                              flush_interval_s=600)
+                              flush_interval_s=600, hedge_tail=False, request_timeout_s=600)
         run = tmp_path / "out" / "t"
         proc = start_regen("generate", "--config", str(config), log=tmp_path / "log")
 
@@ -229,6 +231,7 @@ def test_sigint_commits_the_buffer_then_resume_completes(tmp_path, ray_cluster):
         interrupted = committed_ids(run)
         assert len(interrupted) >= 8, "the buffer is committed on SIGINT"
         assert orjson.loads((run / "status.json").read_bytes())["state"] == "interrupted"
+        slow.restart(poison_text=None)
         resumed = run_regen("generate", "--config", str(config))
         assert resumed.returncode == 0, resumed.stderr
         ids = committed_ids(run)

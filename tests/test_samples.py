@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import re
+import signal
 from pathlib import Path
 
 import orjson
@@ -17,9 +18,10 @@ from pipeline.emulator import make_config
 from pipeline.emulator.model import expected_chat
 from pipeline.endpoints.preflight import PROBE_RID_PREFIX
 from pipeline.export.formats import validate_specforge_row
+from pipeline.store.faults import kill_at_data_part
 from pipeline.prompts.conversation import sample_seed
 from tests.helpers import (
-    data_parts, emulators, run_regen, sigkill, start_regen, wait_for, write_config, write_prompts, write_source,
+    data_parts, emulators, run_regen, start_regen, write_config, write_prompts, write_source,
 )
 from tests.test_modes import write_conversations
 
@@ -108,9 +110,10 @@ def test_a_sigkill_mid_run_then_resume_commits_each_sample_exactly_once(tmp_path
     config = write_config(tmp_path, endpoints(fleet), [write_source(tmp_path, prompts)], model=MODEL,
                           sampling=SAMPLING, samples_per_prompt=3, flush_records=6, flush_interval_s=0.5)
     run = tmp_path / "out" / "t"
-    proc = start_regen("generate", "--config", str(config), log=tmp_path / "run1.log")
-    wait_for(lambda: len(data_parts(run)) >= 1, 180, what="a first committed part")
-    sigkill(proc)
+    # SIGKILLed at its third commit: a kill from outside after a first commit could land after the last one (the
+    # whole run takes about 3 s on the emulators)
+    proc = start_regen("generate", "--config", str(config), env=kill_at_data_part(3), log=tmp_path / "run1.log")
+    assert proc.wait(timeout=180) == -signal.SIGKILL, (tmp_path / "run1.log").read_text()[-3000:]
     before = units(rows_of(run))
     assert 0 < len(before) < 120, "killed mid-run"
     result = run_regen("generate", "--config", str(config))

@@ -10,6 +10,7 @@ module starts)."""
 from __future__ import annotations
 
 import collections
+import signal
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,7 +26,8 @@ pytest.importorskip("transformers")
 from pipeline.export.jsonl import export_run
 from pipeline.hidden.parts import hidden_parts
 from pipeline.store.capture_ledger import capture_run_dir
-from tests.helpers import free_port, require_installed, run_regen, sigkill, start_regen, wait_for
+from pipeline.store.faults import kill_at_data_part
+from tests.helpers import free_port, require_installed, run_regen, start_regen
 from tests.smollm2_run import SAMPLES, make_smollm2_run, smollm2_records
 from tests.test_capture import AUX, LayerLoop, bf16_close, stored_samples
 from tests.trainlib import run_checks
@@ -185,9 +187,11 @@ def test_driver_sigkill_then_resume_captures_each_sample_exactly_once(tmp_path, 
     for other in others:
         other.write_bytes(b"not ours")
     cap = capture_run_dir(run)
-    proc = start_regen("capture", str(run.path), "--config", str(config), log=tmp_path / "first.log")
-    wait_for(lambda: len(cap.committed_ids()) >= 1, timeout=120, interval=0.02, what="a first commit")
-    sigkill(proc)
+    # SIGKILLed at its third commit (flush_records 1): a kill from outside after a first commit could land after
+    # the last one on a loaded machine
+    proc = start_regen("capture", str(run.path), "--config", str(config), env=kill_at_data_part(3),
+                       log=tmp_path / "first.log")
+    assert proc.wait(timeout=300) == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-3000:]
     before = cap.committed_ids()
     assert 1 <= len(before) < 8, "the kill must land mid-capture"
     resumed = run_regen("capture", str(run.path), "--config", str(config), timeout=300)

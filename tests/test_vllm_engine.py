@@ -17,9 +17,10 @@ import pytest
 
 from pipeline.emulator import start_emulator
 from pipeline.export.jsonl import export_run
+from pipeline.store.faults import kill_at_data_part
 from pipeline.store.schema import SCHEMA_VERSION
 from tests.helpers import (
-    all_prompt_ids, committed_ids, data_parts, run_regen, sigkill, start_regen, wait_for, write_config,
+    all_prompt_ids, committed_ids, data_parts, run_regen, start_regen, wait_for, write_config,
     write_prompts, write_source,
 )
 from tests.trainlib import run_checks
@@ -273,9 +274,9 @@ def test_driver_sigkill_mid_run_then_resume_nothing_lost_or_doubled(tmp_path, ra
     config = vllm_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], flush_records=2,
                           flush_interval_s=0.5, sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
     run = tmp_path / "out" / "t"
-    proc = start_regen("generate", "--config", str(config), log=tmp_path / "run1.log")
-    wait_for(lambda: len(data_parts(run)) >= 1, 240, what="a first committed part")
-    sigkill(proc)
+    # SIGKILLed at its third commit: a kill from outside after a first commit could land after the last one
+    proc = start_regen("generate", "--config", str(config), env=kill_at_data_part(3), log=tmp_path / "run1.log")
+    assert proc.wait(timeout=600) == -signal.SIGKILL, (tmp_path / "run1.log").read_text()[-3000:]
     before = committed_ids(run)
     assert 0 < len(before) < 16, "the kill must land mid-run"
     result = run_regen("generate", "--config", str(config))

@@ -47,7 +47,7 @@ def test_a_server_of_the_capture_layout_gives_its_states_in_layout_order_and_its
     np.testing.assert_array_equal(states[:, [0, 1, 2, 4]], written)  # the aux layers, then L before the norm
     rms = np.sqrt(np.mean(written[:, 3].astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5)
     np.testing.assert_allclose(states[:, 3], written[:, 3] / rms * np.linspace(0.5, 1.5, HIDDEN), rtol=1e-5)
-    wait_for(lambda: server.files() == [], timeout=2, what="the server's file removed")
+    wait_for(lambda: server.files() == [], timeout=30, what="the server's file removed")
 
 
 @pytest.mark.parametrize("field, value, named", [
@@ -145,13 +145,13 @@ def test_a_path_outside_the_servers_folder_or_of_another_request_is_refused_and_
 
 def test_a_file_written_after_its_lock_timed_out_is_still_removed(server, model):
     route = route_for(server, model, lock_timeout_s=0.3)
-    server.write_delay_s = 1.0
+    server.write_delay_s = 3.0  # well past the 0.3 s lock timeout, even if the route starts late
     with pytest.raises(Retryable, match="still locked"):
         route.capture(IDS)
-    wait_for(lambda: any(n.endswith(".safetensors") for n in server.files()), timeout=5, what="the late file")
+    wait_for(lambda: any(n.endswith(".safetensors") for n in server.files()), timeout=30, what="the late file")
     server.write_delay_s = 0.0
     route.capture(IDS)
-    wait_for(lambda: server.files() == [], timeout=2, what="every file of this route removed")
+    wait_for(lambda: server.files() == [], timeout=30, what="every file of this route removed")
 
 
 def test_capture_many_keeps_concurrency_requests_in_flight_and_returns_each_samples_outcome(server, model):
