@@ -28,7 +28,9 @@ def test_an_endpoint_edited_into_the_file_during_the_preflight_still_gets_work(t
     """Two actors (one CPU each, the cluster's two) start early for the endpoints file's first two servers; while a
     third endpoint that never answers holds the preflight, the second server's concurrency is edited (`concurrency`)
     or it is replaced by another server (`replaced`). The early actor of the old entry must not sit on the CPU the new
-    entry's actor needs: the edited (or new) server gets prompts."""
+    entry's actor needs: the edited (or new) server gets prompts. A server the fleet's preflight did not judge joins
+    through its own, after the unreachable third endpoint's actor has started: with 0.6 CPU an actor, the cluster's
+    two CPUs hold the first server's, the third's and the new one's only if the old entry's early actor is gone."""
     hole = socket.socket()
     hole.bind(("127.0.0.1", 0))
     hole.listen(64)  # accepts connections (the kernel's backlog) and never answers: the preflight waits for it
@@ -44,7 +46,7 @@ def test_an_endpoint_edited_into_the_file_during_the_preflight_still_gets_work(t
                                   sampling={"temperature": 0.0, "max_tokens": 16}, endpoints_file=str(fleet),
                                   endpoints_file_interval_s=1, dead_fleet_deadline_s=120,
                                   ray={"address": ray_cluster["address"], "actor_start_concurrency": 2,
-                                       "actor_num_cpus": 1})
+                                       "actor_num_cpus": 1 if edit == "concurrency" else 0.6})
             with regen_running("generate", "--config", str(config), "--start-with-passing",
                                log=tmp_path / "console.txt") as proc:
                 wait_for(lambda: "started 2 of 3 endpoint actors" in run_log(tmp_path), 120, 0.02, "the early actors")
