@@ -29,12 +29,6 @@ pytestmark = pytest.mark.vllm
 MAX_TOKENS = 32
 
 
-def vllm_config(tmp_path: Path, endpoint_list: list[dict], specs: list[Path], **overrides) -> Path:
-    """A test config whose actors may take long to start: a real engine on a loaded 2-core machine is slow, and the
-    run would stop at write_config's 20 s dead-fleet deadline before any actor answered."""
-    return write_config(tmp_path, endpoint_list, specs, **{"dead_fleet_deadline_s": 120, **overrides})
-
-
 def endpoints(vllm_fleet) -> list[dict]:
     return [{"url": e.url, "concurrency": e.concurrency, "name": e.name} for e in vllm_fleet.fleet.endpoints()]
 
@@ -71,7 +65,7 @@ def check_ids(rows: list[dict], tokenizer) -> None:
 def test_token_ids_decode_to_the_content_and_the_chat_rendering(tmp_path, ray_cluster, vllm_fleet, tokenizer):
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 8)
-    config = vllm_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)],
+    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)],
                           sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
     result = run_regen("generate", "--config", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -114,7 +108,7 @@ def check_token_exports_in_the_libraries(tmp_path, run, rows, model_dir):
 def test_streaming_run(tmp_path, ray_cluster, vllm_fleet, tokenizer):
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 4)
-    config = vllm_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], stream=True,
+    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], stream=True,
                           sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
     result = run_regen("generate", "--config", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -127,7 +121,7 @@ def test_three_samples_at_temperature_are_distinct_completions_with_exact_ids(tm
                                                                               tokenizer):
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 3)
-    config = vllm_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], samples_per_prompt=3,
+    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], samples_per_prompt=3,
                           sampling={"temperature": 0.8, "max_tokens": 16})
     result = run_regen("generate", "--config", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -148,7 +142,7 @@ def test_over_long_prompt_is_one_terminal_attempt_with_the_server_message(tmp_pa
     rows = write_prompts(prompts, 2)
     long_prompt = {"prompt": "Summarise this: " + " ".join(["lorem ipsum dolor sit amet"] * 300)}
     prompts.write_text(prompts.read_text() + json.dumps(long_prompt) + "\n")
-    config = vllm_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)],
+    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)],
                           sampling={"temperature": 0.0, "max_tokens": 8})
     result = run_regen("generate", "--config", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -165,7 +159,7 @@ def test_a_fleet_mixing_engines_is_refused(tmp_path, vllm_fleet):
     try:
         prompts = tmp_path / "prompts.jsonl"
         write_prompts(prompts, 1)
-        config = vllm_config(tmp_path, endpoints(vllm_fleet)[:1] + [{"url": emulator.url, "name": "sgl"}],
+        config = write_config(tmp_path, endpoints(vllm_fleet)[:1] + [{"url": emulator.url, "name": "sgl"}],
                               [write_source(tmp_path, prompts)], return_token_ids=False)
         result = run_regen("preflight", str(config))
     finally:
@@ -178,7 +172,7 @@ def test_a_fleet_mixing_engines_is_refused(tmp_path, vllm_fleet):
 def test_bench_endpoints_reads_vllm_metrics(tmp_path, vllm_fleet):
     prompts = tmp_path / "p.jsonl"
     write_prompts(prompts, 1)
-    config = vllm_config(tmp_path, endpoints(vllm_fleet)[:1], [write_source(tmp_path, prompts)])
+    config = write_config(tmp_path, endpoints(vllm_fleet)[:1], [write_source(tmp_path, prompts)])
     result = run_regen("bench-endpoints", str(config), "--max-tokens", "8", "--prompts", "5", "--concurrency", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(l for l in result.stdout.splitlines() if "vllm:generation_tokens_total" in l)
@@ -271,7 +265,7 @@ def test_tool_free_chats_render_as_smollm2s_own_template(tokenizer):
 def test_driver_sigkill_mid_run_then_resume_nothing_lost_or_doubled(tmp_path, ray_cluster, vllm_fleet):
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 16)
-    config = vllm_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], flush_records=2,
+    config = write_config(tmp_path, endpoints(vllm_fleet), [write_source(tmp_path, prompts)], flush_records=2,
                           flush_interval_s=0.5, sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
     run = tmp_path / "out" / "t"
     # SIGKILLed at its third commit: a kill from outside after a first commit could land after the last one
@@ -296,7 +290,7 @@ def test_sigkill_of_one_server_mid_run_moves_its_work(tmp_path, ray_cluster, vll
     local0, local1 = vllm_fleet.fleet.endpoints()
     fleet_file = tmp_path / "fleet.txt"
     fleet_file.write_text(f"{local1.url} 2\n")
-    config = vllm_config(tmp_path, [], [write_source(tmp_path, prompts)], flush_records=1, flush_interval_s=0.2,
+    config = write_config(tmp_path, [], [write_source(tmp_path, prompts)], flush_records=1, flush_interval_s=0.2,
                           endpoints_file=str(fleet_file), endpoints_file_interval_s=0.5,
                           sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
     run = tmp_path / "out" / "t"

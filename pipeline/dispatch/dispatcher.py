@@ -58,9 +58,8 @@ class Dispatcher:
     ):
         """`items`: WorkItems, or light pending prompts (a prompt_id and an affinity) that `load` turns into
         WorkItems when they are handed out, so the messages of the queued work are never all in memory. Actors
-        start `start_concurrency` at a time (None: all); `started_early` ones were started at `asked_at`.
-        `probed`: the endpoints the preflight judged (None: all listed); one listed since joins as the endpoints
-        file's new entries do, through its own preflight."""
+        start `start_concurrency` at a time (None: all); `started_early` ones were started at `asked_at`. `probed`:
+        the endpoints the preflight judged (None: all); one listed since joins through its own preflight."""
         self.cfg = cfg
         self.load = load
         self.transport = transport or RayTransport()
