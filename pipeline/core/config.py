@@ -19,8 +19,8 @@ from .yaml_model import load_yaml_model
 
 
 from .config_sections import (  # noqa: F401 (the sections are part of this module's interface)
-    RETIRED_HIDDEN_STATES, Endpoint, LocalFleet, MetricsServer, QualityThresholds, RayOptions, Sampling, SourceRef,
-    _Strict,
+    RETIRED_HIDDEN_STATES, Endpoint, Images, LocalFleet, MetricsServer, QualityThresholds, RayOptions, Sampling,
+    SourceRef, _Strict,
 )
 
 
@@ -60,6 +60,7 @@ class RunConfig(_Strict):
     sampling: Sampling = Field(Sampling(), description="Sampling parameters (the `sampling:` section).")
     selection_seed: int = Field(0, description=(
         "Seed of the per-source `limit` selection (the prompts of lowest sha256(seed:prompt_id) are kept)."))
+    images: Images = Field(Images(), description="Image prompts (the `images:` section).")
     sources: list[SourceRef] = Field(min_length=1, description=(
         "The sources, in order (an exact duplicate prompt is kept by the first source that has it)."))
     endpoints: list[Endpoint] = Field(default_factory=list, description="The endpoints of the fleet.")

@@ -169,3 +169,33 @@ class QualityThresholds(_Strict):
         "Share of records cut at max_tokens inside the thinking (no answer text at all)."))
     empty: float = Field(0.02, ge=0.0, le=1.0, description="Share of records with neither answer nor reasoning.")
     repetition: float = Field(0.05, ge=0.0, le=1.0, description="Share of records flagged `repetition` (a loop).")
+
+
+class Images(_Strict):
+    """Image prompts (the `images:` section): where their bytes live, what is refused, how they are sent
+    (docs/images.md). The keys that select or shape the prompt set are in the run identity when not default."""
+
+    store: Literal["copy", "reference"] = Field("copy", description=(
+        "`copy`: each image is copied once into the run directory (RUN/images/, content-addressed; object stores "
+        "too), so the run is self-contained; `reference`: local images are read in place when sent, by their "
+        "absolute path, and checked against their sha256 then (no second copy of COCO; every node must reach the "
+        "path). Images from http(s), `data:` URLs and `datasets` Image bytes are always copied."))
+    remote: Literal["fetch", "refuse"] = Field("fetch", description=(
+        "An http(s) image URL in a source: `fetch` it once, when the prompt set is materialised (then it is bytes "
+        "like a local file: a run never depends on a URL that may change in 55 hours); `refuse`: reject the record "
+        "(`remote_image`)."))
+    fetch_timeout_s: float = Field(30.0, gt=0.0, description="Timeout of one http(s) image fetch.")
+    max_bytes: int = Field(20 * 1024 * 1024, ge=1, description=(
+        "An image file larger than this is rejected (`image_too_large`)."))
+    max_pixels: int = Field(40_000_000, ge=1, description=(
+        "An image of more pixels (width x height) is rejected (`image_too_large`), before it is decoded: the guard "
+        "against decompression bombs."))
+    max_per_prompt: int = Field(16, ge=1, description=(
+        "A prompt with more images is rejected (`too_many_images`)."))
+    send_as: Literal["data_url", "file_url"] = Field("data_url", description=(
+        "How an image reaches the server: `data_url` (base64 in the request: works on any fleet) or `file_url` "
+        "(`file://` + the path the bytes are at: the servers must read the same storage; vLLM needs "
+        "--allowed-local-media-path). Not in the run identity: the target sees the same pixels."))
+    tokens_per_image: int = Field(4096, ge=1, description=(
+        "The prompt tokens one image is counted as by max_prompt_tokens where the tokenizer cannot say "
+        "(a conservative budget: Kimi-K2.5 spends up to 4,096 on an image)."))
