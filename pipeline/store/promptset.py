@@ -163,7 +163,8 @@ def check_schema_takes_parts(staged: StagedPromptSet, schema_version: int | None
                 if staged.with_images else f"{staged.with_parts:,} prompts of the sources have content parts")
         raise ConfigError(f"{what}, which this run (created at records schema {version}) cannot store: content "
                           f"parts need records schema {schema.IMAGES_VERSION}. Start a new run for them (regen "
-                          "generate --new-run, or another run_name); nothing was written to this run")
+                          "generate --new-run, or another run_name where the config still matches this run); "
+                          "nothing was written to this run")
 
 
 def check_schema_takes_samples(samples: int, schema_version: int | None) -> None:
