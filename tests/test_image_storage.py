@@ -114,12 +114,13 @@ def test_each_image_is_copied_once_by_its_content_and_read_back_from_the_run(tmp
     run = new_run(Location.at(base) / "run")
     files = local_images(tmp_path / "src", range(4))
     fetched = [picture(10), picture(11)]
-    first = stage([image_prompt(f"q{i}", [part_of(picture(i))]) for i in range(2)],
+    first = stage([image_prompt(f"q{i}", [part_of(picture(i)), part_of(fetched[i])]) for i in range(2)],
                   dict(list(files.items())[:2]), fetched)
     first.commit(run)
     assert first.images.copied == 4 and first.images.present == 0
     # a refresh that reads two of the same images and two new ones copies only the new ones
-    second = stage([image_prompt(f"q{i}", [part_of(picture(i))]) for i in range(4)], files, fetched[:1])
+    second = stage([image_prompt(f"q{i}", [part_of(picture(i))]) for i in range(4)]
+                   + [image_prompt("again", [part_of(fetched[0])])], files, fetched[:1])
     second.commit(run)
     assert (second.images.copied, second.images.present) == (2, 3)
     stored = stored_images(run)
@@ -134,9 +135,20 @@ def test_each_image_is_copied_once_by_its_content_and_read_back_from_the_run(tmp
         read_image(run.path.uri, part_of(picture(99)))
 
 
+def test_only_the_images_the_committed_prompts_name_are_copied(tmp_path):
+    """The sources hand over each image as they read it, before they know whether its record is kept."""
+    files = local_images(tmp_path / "src", range(3))
+    staged = stage([image_prompt("kept", [part_of(picture(1)), part_of(picture(21))])], files,
+                   [picture(20), picture(21)])
+    run = new_run(tmp_path / "run")
+    staged.commit(run)
+    assert set(stored_images(run)) == {sha(picture(1)), sha(picture(21))} and staged.images.skipped == 3
+
+
 def test_under_store_reference_local_images_are_not_copied_and_bytes_are(tmp_path):
     files = local_images(tmp_path / "src", range(3))
-    prompts = [image_prompt("q", [part_of(data_path.read_bytes(), path=str(data_path)) for data_path in files.values()])]
+    prompts = [image_prompt("q", [part_of(data_path.read_bytes(), path=str(data_path)) for data_path in files.values()]
+                            + [part_of(picture(20))])]
     staged = stage(prompts, files, [picture(20)], store="reference")
     run = new_run(tmp_path / "run")
     staged.commit(run)
@@ -147,7 +159,7 @@ def test_under_store_reference_local_images_are_not_copied_and_bytes_are(tmp_pat
 
 def test_a_local_image_that_changed_before_the_commit_is_refused_by_name_and_the_set_not_committed(tmp_path):
     files = local_images(tmp_path / "src", range(6))
-    staged = stage([image_prompt("q", [part_of(picture(0))])], files)
+    staged = stage([image_prompt("q", [part_of(picture(i)) for i in range(6)])], files)
     changed = files[sha(picture(3))]
     changed.write_bytes(picture(33))
     run = new_run(tmp_path / "run")
@@ -157,7 +169,7 @@ def test_a_local_image_that_changed_before_the_commit_is_refused_by_name_and_the
     assert not run.prompt_set_versions() and not list(run.rejects.iterdir()), "the set was not committed"
     assert sha(picture(3)) not in stored_images(run), "no temporary file, and not the changed bytes"
     staged.discard()
-    gone = stage([image_prompt("q", [part_of(picture(0))])], {sha(picture(40)): tmp_path / "never-there.png"})
+    gone = stage([image_prompt("q", [part_of(picture(40))])], {sha(picture(40)): tmp_path / "never-there.png"})
     with pytest.raises(ImageChanged, match="never-there.png.*is gone"):
         gone.commit(run)
 
@@ -223,7 +235,8 @@ KILLED_COPY = textwrap.dedent("""
     from tests.image_store_helpers import image_prompt, local_images, part_of, picture, stage
     from pipeline.store.rundir import RunDir
     files = local_images(Path(sys.argv[2]), range(8))
-    staged = stage([image_prompt("q", [part_of(picture(0))])], files, [picture(s) for s in range(20, 26)])
+    every = [picture(s) for s in range(8)] + [picture(s) for s in range(20, 26)]
+    staged = stage([image_prompt("q", [part_of(data) for data in every])], files, every[8:])
     staged.commit(RunDir(sys.argv[1]))
     print("not killed")
 """)
@@ -248,7 +261,8 @@ def test_a_sigkill_in_the_middle_of_the_image_copy_resumes_with_every_image_whol
     assert len(before) == 5 and all(sha(data) == name for name, data in before.items())
 
     files = local_images(tmp_path / "src", range(8))  # the same images, read again by the rerun
-    again = stage([image_prompt("q", [part_of(picture(0))])], files, [picture(s) for s in range(20, 26)])
+    every = [picture(s) for s in range(8)] + [picture(s) for s in range(20, 26)]
+    again = stage([image_prompt("q", [part_of(data) for data in every])], files, every[8:])
     again.commit(run)
     assert (again.images.copied, again.images.present) == (9, 5)
     after = stored_images(run)

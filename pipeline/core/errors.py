@@ -32,11 +32,11 @@ class ImageChanged(ConfigError):
 
 class ImageFetchFailed(RegenError):
     """An http(s) image could not be fetched while the sources were read (the prompts layer rejects the record as
-    `remote_image` with this reason). `status`: the HTTP status, if the server answered."""
+    `remote_image` with this cause). `status`: the HTTP status, if the server answered."""
 
-    def __init__(self, url: str, reason: str, status: int | None = None):
-        self.url, self.reason, self.status = url, reason, status
-        super().__init__(f"fetching {url} failed: " + (f"HTTP {status}: " if status is not None else "") + reason)
+    def __init__(self, url: str, cause: str, status: int | None = None):
+        self.url, self.cause, self.status = url, cause, status
+        super().__init__(f"{url}: {cause}" + (f" (HTTP {status})" if status is not None else ""))
 
 
 class DriftError(RegenError):

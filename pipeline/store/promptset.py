@@ -88,7 +88,11 @@ class StagedPromptSet:
         tools = canonical_json(list(p.tools)) if p.tools else None
         if tools is not None or has_tool_fields(p.messages) or p.reference_tool_calls is not None:
             self.with_tools += 1
-        images = len(images_of(p.messages))
+        parts = images_of(p.messages)
+        images = len(parts)
+        for part in parts:
+            if not part.get("path"):  # its bytes go into the run (a `path` is read in place when sent)
+                self.images.name(part["sha256"])
         if any(isinstance(m.get("content"), (list, tuple)) for m in p.messages):
             self.with_parts += 1
             self.with_images += images > 0

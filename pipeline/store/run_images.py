@@ -79,10 +79,17 @@ class StagedImages:
         self.held = 0  # images staged as bytes
         self.held_bytes = 0
         self.copied = self.copied_bytes = self.present = 0  # of the last commit
+        self.skipped = 0  # staged images no committed prompt names (their records were rejected, or not selected)
+        self.named: set[bytes] = set()  # the digests the prompts' parts name (~100 bytes an image)
 
     @property
     def count(self) -> int:
         return self.local + self.held
+
+    def name(self, sha256: str) -> None:
+        """A committed prompt names this image (a part without `path`): only named images are copied (the sources
+        hand over each image when they read it, before they know whether its record is kept)."""
+        self.named.add(bytes.fromhex(sha256))
 
     def add(self, sha256: str, source: str | os.PathLike[str] | bytes | bytearray | memoryview) -> None:
         """One distinct image of the set: a local path (or URI) to copy at the commit, or its bytes (checked
@@ -120,11 +127,12 @@ class StagedImages:
     def commit(self, run_dir: Location, threads: int = COPY_THREADS) -> None:
         """Copy every staged image that RUN/images/ lacks (see the module docstring). Raises ImageChanged or
         StorageError; images published before the error stay (whole, named by their content)."""
-        if not self.count:
+        if not self.count or not self.named:
+            self.skipped = self.count
             return
         folder = images_folder(run_dir)
         present = stored_names(folder)
-        self.copied = self.copied_bytes = self.present = 0
+        self.copied = self.copied_bytes = self.present = self.skipped = 0
         started = last_log = time.monotonic()
         lock = threading.Lock()
         made: set[str] = set()  # local prefix folders made by this commit
@@ -146,6 +154,9 @@ class StagedImages:
             running: set = set()
             try:
                 for sha, where, staged in self._sources():
+                    if bytes.fromhex(sha) not in self.named:
+                        self.skipped += 1
+                        continue
                     if sha in present:
                         self.present += 1
                         continue
