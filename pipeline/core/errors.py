@@ -18,18 +18,6 @@ class SecretMissing(ConfigError):
     """An endpoint names an API-key environment variable that is not set."""
 
 
-class ImageChanged(ConfigError):
-    """A local image's bytes are no longer those read when the prompt set was built (changed or gone before they
-    were copied into the run): the prompt set is not committed. Names the file."""
-
-    def __init__(self, path: str, expected: str, found: str | None):
-        self.path, self.expected, self.found = path, expected, found
-        now = "is gone" if found is None else f"now has sha256 {found}"
-        super().__init__(f"image {path} changed while the prompt set was built (read with sha256 {expected}, it {now}):"
-                         " the prompt set was not committed; rerun to read the sources again (images already copied "
-                         "are kept: they are stored by their content)")
-
-
 class ImageFetchFailed(RegenError):
     """An http(s) image could not be fetched while the sources were read (the prompts layer rejects the record as
     `remote_image` with this cause). `status`: the HTTP status, if the server answered."""
@@ -134,3 +122,16 @@ class StorageError(RunFatal):
 
 class PartExists(StorageError):
     """A commit would replace an existing part: committed files are never replaced."""
+
+
+# --- the prompt set's images ---------------------------------------------------------------------
+class ImageChanged(ConfigError):
+    """A local image's bytes are no longer those read when the prompt set was built (changed or gone before they
+    were copied into the run): the prompt set is not committed. Names the file."""
+
+    def __init__(self, path: str, expected: str, found: str | None):
+        self.path, self.expected, self.found = path, expected, found
+        now = "is gone" if found is None else f"now has sha256 {found}"
+        super().__init__(f"image {path} changed while the prompt set was built (read with sha256 {expected}, it {now}):"
+                         " the prompt set was not committed; rerun to read the sources again (images already copied "
+                         "are kept: they are stored by their content)")

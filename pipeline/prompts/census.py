@@ -1,6 +1,9 @@
 """`regen validate`'s count of images: in the records it reads, the images read, how many are distinct (by their
 sha256), by format, and the records rejected for an image, by reason, so a missing COCO folder or a wrong
-`image_root` shows before a 55-hour run. Pure: it counts normalised messages and reject codes."""
+`image_root` shows before a 55-hour run. Pure: it counts normalised messages and reject codes.
+
+The probe (probe.py, which reads each record's images as generate does) holds one per source: `add` the messages
+its image reader resolved for a kept record, `reject` each record's code, and print `lines()` under its summary."""
 from __future__ import annotations
 
 from collections import Counter

@@ -11,7 +11,6 @@ from typing import Any
 import orjson
 
 from .adapters import to_messages
-from .census import ImageCensus
 from .presets import Preset, recognise
 from .prompt_set import normalise
 from .errors import NoValidPrompts, SourceError, TruncatedSource
@@ -37,7 +36,6 @@ class Probe:
     no_valid: NoValidPrompts | None = None
     # a file cut short without `salvage: true`: read to its end, as `regen generate` refuses it
     truncated: TruncatedSource | None = None
-    census: ImageCensus = field(default_factory=ImageCensus)  # the images of the first records
 
     def lines(self) -> list[str]:
         seen = "; ".join(f"{name}: {what}" for name, what in self.containers.items()) or "nothing"
@@ -50,7 +48,6 @@ class Probe:
         if self.looks_like:
             summary += f"; they look like {self.looks_like[0]} (field {self.looks_like[1]!r})"
         out.append(summary)
-        out += self.census.lines()
         out += [f"  warning: {w}" for w in self.warnings]
         return out
 
@@ -92,16 +89,13 @@ def _valid(spec: SourceSpec, rec: Reject | RawRecord, report: SourceReport, prob
             if preset is not None:
                 probe.presets[preset] += 1
         try:
-            messages, _ = normalise(to_messages(spec, rec.data))
-            if probe is not None:
-                probe.census.add(messages)
+            normalise(to_messages(spec, rec.data))
             return True
         except InvalidRecord as exc:
             code, reason = exc.code.value, exc.reason
     report.reject(code, reason)
     if probe is not None:
         probe.rejected[code] += 1
-        probe.census.reject(code)
     return False
 
 
