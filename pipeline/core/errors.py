@@ -18,6 +18,15 @@ class SecretMissing(ConfigError):
     """An endpoint names an API-key environment variable that is not set."""
 
 
+class ImageFetchFailed(RegenError):
+    """An http(s) image could not be fetched while the sources were read (the prompts layer rejects the record as
+    `remote_image` with this cause). `status`: the HTTP status, if the server answered."""
+
+    def __init__(self, url: str, cause: str, status: int | None = None):
+        self.url, self.cause, self.status = url, cause, status
+        super().__init__(f"{url}: {cause}" + (f" (HTTP {status})" if status is not None else ""))
+
+
 class DriftError(RegenError):
     """Resuming a run whose identity changed: generation config, prompt-set config or weight version."""
 

@@ -41,24 +41,16 @@ from urllib.parse import unquote, unquote_to_bytes, urlsplit
 from PIL import Image, UnidentifiedImageError
 
 from ..core.config_sections import Images
+from ..core.errors import ImageFetchFailed
 from ..core.images import MEDIA_TYPES, image_part
 from .parts import IMAGE_REF
 from .records import InvalidRecord, RejectCode, Tally
 
-Fetch = Callable[[str], bytes]  # an http(s) URL -> its body; raises ImageFetchError
+Fetch = Callable[[str], bytes]  # an http(s) URL -> its body (at most max_bytes + 1 of it); raises ImageFetchFailed
 AddImage = Callable[[str, "str | bytes"], None]  # PromptSink.add_image
 FORMAT_ALIASES = {"MPO": "JPEG"}  # a camera's multi-picture JPEG: its first picture is a plain JPEG
 CACHED = 65536  # parts of local files and URLs kept, so an image several records share is read once
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-class ImageFetchError(Exception):
-    """What a fetch callable raises when an http(s) URL gives no image bytes: `cause` says why (a timeout, a
-    refused connection, ...), `status` is the HTTP status when the server answered."""
-
-    def __init__(self, url: str, cause: str, status: int | None = None):
-        super().__init__(f"{url}: {cause}" + (f" (HTTP {status})" if status is not None else ""))
-        self.url, self.cause, self.status = url, cause, status
 
 
 class _Refused(Exception):
@@ -270,7 +262,7 @@ class ImageReader:
         try:
             try:
                 data = self.fetch(url)
-            except ImageFetchError as exc:
+            except ImageFetchFailed as exc:
                 status = f" (HTTP {exc.status})" if exc.status is not None else ""
                 raise _Refused(RejectCode.REMOTE_IMAGE, f"could not be fetched: {exc.cause}{status}") from None
             part = self._bytes(data)
@@ -302,14 +294,15 @@ class ImageReader:
     def _inspect(self, data: bytes) -> tuple[str, int, int]:
         """(media type, width, height) of an image's bytes, or _Refused."""
         limit = self.settings.max_pixels
-        bomb = f"has more pixels than images.max_pixels {limit:,} (Pillow's decompression-bomb guard, before decoding)"
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+        bomb = (f"has more than twice images.max_pixels {limit:,} pixels (refused by Pillow's decompression-bomb "
+                "guard, before decoding)")
+        with warnings.catch_warnings():  # over max_pixels: the check below says by how much; over twice: Pillow's error
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             try:
                 image = Image.open(io.BytesIO(data))
             except UnidentifiedImageError:
                 raise _Refused(RejectCode.NOT_AN_IMAGE, "is not an image (Pillow cannot identify it)") from None
-            except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+            except Image.DecompressionBombError:
                 raise _Refused(RejectCode.IMAGE_TOO_LARGE, bomb) from None
             except Exception as exc:  # noqa: BLE001 - Pillow's plugins raise many types on a broken header
                 raise _Refused(RejectCode.IMAGE_UNREADABLE, f"cannot be read ({type(exc).__name__}: {exc})") from None
@@ -334,7 +327,7 @@ class ImageReader:
                         image.load()
                 except _Refused:
                     raise
-                except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+                except Image.DecompressionBombError:
                     raise _Refused(RejectCode.IMAGE_TOO_LARGE, bomb) from None
                 except Exception as exc:  # noqa: BLE001 - the decoders raise OSError, SyntaxError, ValueError...
                     raise _Refused(RejectCode.IMAGE_UNREADABLE,
