@@ -67,7 +67,8 @@ def test_llava_record_puts_its_image_at_the_marker_and_the_newline_after_it_goes
         {"id": "a", "image": "coco/red.png", "conversations": [human("<image>\nWhat colour?"), {"from": "gpt",
                                                                                                "value": "Red."}]},
         {"id": "b", "image": "coco/green.jpg", "conversations": [human("Look at this:\n<image>")]},
-        {"id": "c", "images": ["coco/red.png", "coco/green.jpg"], "conversations": [human("<image> and <image>: same?")]},
+        {"id": "c", "images": ["coco/red.png", "coco/green.jpg"],
+         "conversations": [human("<image> and <image>: same?")]},
     ])
     assert ps.rejects == []
     a, b, c = ps.prompts
@@ -147,7 +148,8 @@ def test_every_image_part_shape_is_read_and_what_is_not_sent_is_counted(folder):
 
 
 def test_a_list_of_text_parts_is_kept_as_parts_and_cleaned_as_text_is(folder):
-    parts = [{"type": "text", "text": " Cafe\u0301\x00? "}, {"type": "text", "text": "  "}, {"type": "text", "text": "Ok"}]
+    parts = [{"type": "text", "text": " Cafe\u0301\x00? "}, {"type": "text", "text": "  "},
+             {"type": "text", "text": "Ok"}]
     ps = build(folder, [{"id": "a", "messages": [{"role": "user", "content": parts}]}], "openai")
     (p,) = ps.prompts
     assert p.messages == ({"role": "user", "content": [{"type": "text", "text": "Caf\u00e9?"},
@@ -337,3 +339,16 @@ def test_the_report_counts_images_and_rejects_and_status_shows_them(folder):
                                    "image_bytes": (folder / "coco" / "red.png").stat().st_size}
     line = report_lines([report.as_dict()])[0]
     assert "rejected 1 (image_missing 1)" in line and "; images: " in line and "images 1" in line
+
+
+def test_a_jpeg_with_bytes_after_its_end_marker_is_read_and_one_cut_short_is_not(folder):
+    noise = io.BytesIO()
+    Image.effect_noise((128, 96), 64).convert("RGB").save(noise, "JPEG")
+    whole = noise.getvalue()
+    (folder / "coco" / "padded.jpg").write_bytes(whole + b"\x00" * 64)
+    (folder / "coco" / "trailer.jpg").write_bytes(whole + b"camera maker's trailer")
+    (folder / "coco" / "cut.jpg").write_bytes(whole[:-300])
+    ps = build(folder, [{"id": name, "image": f"coco/{name}.jpg", "conversations": [human(f"<image>\n{name}?")]}
+                        for name in ("padded", "trailer", "cut")])
+    assert [p.source_ref for p in ps.prompts] == ["padded", "trailer"]
+    assert [(r.code, "is cut short or corrupt" in r.reason) for r in ps.rejects] == [("image_unreadable", True)]

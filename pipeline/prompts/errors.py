@@ -53,7 +53,7 @@ REJECT_HINTS = {
     "arguments_not_object": "the tool calls' arguments are not JSON objects",
     "bad_tool_call": "the tool calls have no function name", "bad_tools": "the records' tools lists cannot be read",
     "image_missing": "the images are not where the records say: set the spec's `image_root` to the folder that holds "
-                     "them (docs/images.md)",
+                     "them (docs/sources.md, section Images)",
     "image_outside_root": "the images resolve outside the source's image folder: set `image_root` to the folder "
                           "that holds them",
     "image_unreadable": "the image files cannot be read (permissions, or cut short)",

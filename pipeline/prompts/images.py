@@ -14,9 +14,11 @@ missing (`image_missing`), outside the folder (`image_outside_root`), unreadable
 a folder, a truncated or corrupt file, bad base64), over `images.max_bytes` before it is read (`image_too_large`),
 not an image Pillow identifies (`not_an_image`), not a format sent or animated (`image_format`: video is out of
 scope), over `images.max_pixels` from its header, before any decoding (`image_too_large`; Pillow's
-decompression-bomb guard is set to the same limit), then its data: a JPEG is decoded at 1/8 scale (every entropy-
-coded byte is read, which catches a truncated file, at half the cost of a full decode), a PNG's chunks are
-checked against their CRCs (`verify`), other formats are decoded. The sha256 is taken over the bytes as read.
+decompression-bomb guard is set to the same limit), then its data: a JPEG that ends with its end-of-image marker
+is whole (entropy-coded data cannot hold the marker), one that does not is decoded at 1/8 scale (every byte is
+read: a file cut short fails, one with data after its end passes); a PNG's chunks are checked against their CRCs
+(`verify`); GIF, WebP and BMP are decoded. Corrupt data inside a whole JPEG is not found (libjpeg only warns
+on it; the servers' Pillow decodes it the same way). The sha256 is taken over the bytes as read.
 
 Where the bytes go: under `images.store: reference` a local file's part carries `path` (its realpath) and nothing
 is copied; otherwise the bytes are handed to `add_image(sha256, source)` (the PromptSink's, prompt_set.py) once
@@ -48,6 +50,7 @@ from .records import InvalidRecord, RejectCode, Tally
 
 Fetch = Callable[[str], bytes]  # an http(s) URL -> its body (at most max_bytes + 1 of it); raises ImageFetchFailed
 AddImage = Callable[[str, "str | bytes"], None]  # PromptSink.add_image
+JPEG_END = b"\xff\xd9"  # EOI: entropy-coded data never holds it (a 0xFF there is followed by 0x00 or a restart)
 FORMAT_ALIASES = {"MPO": "JPEG"}  # a camera's multi-picture JPEG: its first picture is a plain JPEG
 CACHED = 65536  # parts of local files and URLs kept, so an image several records share is read once
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -321,8 +324,8 @@ class ImageReader:
                                                                 "video is out of scope")
                     if fmt == "PNG":
                         image.verify()
-                    else:
-                        if fmt == "JPEG":
+                    elif fmt != "JPEG" or not data.rstrip(b"\x00").endswith(JPEG_END):
+                        if fmt == "JPEG":  # no end marker last: cut short, or data after it; decoding says which
                             image.draft(None, (max(1, width // 8), max(1, height // 8)))
                         image.load()
                 except _Refused:

@@ -65,8 +65,8 @@ PRESETS: tuple[Preset, ...] = (
     Preset("gsm8k", "question_answer", "question",
            lambda d: isinstance(d.get("question"), str) and isinstance(d.get("answer"), str)),
     Preset("hermes_function_calling", "sharegpt", "conversations", _hermes),
-    # image datasets (docs/images.md): ALLaVA's paths start with its folder, ShareGPT4V's with their dataset's
-    # folder (coco/train2017/...), LLaVA-Instruct's are bare COCO file names
+    # image datasets (docs/sources.md, section Images): ALLaVA's paths start with its folder, ShareGPT4V's with
+    # their dataset's folder (coco/train2017/...), LLaVA-Instruct's are bare COCO file names
     Preset("allava_4v", "sharegpt", "conversations", _llava_shaped(lambda p: p.lstrip("/").startswith("allava_"))),
     Preset("sharegpt4v", "sharegpt", "conversations", _llava_shaped(lambda p: "/" in p)),
     Preset("llava_instruct_150k", "sharegpt", "conversations", _llava_shaped(lambda p: "/" not in p)),

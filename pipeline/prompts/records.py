@@ -35,7 +35,7 @@ class RejectCode(str, Enum):
     BAD_TOOL_CALL = "bad_tool_call"  # a call that is not an object, or has no function name
     DUPLICATE_CALL_ID = "duplicate_call_id"  # two calls of one step share an id: their results cannot be told apart
     BAD_TOOLS = "bad_tools"  # the tools list (a column, or a Hermes <tools> block) cannot be read
-    # images (docs/images.md); each reason names the record and the image as the source wrote it
+    # images (docs/sources.md, section Images); each reason names the record and the image as the source wrote it
     IMAGE_MISSING = "image_missing"  # no file there (or a placeholder with no image to fill it)
     IMAGE_UNREADABLE = "image_unreadable"  # permissions, a folder, a truncated or corrupt file, bad base64
     NOT_AN_IMAGE = "not_an_image"  # Pillow cannot identify it
@@ -81,7 +81,7 @@ class Tally:
     uncarried: fields of the record that regen does not carry, by name (`record.KEY`, `message.KEY`,
     `tool_call.KEY`): the no-silent-drop rule of the readers.
     tools: tool-calling counts (tool_calls, tool_results, made_call_ids, calls_without_schema, ...).
-    images: image counts (images, prompts_with_images, image_bytes, by where they came from; docs/images.md)."""
+    images: image counts (images, prompts_with_images, image_bytes, by where they came from; docs/sources.md)."""
 
     dropped: dict[str, int] = field(default_factory=dict)
     uncarried: dict[str, int] = field(default_factory=dict)

@@ -119,7 +119,7 @@ class SourceSpecFile(BaseModel):
                                                      "Default: the data file's folder (kind hf: the dataset's "
                                                      "folder); a hub dataset has none, so its images must be "
                                                      "bytes (a `datasets` Image column), URLs, or paths under an "
-                                                     "`image_root` you set (docs/images.md).")
+                                                     "`image_root` you set (docs/sources.md, section Images).")
     image_field: str | None = Field(None, description="The record's field holding its images beside the "
                                                       "conversation: one reference or a list (a path, a URL, or a "
                                                       "`datasets` Image value), placed at the `<image>` markers of "
