@@ -65,9 +65,8 @@ def build_prompts(cfg: RunConfig) -> PromptSet:
     """The whole prompt set in memory (regen simulate); a run streams it through stage_prompt_set."""
     specs = list(source_specs(cfg).values())
     check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path(), cfg.served_chat_template())
-    # MERGE with the sources' image reading (branch `sources`): also pass images=cfg.images,
-    # fetch=image_fetcher(cfg.images)
-    return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed, length_check=check)
+    return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed, length_check=check, images=cfg.images,
+                            fetch=image_fetcher(cfg.images))
 
 
 def read_sources(cfg: RunConfig) -> StagedPromptSet:

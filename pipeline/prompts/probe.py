@@ -12,6 +12,7 @@ import orjson
 
 from ..core.config_sections import Images
 from .adapters import to_conversation
+from .census import ImageCensus
 from .images import ImageReader
 from .presets import Preset, recognise
 from .prompt_set import image_folder, normalise_record
@@ -109,7 +110,9 @@ class _Checker:
                 raw, tools = to_conversation(self.spec, rec.data, tally)
                 norm = normalise_record(raw, tools, "last_turn", tally)
                 if any(type(m["content"]) is list for m in norm.messages):
-                    self.images.resolve(norm.messages, image_folder(self.spec, self.stats.file), tally)
+                    resolved = self.images.resolve(norm.messages, image_folder(self.spec, self.stats.file), tally)
+                    if probe is not None:
+                        probe.census.add(resolved)
                 if probe is not None:
                     probe.images.update(tally.images)
                 return True
@@ -118,6 +121,7 @@ class _Checker:
         report.reject(code, reason)
         if probe is not None:
             probe.rejected[code] += 1
+            probe.census.reject(code)
         return False
 
 
