@@ -15,6 +15,6 @@ def test_validate_counts_images_read_distinct_by_format_and_image_rejects():
     for code in ("image_missing", "image_missing", "image_outside_root", "blank_content"):
         census.reject(code)
     assert (census.images, census.distinct, census.prompts) == (3, 2, 2)
-    assert census.lines() == ["  images: 3 read in 2 records, 2 distinct (png 2, jpeg 1); records rejected for an "
-                              "image: image_missing 2, image_outside_root 1"]
+    assert census.lines() == ["  distinct images 2 of 3 (png 2, jpeg 1); records rejected for an image: "
+                              "image_missing 2, image_outside_root 1"]
     assert ImageCensus().lines() == [], "a text source's validate says nothing of images"

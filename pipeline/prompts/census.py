@@ -48,11 +48,11 @@ class ImageCensus:
             self.rejects[code] += 1
 
     def lines(self, indent: str = "  ") -> list[str]:
+        """What the probe's own image line (images read, bytes) does not say: distinct images, formats, rejects."""
         if not self.images and not self.rejects:
             return []
         formats = ", ".join(f"{media.removeprefix('image/')} {n}" for media, n in self.by_format.most_common())
-        line = (f"{indent}images: {self.images} read in {self.prompts} records, {self.distinct} distinct"
-                + (f" ({formats})" if formats else ""))
+        line = f"{indent}distinct images {self.distinct} of {self.images}" + (f" ({formats})" if formats else "")
         if self.rejects:
             line += "; records rejected for an image: " + ", ".join(
                 f"{code} {n}" for code, n in self.rejects.most_common())
