@@ -40,6 +40,7 @@ class Probe:
     no_valid: NoValidPrompts | None = None
     # a file cut short without `salvage: true`: read to its end, as `regen generate` refuses it
     truncated: TruncatedSource | None = None
+    census: ImageCensus = field(default_factory=ImageCensus)  # distinct images, formats, image rejects
 
     def lines(self) -> list[str]:
         seen = "; ".join(f"{name}: {what}" for name, what in self.containers.items()) or "nothing"
@@ -57,6 +58,7 @@ class Probe:
                        f"{self.images['image_bytes']:,} bytes" + (
                            f"; {self.images['from_http']:,} http(s) images not fetched (validate contacts nothing)"
                            if self.images["from_http"] else ""))
+        out += self.census.lines()
         out += [f"  warning: {w}" for w in self.warnings]
         return out
 
