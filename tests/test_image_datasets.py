@@ -209,3 +209,21 @@ def test_validate_reads_and_counts_the_images_of_the_first_records_but_fetches_n
     remote = probe_source(SourceSpec("r", "jsonl", "x.jsonl", "sharegpt", spec_file=tmp_path / "r.yaml"))
     assert remote.valid == 1 and remote.no_valid is None
     assert "1 http(s) images not fetched (validate contacts nothing)" in "\n".join(remote.lines())
+
+
+def test_a_downloaded_repository_read_through_load_dataset_gives_its_images_undecoded(image_dataset, monkeypatch):
+    """A folder without `data_files` goes through `datasets.load_dataset` (streamed), which would decode the Image
+    column into Pillow objects: regen turns decoding off and reads the stored bytes, as from the Parquet file."""
+    import shutil
+
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(image_dataset / "cache"))
+    (image_dataset / "repo" / "data").mkdir(parents=True, exist_ok=True)
+    shutil.copy(image_dataset / "rows.parquet", image_dataset / "repo" / "data" / "train-00000-of-00001.parquet")
+    kw = dict(format="openai", field="messages", id_field="id", spec_file=image_dataset / "s.yaml")
+    repo = build_prompt_set([(SourceSpec("repo", "hf", "repo", image_root=".", **kw), None)])
+    parquet = build_prompt_set([(SourceSpec("pq", "parquet", "rows.parquet", **kw), None)])
+    assert repo.rejects == [] and repo.reports[0].containers == {"repo[train]": "Hugging Face dataset (streamed), "
+                                                                              "columns id, image, images, messages"}
+    assert [p.prompt_id for p in repo.prompts] == [p.prompt_id for p in parquet.prompts]

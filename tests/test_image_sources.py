@@ -336,6 +336,7 @@ def test_the_report_counts_images_and_rejects_and_status_shows_them(folder):
     report = ps.reports[0]
     assert report.rejected_by_reason == {"image_missing": 1}
     assert report.image_counts == {"images": 1, "from_files": 1, "prompts_with_images": 1, "images_at_markers": 1,
+                                   "messages_with_parts": 1,
                                    "image_bytes": (folder / "coco" / "red.png").stat().st_size}
     line = report_lines([report.as_dict()])[0]
     assert "rejected 1 (image_missing 1)" in line and "; images: " in line and "images 1" in line

@@ -31,6 +31,8 @@ def image_fields(spec: "SourceSpec") -> tuple[str, ...]:
 
 def record_images(spec: "SourceSpec", data: dict[str, Any]) -> tuple[str, list[Any]] | None:
     """(the images field, its references in order) of a record, or None when it has no images field."""
+    if not spec.image_field and "image" not in data and "images" not in data:  # a text record, quickly
+        return None
     fields = [f for f in image_fields(spec) if f in data]
     if not fields:
         return None

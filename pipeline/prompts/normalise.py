@@ -183,13 +183,16 @@ def _message(i: int, m: Any, tally: Tally) -> tuple[int, dict[str, Any]] | None:
             tally.tool("structured_results_as_json")
         if content is None and calls:
             content = ""
-    if type(content) is not str and not isinstance(content, str):
-        if not isinstance(content, (list, tuple)):
-            raise InvalidRecord(RejectCode.NON_STRING_CONTENT,
-                                f"message {i} ({role}) has non-string content ({type(content).__name__})")
+    if type(content) is str or isinstance(content, str):
+        if "\x00" in content:
+            tally.drop("nul", content.count("\x00"))
+            content = content.replace("\x00", "")
+        content = unicodedata.normalize("NFC", content.strip())
+    elif isinstance(content, (list, tuple)):
         content = _parts(i, role, content, tally)
     else:
-        content = _clean(content, tally)
+        raise InvalidRecord(RejectCode.NON_STRING_CONTENT,
+                            f"message {i} ({role}) has non-string content ({type(content).__name__})")
     if not content and role == "system":
         tally.drop("blank_system")
         return None
@@ -216,7 +219,9 @@ def _clean(text: str, tally: Tally) -> str:
 
 def _parts(i: int, role: str, content: list | tuple, tally: Tally) -> list[dict[str, Any]] | str:
     """A content of parts: text parts cleaned as a string content is (a blank one dropped and counted), image parts
-    kept; "" when nothing is left. An image in an assistant turn rejects the record: the target writes that turn."""
+    kept; "" when nothing is left. An image in an assistant turn rejects the record: the target writes that turn.
+    Counted as `messages_with_parts` (a record without it has no image to read)."""
+    tally.image("messages_with_parts")
     out = []
     for part in read_parts(content, i, tally):
         if part["type"] == "text":

@@ -111,7 +111,7 @@ class _Checker:
             try:
                 raw, tools = to_conversation(self.spec, rec.data, tally)
                 norm = normalise_record(raw, tools, "last_turn", tally)
-                if any(type(m["content"]) is list for m in norm.messages):
+                if tally.images:  # content parts: maybe images to read
                     resolved = self.images.resolve(norm.messages, image_folder(self.spec, self.stats.file), tally)
                     if probe is not None:
                         probe.census.add(resolved)

@@ -187,7 +187,7 @@ def _read_source(spec: SourceSpec, mode: str, report: SourceReport, sink: Prompt
         try:
             raw, tools = to_conversation(spec, rec.data, tally)
             norm = normalise_record(raw, tools, mode, tally)
-            if any(type(m["content"]) is list for m in norm.messages):
+            if tally.images:  # content parts: maybe images to read
                 if stats.file not in folders:
                     folders[stats.file] = image_folder(spec, stats.file)
                 norm = replace(norm, messages=reader.resolve(norm.messages, folders[stats.file], tally))

@@ -32,7 +32,8 @@ class SourceReport:
     uncarried: dict[str, int] = field(default_factory=dict)
     tool_counts: dict[str, int] = field(default_factory=dict)  # tool_calls, made_call_ids, ... (docs/sources-tool-calls.md)
     # images of kept records (images, prompts_with_images, image_bytes, from_files, from_data_url, from_http,
-    # from_dataset_bytes, images_at_markers, images_placed_before_text); their rejects are in rejected_by_reason
+    # from_dataset_bytes, images_at_markers, images_placed_before_text) and messages_with_parts (content lists,
+    # text-only ones too); their rejects are in rejected_by_reason
     image_counts: dict[str, int] = field(default_factory=dict)
 
     def reject(self, code: str, reason: str) -> None:
