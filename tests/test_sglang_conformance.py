@@ -29,7 +29,7 @@ from pipeline.endpoints.engines import SGLangAdapter
 from pipeline.endpoints.probes import check_endpoint
 from pipeline.tools.bench_endpoints import one_request
 from tests.conformance.sglang_source import as_pattern, render, server_arg_fields, templates_with
-from tests.conformance.sglang_tool_checks import CASES as TOOL_CASES, drive_tools
+from tests.conformance.sglang_tool_checks import CASES as TOOL_CASES, TEXTS as TOOL_TEXTS, drive_tools
 from tests.helpers import prompt_source, run_regen, write_config
 
 VERSIONS = ("0.5.14", "0.5.17", "0.5.18", "0.5.23")
@@ -139,11 +139,20 @@ def test_kimi_split_matches_sglang_reasoning_parser(version):
 
 
 def test_the_emulators_tool_calls_are_what_sglangs_detector_and_id_rule_make(version):
-    """Kimi's markup read by the version's KimiK2Detector, ids by its _process_tool_call_id (0.5.14 numbers the
-    calls with the model's own IDX, so the history counts twice), streamed and not (sglang_tool_checks.py)."""
+    """Kimi's markup read by the version's own serving code (its _process_tool_calls around KimiK2Detector, ids by
+    its _process_tool_call_id: 0.5.14 numbers unstreamed calls with the model's own IDX, so the history counts
+    twice), streamed and not: whole calls, a call cut at each of its tokens, arguments that are not an object
+    (sglang_tool_checks.py)."""
     result = version.results["tool_calls"]
     assert result["ok"], f"SGLang {version.name}:\n  " + "\n  ".join(result["detail"])
     assert result["checked"] == len(TOOL_CASES), result
+
+
+def test_the_emulators_parser_reads_odd_texts_as_the_versions_parser_does(version):
+    """Text before and after the section, spaces around arguments, nested and braced-but-not-JSON arguments, a
+    string argument, an id SGLang cannot read, a section cut short: the emulator's kimi_parser.py against the
+    version's serving code, whole and streamed."""
+    _check(version, "tool_texts", 2 * len(TOOL_TEXTS))
 
 
 def test_the_preflight_can_read_the_tool_call_parser_of_every_version(version):

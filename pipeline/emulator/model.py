@@ -18,8 +18,9 @@ from typing import Any
 
 import orjson
 
+from .kimi_parser import parse_answer
 from .tools import (KIMI_PARSERS, TOOL_SPECIAL, active_tools, history_calls, json_array_text, kimi_call_text,
-                    parse_calls, plan_calls, render_calls, render_tools, result_header, text_pieces)
+                    plan_calls, render_calls, render_tools, result_header, text_pieces)
 
 VOCAB_SIZE = 163840
 N_PLAIN = 163584                      # ids below this are plain words; the top 256 are special tokens
@@ -301,11 +302,9 @@ def chat_answer(gen: Generation, parser: bool) -> tuple[str, str | None, list[di
     content, reasoning = split_reasoning(gen, parser)
     if gen.tool_parsing is None:
         return content, reasoning, None, gen.finish, gen.matched_stop
-    history, local_index = gen.tool_parsing
-    content, calls = parse_calls(content, history, local_index)
-    if calls and gen.finish == "stop":
-        return content, reasoning, calls, "tool_calls", None
-    return content, reasoning, calls, gen.finish, gen.matched_stop
+    history, modern = gen.tool_parsing
+    content, calls, finish = parse_answer(content, gen.finish, history, modern)
+    return content, reasoning, calls, finish, None if finish != gen.finish else gen.matched_stop
 
 
 def split_reasoning(gen: Generation, parser: bool) -> tuple[str, str | None]:

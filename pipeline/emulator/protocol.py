@@ -10,7 +10,7 @@ import orjson
 from aiohttp import web
 
 from .model import ROLE_TOKENS, VOCAB_SIZE, Generation, chat_answer
-from .tools import SECTION_BEGIN, call_stream_deltas
+from .kimi_parser import stream_answer
 
 JSON = "application/json"
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
@@ -230,17 +230,19 @@ def chunk_bytes(rid: str, created: int, model: str, delta: dict | None, finish: 
 
 
 def stream_deltas(gen: Generation, parser: bool) -> list[dict]:
-    """One delta per output token, as the reasoning parser splits them (EOS and </think> give no text). With a
-    Kimi tool-call parser, the tokens of the calls' section give no text but the tool_calls deltas."""
+    """One delta per output token, as the reasoning parser splits them (EOS and </think> give no text)."""
+    return stream_answer_of(gen, parser)[0]
+
+
+def stream_answer_of(gen: Generation, parser: bool) -> tuple[list[dict], str, Any]:
+    """(one delta per output token, the stream's last finish_reason, matched_stop). With a Kimi tool-call parser,
+    the answer's tokens go through its streaming parser (kimi_parser.py): content outside the calls' markup, the
+    calls as tool_calls fragments."""
     out = []
     n_reason = gen.n_reason if gen.thinking else -1
-    _, _, calls, _, _ = chat_answer(gen, parser)
-    section = next((i for i, p in enumerate(gen.pieces) if p.strip() == SECTION_BEGIN), None) if calls else None
-    call_deltas = call_stream_deltas(gen.pieces, calls) if calls else {}
-    for i, piece in enumerate(gen.pieces):
-        if section is not None and i >= section:
-            out.append(call_deltas.get(i, {}))
-        elif not piece:
+    start = len(gen.pieces) if gen.tool_parsing is None else n_reason + 1 if gen.thinking and parser else 0
+    for i, piece in enumerate(gen.pieces[:start]):
+        if not piece:
             out.append({})
         elif gen.thinking and parser and i < n_reason:
             out.append({"reasoning_content": piece})
@@ -248,7 +250,11 @@ def stream_deltas(gen: Generation, parser: bool) -> list[dict]:
             out.append({})            # the </think> token itself
         else:
             out.append({"content": piece})
-    return out
+    if gen.tool_parsing is None:
+        return out, gen.finish, gen.matched_stop
+    history, modern = gen.tool_parsing
+    calls, finish = stream_answer(gen.pieces[min(start, len(gen.pieces)):], gen.finish, history, modern)
+    return out + calls, finish, None if finish != gen.finish else gen.matched_stop
 
 
 def meta_info(rid: str, gen: Generation, cached: int, finish: dict, e2e: float, cfg: Any,

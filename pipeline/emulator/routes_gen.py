@@ -11,10 +11,10 @@ import orjson
 from aiohttp import web
 
 from .versions import contract_error
-from .model import THINK_START_ID, Generation, chat_answer, chat_generation, chat_max_tokens, generate, \
+from .model import THINK_START_ID, Generation, chat_generation, chat_max_tokens, generate, \
     generate_prompt, native_finish
 from .protocol import (RequestInvalid, chat_body, chat_usage, check_context, chunk_bytes, json_response,
-                       meta_info, native_error, openai_error, parse_json, stream_deltas, stream_error_event,
+                       meta_info, native_error, openai_error, parse_json, stream_answer_of, stream_error_event,
                        validate_chat, validate_generate, weight_metadata)
 from .state import Overloaded, PrefixCache, ServerState
 
@@ -287,7 +287,7 @@ async def _stream(request: web.Request, st: ServerState, job: Job) -> web.Stream
     model = body_model(job.body, cfg)
     chat = job.route == CHAT
     parser = cfg.thinking_parser
-    deltas = stream_deltas(gen, parser) if chat else None
+    deltas, finish, matched = stream_answer_of(gen, parser) if chat else (None, None, None)
     buf: list[bytes] = []
     if chat:
         buf.append(chunk_bytes(job.rid, created, model, {"role": "assistant", "content": ""}))
@@ -327,7 +327,6 @@ async def _stream(request: web.Request, st: ServerState, job: Job) -> web.Stream
         await resp.write_eof()
         return resp
     if chat:
-        _, _, _, finish, matched = chat_answer(gen, parser)
         buf.append(b"data: " + orjson.dumps(
             {"id": job.rid, "object": "chat.completion.chunk", "created": created, "model": model,
              "choices": [{"index": 0, "delta": {"role": None, "content": None, "reasoning_content": None,

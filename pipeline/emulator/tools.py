@@ -10,14 +10,17 @@
 - The answer: with `--tool-call-parser kimi_k2` SGLang cuts the calls out of the content into `tool_calls`, each
   id `functions.NAME:` + (the calls in the history + the call's index), and a `stop` finish becomes `tool_calls`
   (matched_stop null). Before 0.5.17 the index is the number the model wrote, so the history is counted twice.
-  Without a tool-call parser SGLang refuses nothing: the calls stay in the content as text. tool_choice
+  What it does with a call cut at max_tokens, or whose arguments are not an object, streamed and not, per
+  version: kimi_parser.py. Without a tool-call parser SGLang refuses nothing: the calls stay in the content as text. tool_choice
   "required" without a parser is met by a JSON-schema constraint: the content is a JSON array of
   {"name", "parameters"}.
 
 When does the emulated model call? tool_choice "required" (or a named function): always; "auto": when the last
 message is the user's (after tool results it answers in text); "none": never. It calls each tool whose name the
 last user message mentions, in the order mentioned (several: parallel calls), else the first tool; arguments fill
-the schema's required properties (all when none is required) with values drawn from the prompt.
+the schema's required properties (all when none is required) with values drawn from the prompt. A tool whose
+`parameters` schema is not an object (`{"type": "array", ...}`) gets arguments of that type: how the emulated
+model writes a call whose arguments are not a JSON object (SGLang drops it unstreamed, streams it from 0.5.17).
 """
 from __future__ import annotations
 
@@ -34,11 +37,10 @@ CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argum
 TOOL_SPECIAL = {SECTION_BEGIN: 163595, SECTION_END: 163596, CALL_BEGIN: 163597, ARGUMENT_BEGIN: 163598,
                 CALL_END: 163599}
 KIMI_PARSERS = ("kimi_k2",)  # the parsers that read this markup (SGLang's ToolCallParserEnum name)
-LOCAL_INDEX_FROM = (0, 5, 17)  # KimiK2Detector numbers the calls of one answer from 0 (before: the model's IDX)
+# KimiK2Detector numbers the calls of one answer from 0 (before: the model's IDX); the same versions' parser is
+# kimi_parser.py's `modern` one
+LOCAL_INDEX_FROM = (0, 5, 17)
 
-_CALL_RE = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^\s<|]+)\s*<\|tool_call_argument_begin\|>\s*"
-                      r"(?P<arguments>\{.*?\})\s*<\|tool_call_end\|>", re.DOTALL)
-_ID_RE = re.compile(r"^(?:functions\.)?(?P<name>[\w.\-]+):(?P<index>\d+)$")
 # The pseudo-tokenizer's tokens with the whitespace before each (model._TOKEN_RE drops it): pieces that join back
 # into the text.
 _PIECE_RE = re.compile(r"\s*(?:<\|[a-z_]+\|>|</?think>|\w+|[^\w\s])")
@@ -91,7 +93,7 @@ def result_header(message: dict) -> str:
 
 
 # --- what the model writes ---------------------------------------------------------------------------------------
-def plan_calls(req: dict, tools: list[dict] | None) -> list[tuple[str, dict]] | None:
+def plan_calls(req: dict, tools: list[dict] | None) -> list[tuple[str, Any]] | None:
     """(name, arguments) of each call the model makes, or None when it answers in text."""
     if not tools:
         return None
@@ -107,8 +109,10 @@ def plan_calls(req: dict, tools: list[dict] | None) -> list[tuple[str, dict]] | 
     return [(_name(t), _arguments(t, rng)) for t in chosen]
 
 
-def _arguments(tool: dict, rng: random.Random) -> dict:
+def _arguments(tool: dict, rng: random.Random) -> Any:
     schema = (tool.get("function") or {}).get("parameters") or {}
+    if schema.get("type", "object") != "object":
+        return _value(schema, rng)
     properties = schema.get("properties") or {}
     keys = schema.get("required") or list(properties)
     return {key: _value(properties.get(key) or {}, rng) for key in keys}
@@ -146,40 +150,3 @@ def json_array_text(plan: list[tuple[str, dict]]) -> str:
 def text_pieces(text: str) -> list[str]:
     """The pseudo-tokenizer's tokens of a text, each with the whitespace before it."""
     return _PIECE_RE.findall(text)
-
-
-# --- what SGLang makes of it -------------------------------------------------------------------------------------
-def parse_calls(content: str, history: int, local_index: bool) -> tuple[str, list[dict] | None]:
-    """KimiK2Detector.detect_and_parse and serving_chat's call ids: (content before the section, tool_calls).
-    No complete call: the content as it is, no calls."""
-    if SECTION_BEGIN not in content:
-        return content, None
-    calls = []
-    for match in _CALL_RE.finditer(content):
-        found = _ID_RE.match(match["id"])
-        if not found:
-            continue
-        index = len(calls) if local_index else int(found["index"])
-        calls.append({"id": f"functions.{found['name']}:{history + index}", "index": index, "type": "function",
-                      "function": {"name": found["name"], "arguments": match["arguments"]}})
-    if not calls:
-        return content, None
-    return content[:content.find(SECTION_BEGIN)], calls
-
-
-def call_stream_deltas(pieces: list[str], calls: list[dict]) -> dict[int, dict]:
-    """The stream's tool_calls deltas, by the position of the piece that completes them: at each call's
-    <|tool_call_argument_begin|> its id and name (arguments ""), at its <|tool_call_end|> its arguments."""
-    out: dict[int, dict] = {}
-    k = 0
-    for i, piece in enumerate(pieces):
-        if k >= len(calls):
-            break
-        call = calls[k]
-        if piece.strip() == ARGUMENT_BEGIN:
-            out[i] = {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                      "function": {"name": call["function"]["name"], "arguments": ""}}]}
-        elif piece.strip() == CALL_END:
-            out[i] = {"tool_calls": [{"index": k, "function": {"arguments": call["function"]["arguments"]}}]}
-            k += 1
-    return out

@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             checker.report("tool_calls", checker.tool_answer(body), 1)
     checker.info_endpoints()
     checker.kimi_split()
+    checker.texts()
     args.out.write_text(json.dumps(checker.results, indent=1))
     return 0
 

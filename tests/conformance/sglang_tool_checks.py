@@ -1,16 +1,19 @@
-"""Tool calls in the SGLang conformance (tests/test_sglang_conformance.py, issue 22).
+"""Tool calls in the SGLang conformance (tests/test_sglang_conformance.py, issues 22 and 29).
 
 `drive_tools` (in the test process): regen's own client sends the version's emulator tool requests (a call,
-parallel calls after a call and its result, tool_choice required and none; streamed and not). The request and
-response checks of sglang_checks.py cover their bodies and answers; `ToolChecker.tool_answer` (in the version's
-subprocess) checks each answer's calls against what the version's own ReasoningParser("kimi_k2") and
-FunctionCallParser(tools, "kimi_k2") make of the text the emulated model wrote (recomputed), whole and piece by
-piece, with ids from the version's own `_process_tool_call_id` (compiled out of its source). Its detectors import
-xgrammar (`make sglang-wheels` installs it without its dependencies).
+parallel calls after a call and its result, tool_choice required and none; a call cut at max_tokens at every one
+of its tokens; parallel calls one of whose arguments are not a JSON object, whole and cut; streamed and not). The
+request and response checks of sglang_checks.py cover their bodies and answers; `ToolChecker.tool_answer` (in the
+version's subprocess) checks each answer, unstreamed and streamed, against what the version's own serving code
+makes of the text the emulated model wrote (recomputed): its ReasoningParser("kimi_k2"), its
+`_process_tool_calls` around FunctionCallParser(tools, "kimi_k2").parse_non_stream, its streaming parser fed
+piece by piece with `_check_for_unstreamed_tool_args` at the end, and its call ids (sglang_serving.py).
+`ToolChecker.texts` runs texts the emulated model does not write (text before and after the section, arguments
+with spaces, nested or not JSON, an id SGLang cannot read) through the emulator's parser (kimi_parser.py) and the
+version's. Its detectors import xgrammar (`make sglang-wheels` installs it without its dependencies).
 """
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 
@@ -28,12 +31,24 @@ CALLED = ASK + [
                                                           "function": {"name": "get_weather",
                                                                        "arguments": '{"city": "Paris"}'}}]},
     {"role": "tool", "tool_call_id": "functions.get_weather:0", "name": "get_weather", "content": "Rain."}]
-CASES = [  # (messages, tool_choice, thinking)
-    (ASK, "auto", True),
-    (CALLED + [{"role": "user", "content": "Now get_time, then get_weather for Berlin."}], "auto", True),
-    (CALLED, "required", False),
-    (CALLED, "auto", True),  # after a result: an answer in text
-    (ASK, "none", False),
+NOT_OBJECT = {"type": "function", "function": {"name": "set_list", "description": "Numbers, as a list.",
+                                               "parameters": {"type": "array", "items": {"type": "integer"}}}}
+BOTH = [{"role": "user", "content": "Use get_weather for Paris, then set_list."}]
+ONE_CALL_TOKENS = 19  # <|tool_calls_section_begin|> ... <|tool_calls_section_end|> of one get_weather call
+TWO_CALL_TOKENS = 30  # the same with a set_list call after it
+CASES = [  # (messages, tool_choice, thinking, max_tokens, tools)
+    (ASK, "auto", True, 96, [WEATHER, TIME]),
+    (CALLED + [{"role": "user", "content": "Now get_time, then get_weather for Berlin."}], "auto", True, 96,
+     [WEATHER, TIME]),
+    (CALLED, "required", False, 96, [WEATHER, TIME]),
+    (CALLED, "auto", True, 96, [WEATHER, TIME]),  # after a result: an answer in text
+    (ASK, "none", False, 96, [WEATHER, TIME]),
+    # a call cut at max_tokens after each of its tokens (thinking off: the answer is the call)
+    *[(ASK, "required", False, k, [WEATHER, TIME]) for k in range(1, ONE_CALL_TOKENS + 1)],
+    # parallel calls, the second one's arguments not an object; after a call in the history (ids count it)
+    *[(CALLED + BOTH, "required", False, k, [WEATHER, NOT_OBJECT])
+      for k in (9, 18, 20, 22, 24, 26, 28, TWO_CALL_TOKENS, 96)],
+    (BOTH, "auto", True, 96, [NOT_OBJECT]),  # the only call is not an object
 ]
 
 
@@ -42,120 +57,153 @@ async def drive_tools(url: str, version: str, model: str) -> None:
     from pipeline.endpoints.client import ClientSettings, EndpointClient
     from pipeline.endpoints.engines import SGLangAdapter
 
-    for messages, tool_choice, thinking in CASES:
+    for messages, tool_choice, thinking, max_tokens, tools in CASES:
         for stream in (False, True):
-            settings = ClientSettings(model=model, temperature=0.0, top_p=1.0, max_tokens=96, stream=stream,
+            settings = ClientSettings(model=model, temperature=0.0, top_p=1.0, max_tokens=max_tokens, stream=stream,
                                       chat_template_kwargs={"thinking": thinking}, tool_choice=tool_choice,
                                       engines={"e": SGLangAdapter(version=version)})
             client = EndpointClient(url, "e", settings)
             try:
-                await client.chat(messages, None, [WEATHER, TIME])
+                await client.chat(messages, None, tools)
             finally:
                 await client.close()
 
 
-def call_id_rule(root: Path):
-    """serving_chat's `_process_tool_call_id`, compiled out of the wheel's source (its module imports the GPU
-    stack): (tool_call_parser, call item, history count) -> id."""
-    source = (root / "sglang/srt/entrypoints/openai/serving_chat.py").read_text()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.FunctionDef) and node.name == "_process_tool_call_id":
-            import logging
-            import uuid
+def call(call_id: str, arguments: str) -> str:
+    return f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>"
 
-            scope = {"uuid": uuid, "logger": logging.getLogger("sglang-rule"), "ToolCallItem": object}
-            node.returns = None
-            for arg in node.args.args:
-                arg.annotation = None
-            exec(compile(ast.Module(body=[node], type_ignores=[]), "serving_chat.py", "exec"), scope)
-            rule = scope["_process_tool_call_id"]
-            return lambda parser, item, history: rule(type("S", (), {"tool_call_parser": parser})(), item, history)
-    raise LookupError("no _process_tool_call_id in serving_chat.py")
+
+def section(*calls: str) -> str:
+    return "<|tool_calls_section_begin|>" + "".join(calls) + "<|tool_calls_section_end|>"
+
+
+# Texts the emulated model does not write, through the emulator's parser and the version's: (text, finish).
+TEXTS = [
+    ("Let me check. " + section(call("functions.get_weather:0", '{"city":"Oslo"}')) + " Done.", "stop"),
+    ("Use a <b> tag <| and " + section(call("functions.get_weather:0", '{"city":"Oslo"}')), "stop"),
+    (section(call("functions.get_weather:2", ' {"city": "Oslo", "days": 3} ')), "stop"),
+    (section(call("functions.get_weather:0", '{"city":{"name":"Oslo","near":[1,2]}}'),
+             call("functions.get_time:1", "{}")), "stop"),
+    (section(call("functions.get_weather:0", '{"city": Oslo}')), "stop"),  # not JSON, but braced
+    (section(call("functions.get_weather:0", '"Oslo"'), call("functions.get_time:1", "{}")), "stop"),
+    (section(call("weather", "{}")), "stop"),  # an id SGLang cannot read: no name
+    ("<|tool_calls_section_begin|>", "length"),
+    ("Sure. <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{",
+     "length"),
+    (section(call("functions.get_weather:0", '{"city":"Oslo"}')) + "<|tool_call_begin|>functions.get_time:1"
+     "<|tool_call_argument_begin|>{}", "length"),
+]
 
 
 class ToolChecker(Checker):
     def __init__(self, root: Path, emulator: str):
         super().__init__(root, emulator)
-        from sglang.srt.function_call.function_call_parser import FunctionCallParser
         from sglang.srt.parser.reasoning_parser import ReasoningParser
 
-        self.FunctionCallParser, self.ReasoningParser = FunctionCallParser, ReasoningParser
-        self.rule = call_id_rule(root)
+        from tests.conformance.sglang_serving import Serving
 
-    def model_wrote(self, body: dict) -> str:
-        """The raw text the emulated model wrote for a body, recomputed, with the reasoning cut off by SGLang's
-        own parser."""
+        self.ReasoningParser, self.serving = ReasoningParser, Serving(root)
+
+    def model_wrote(self, body: dict) -> tuple[str, list[str], str]:
+        """(the answer's text, its pieces, the finish) the emulated model wrote for a body, recomputed, with the
+        reasoning cut off by SGLang's own parser."""
         from pipeline.emulator.config import make_config
         from pipeline.emulator.model import chat_generation
 
         cfg = make_config(preset="kimi")
         _, gen = chat_generation(body, cfg.context_length, cfg.default_max_tokens, "kimi_k2", True)
         if not gen.thinking:
-            return gen.text
+            return gen.text, gen.pieces, gen.finish
         _, content = self.ReasoningParser("kimi_k2", stream_reasoning=False, force_reasoning=True) \
             .parse_non_stream(gen.text)
-        return content or ""
+        return content or "", gen.pieces[gen.n_reason + 1:], gen.finish
 
-    def theirs(self, body: dict) -> tuple[str, list[dict]]:
-        """(content, tool_calls) as this version's parsers and id rule make them of what the model wrote."""
-        tools = [self.p.Tool.model_validate(t) for t in body["tools"]]
+    def theirs(self, body: dict) -> tuple[dict, dict]:
+        """(the unstreamed answer, the stream) as this version's serving code makes them of what the model wrote."""
+        text, pieces, finish = self.model_wrote(body)
+        if body.get("tool_choice") == "none":  # SGLang runs no tool parser then
+            plain = {"content": text, "calls": None, "finish": finish}
+            return plain, plain
         history = sum(len(m.get("tool_calls") or []) for m in body["messages"] if m.get("role") == "assistant")
-        text, items = self.FunctionCallParser(tools, "kimi_k2").parse_non_stream(self.model_wrote(body))
-        return text, [{"id": self.rule("kimi_k2", item, history), "name": item.name, "arguments": item.parameters}
-                      for item in items]
-
-    def streamed_calls(self, body: dict) -> list[dict]:
-        """The calls this version's parser finds piece by piece (names and joined arguments by tool_index)."""
-        from pipeline.emulator.tools import text_pieces
-
-        tools = [self.p.Tool.model_validate(t) for t in body["tools"]]
-        parser = self.FunctionCallParser(tools, "kimi_k2")
-        calls: dict[int, dict] = {}
-        for piece in text_pieces(self.model_wrote(body)):
-            _, items = parser.parse_stream_chunk(piece)
-            for item in items:
-                call = calls.setdefault(item.tool_index, {"name": None, "arguments": ""})
-                call["name"] = call["name"] or item.name
-                call["arguments"] += item.parameters or ""
-        return [calls[k] for k in sorted(calls)]
+        return (self.serving.answer(text, finish, body["tools"], body.get("tool_choice") or "auto", history),
+                self.serving.stream(pieces, finish, body["tools"], history))
 
     def tool_answer(self, body: dict) -> list[str]:
         problems: list[str] = []
-        label = f"{len(body['messages'])} messages, tool_choice {body.get('tool_choice')}"
+        label = (f"{len(body['messages'])} messages, tool_choice {body.get('tool_choice')}, max_tokens "
+                 f"{body.get('max_tokens')}")
         status, raw = self._http("POST", "/v1/chat/completions", {**body, "stream": False})
         if status != 200:
             return [f"{label}: the emulator answered {status}"]
         answer = json.loads(raw)
         problems += self._parse(self.p.ChatCompletionResponse, answer, label)
-        message, finish = answer["choices"][0]["message"], answer["choices"][0]["finish_reason"]
-        ours = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                for c in message.get("tool_calls") or []]
-        text, calls = self.theirs(body)
-        if body.get("tool_choice") == "none":
-            calls = []  # SGLang runs no tool parser then
-        if ours != calls:
-            problems.append(f"{label}: tool_calls {ours}, SGLang's parser and id rule give {calls}")
-        if calls and (message["content"] != text or finish != "tool_calls"):
-            problems.append(f"{label}: content {message['content']!r} / finish {finish!r}, SGLang's: {text!r} / "
-                            "'tool_calls'")
+        message, choice = answer["choices"][0]["message"], answer["choices"][0]
+        calls = message.get("tool_calls")
+        ours = {"content": message["content"], "finish": choice["finish_reason"],
+                "calls": None if calls is None else [(c["id"], c["function"]["name"], c["function"]["arguments"])
+                                                     for c in calls]}
+        whole, streamed = self.theirs(body)
+        thinking = (body.get("chat_template_kwargs") or {}).get("thinking", True)
+        problems += _differences(label, ours, whole, thinking)
         streamed_body = {k: v for k, v in body.items() if k not in ("return_token_ids", "return_prompt_token_ids")}
         status, raw = self._http("POST", "/v1/chat/completions", {**streamed_body, "stream": True})
         if status != 200:
             return problems + [f"{label}: the emulator answered the stream with {status}"]
         joined: dict[int, dict] = {}
+        content, finish = "", None
         for line in raw.decode().splitlines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[6:])
                 problems += self._parse(self.p.ChatCompletionStreamResponse, chunk, label + " chunk")
                 for choice in chunk.get("choices") or []:
-                    for fragment in (choice.get("delta") or {}).get("tool_calls") or []:
-                        call = joined.setdefault(fragment["index"], {"name": None, "arguments": ""})
+                    delta = choice.get("delta") or {}
+                    content += delta.get("content") or ""
+                    finish = choice.get("finish_reason") or finish
+                    for fragment in delta.get("tool_calls") or []:
+                        call = joined.setdefault(fragment["index"], {"id": None, "name": None, "arguments": ""})
                         function = fragment.get("function") or {}
+                        call["id"] = call["id"] or fragment.get("id")
                         call["name"] = call["name"] or function.get("name")
                         call["arguments"] += function.get("arguments") or ""
-        streamed = [joined[k] for k in sorted(joined)]
-        theirs = [] if body.get("tool_choice") == "none" else self.streamed_calls(body)
-        if [(c["name"], json.loads(c["arguments"])) for c in streamed] != \
-                [(c["name"], json.loads(c["arguments"])) for c in theirs]:
-            problems.append(f"{label}: streamed calls {streamed}, SGLang's streaming parser finds {theirs}")
-        return problems
+        ours = {"content": content, "finish": finish,
+                "calls": [(c["id"], c["name"], c["arguments"]) for _, c in sorted(joined.items())] or None}
+        return problems + _differences(label + " (streamed)", ours, streamed, thinking)
+
+    def texts(self) -> None:
+        """TEXTS through the emulator's parser and this version's serving, whole and piece by piece."""
+        from pipeline.emulator.kimi_parser import parse_answer, stream_answer
+        from pipeline.emulator.tools import text_pieces
+
+        modern = tuple(int(x) for x in self.root.name.split(".")) >= (0, 5, 17)
+        tools = [WEATHER, TIME]
+        problems, checked = [], 0
+        for n, (text, finish) in enumerate(TEXTS):
+            content, calls, last = parse_answer(text, finish, 1, modern)
+            ours = {"content": content, "finish": last,
+                    "calls": None if calls is None else [(c["id"], c["function"]["name"], c["function"]["arguments"])
+                                                         for c in calls]}
+            problems += _differences(f"text {n}", ours, self.serving.answer(text, finish, tools, "auto", 1), False)
+            pieces = text_pieces(text)
+            deltas, last = stream_answer(pieces, finish, 1, modern)
+            joined: dict[int, dict] = {}
+            for delta in deltas:
+                for fragment in delta.get("tool_calls") or []:
+                    call = joined.setdefault(fragment["index"], {"id": None, "name": None, "arguments": ""})
+                    call["id"] = call["id"] or fragment.get("id")
+                    call["name"] = call["name"] or (fragment.get("function") or {}).get("name")
+                    call["arguments"] += (fragment.get("function") or {}).get("arguments") or ""
+            ours = {"content": "".join(d.get("content") or "" for d in deltas), "finish": last,
+                    "calls": [(c["id"], c["name"], c["arguments"]) for _, c in sorted(joined.items())] or None}
+            problems += _differences(f"text {n} (streamed)", ours, self.serving.stream(pieces, finish, tools, 1),
+                                     False)
+            checked += 2
+        self.report("tool_texts", problems, checked)
+
+
+def _differences(label: str, ours: dict, theirs: dict, thinking: bool) -> list[str]:
+    """What differs between the emulator's answer and SGLang's (content compared stripped after a reasoning)."""
+    if thinking:
+        ours, theirs = ({**d, "content": (d["content"] or "").strip()} for d in (ours, theirs))
+    if ours == theirs:
+        return []
+    return [f"{label}: ours {ours}, SGLang's {theirs}"]
