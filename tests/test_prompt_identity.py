@@ -276,7 +276,7 @@ def test_status_and_card_show_every_count_of_the_source_report(tmp_path):
     from pipeline.export.card import gather, render_card
 
     card = render_card(run, manifest(run), gather(run))
-    assert "| sharegpt | 7 | 6 | 1 | 5 | 1 | blank_system 1, leading_assistant 1 | blank_content 1 |" in card
+    assert "| sharegpt | 7 | 6 | 1 | 5 | 1 | blank_system 1, leading_assistant 1 | - | blank_content 1 |" in card
     assert "- rejected inputs: 1 — blank_content 1" in card
 
 

@@ -185,7 +185,7 @@ def test_a_final_call_step_is_the_reference(tmp_path):
     p = next(p for p in ps.prompts if p.source_ref == "oa-reference-is-call")
     assert [m["role"] for m in p.messages] == ["user"] and p.reference is None
     assert json.loads(p.reference_tool_calls)[0]["function"] == {
-        "name": "create_event", "arguments": '{"duration_minutes":30,"start":"2026-04-03T10:30:00","title":"Dentist"}'}
+        "name": "create_event", "arguments": '{"title":"Dentist","start":"2026-04-03T10:30:00","duration_minutes":30}'}
 
 
 def test_a_call_to_a_tool_without_a_schema_is_kept_and_counted():

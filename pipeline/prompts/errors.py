@@ -49,6 +49,7 @@ REJECT_HINTS = {
     "prompt_too_long": "the prompts are longer than max_prompt_tokens: raise it, or pick shorter records",
     "tool_result_without_call": _TOOLS, "missing_tool_result": _TOOLS, "tool_result_mismatch": _TOOLS,
     "duplicate_call_id": _TOOLS,
+    "tool_result_contradiction": "the records' tool results name one call by id and another by tool name",
     "arguments_not_json": "the tool calls' arguments are not JSON objects",
     "arguments_not_object": "the tool calls' arguments are not JSON objects",
     "bad_tool_call": "the tool calls have no function name", "bad_tools": "the records' tools lists cannot be read",

@@ -18,7 +18,8 @@ from ..core.errors import ConfigError
 from ..core.images import content_text, identity_content
 from .parts import IMAGE_REF, is_part_list, read_parts
 from .records import InvalidRecord, RejectCode, Tally
-from .tool_calls import canonical_arguments, canonical_json, made_call_id, tool_names
+from .tool_calls import call_arguments, canonical_json, identity_calls
+from .tool_steps import check_steps, count_tools
 
 MODES = ("last_turn", "all_turns")
 # ShareGPT as it is in the wild: the role names of the dumps people download (SpecForge's prepare_data maps
@@ -53,10 +54,12 @@ def prompt_id(messages: Iterable[Mapping[str, Any]], mode: str = "last_turn",
         msg = {"role": m["role"], "content": identity_content(content) if type(content) is list else content}
         if len(m) > 2:
             msg.update({key: m[key] for key in ("tool_calls", "tool_call_id", "name") if m.get(key) is not None})
+            if m.get("tool_calls"):
+                msg["tool_calls"] = identity_calls(m["tool_calls"])
         if mode == "all_turns" and m["role"] == "assistant":
             if not m.get("tool_calls"):
                 continue
-            msg = {"role": "assistant", "tool_calls": m["tool_calls"]}  # its text is regenerated
+            msg = {"role": "assistant", "tool_calls": msg["tool_calls"]}  # its text is regenerated
         msgs.append(msg)
     doc: dict[str, Any] = {"mode": mode, "messages": msgs}
     if tools:
@@ -121,7 +124,7 @@ def normalise_record(raw_messages: Any, tools: list[dict[str, Any]] | None, mode
                             "the conversation has nothing to send (it has only a system message)")
     tool_steps = any(len(m) > 2 or m["role"] == "tool" for _, m in body)
     if tool_steps:
-        body = _check_steps(body, tally)
+        body = check_steps(body, tally)
     else:  # the plain chat of before tool calls, checked as fast as it was
         for k, (i, m) in enumerate(body):
             expected = "user" if k % 2 == 0 else "assistant"
@@ -138,7 +141,7 @@ def normalise_record(raw_messages: Any, tools: list[dict[str, Any]] | None, mode
     messages = [m for _, m in system + body]
     norm_tools = tuple(tools) if tools else None
     if tool_steps or norm_tools:
-        _count_tools(messages, norm_tools, tally)
+        count_tools(messages, norm_tools, tally)
     if mode == "all_turns":
         return Normalised(tuple(messages), None, None, norm_tools)
     reference = calls = None
@@ -184,10 +187,7 @@ def _message(i: int, m: Any, tally: Tally) -> tuple[int, dict[str, Any]] | None:
         if content is None and calls:
             content = ""
     if type(content) is str or isinstance(content, str):
-        if "\x00" in content:
-            tally.drop("nul", content.count("\x00"))
-            content = content.replace("\x00", "")
-        content = unicodedata.normalize("NFC", content.strip())
+        content = _without_nul(content, tally) if role == "tool" else _clean(content, tally)
     elif isinstance(content, (list, tuple)):
         content = _parts(i, role, content, tally)
     else:
@@ -209,21 +209,38 @@ def _message(i: int, m: Any, tally: Tally) -> tuple[int, dict[str, Any]] | None:
     return i, out
 
 
-def _clean(text: str, tally: Tally) -> str:
-    """NUL characters removed (counted), then NFC and stripped."""
+def _without_nul(text: str, tally: Tally) -> str:
+    """NUL characters removed (counted as dropped `nul`): the only change made to a tool result's text."""
     if "\x00" in text:
         tally.drop("nul", text.count("\x00"))
         text = text.replace("\x00", "")
-    return unicodedata.normalize("NFC", text.strip())
+    return text
+
+
+def _clean(text: str, tally: Tally) -> str:
+    """A system, user or assistant text: NUL characters removed, then stripped and NFC-normalised; each change
+    counted (`whitespace_stripped`, `unicode_nfc`)."""
+    text = _without_nul(text, tally)
+    stripped = text.strip()
+    if len(stripped) != len(text):
+        tally.change("whitespace_stripped")
+    if not unicodedata.is_normalized("NFC", stripped):
+        stripped = unicodedata.normalize("NFC", stripped)
+        tally.change("unicode_nfc")
+    return stripped
 
 
 def _parts(i: int, role: str, content: list | tuple, tally: Tally) -> list[dict[str, Any]] | str:
     """A content of parts: text parts cleaned as a string content is (a blank one dropped and counted), image parts
-    kept; "" when nothing is left. An image in an assistant turn rejects the record: the target writes that turn.
-    Counted as `messages_with_parts` (a record without it has no image to read)."""
+    kept; "" when nothing is left. A tool result's text parts are kept as written, blank ones too. An image in an
+    assistant turn rejects the record: the target writes that turn. Counted as `messages_with_parts` (a record
+    without it has no image to read)."""
     tally.image("messages_with_parts")
     out = []
     for part in read_parts(content, i, tally):
+        if part["type"] == "text" and role == "tool":
+            out.append({"type": "text", "text": _without_nul(part["text"], tally)})
+            continue
         if part["type"] == "text":
             text = _clean(part["text"], tally)
             if text:
@@ -241,7 +258,7 @@ def _parts(i: int, role: str, content: list | tuple, tally: Tally) -> list[dict[
 
 def _call(i: int, k: int, raw: Any, tally: Tally) -> dict[str, Any]:
     """A raw call (OpenAI's nested form, or flat `{"name", "arguments"}`) in OpenAI's form; its id may be None
-    here (made in `_check_steps`, which knows the call's index in the conversation)."""
+    here (made in tool_steps.check_steps, which knows the call's index in the conversation)."""
     where = f"message {i}, call {k}"
     if not isinstance(raw, dict):
         raise InvalidRecord(RejectCode.BAD_TOOL_CALL, f"{where} is a {type(raw).__name__}, not an object")
@@ -255,102 +272,5 @@ def _call(i: int, k: int, raw: Any, tally: Tally) -> dict[str, Any]:
             tally.uncarry(f"tool_call.function.{key}")
     call_id = raw.get("id")
     return {"id": str(call_id) if call_id not in (None, "") else None, "type": "function",
-            "function": {"name": fn["name"].strip(), "arguments": canonical_arguments(fn.get("arguments"), where,
+            "function": {"name": fn["name"].strip(), "arguments": call_arguments(fn.get("arguments"), where,
                                                                                       tally)}}
-
-
-def _check_steps(body: list[tuple[int, dict]], tally: Tally) -> list[tuple[int, dict]]:
-    """The order of turns and steps (from the first user turn on); makes missing call ids and matches each
-    result to its call (filling its id and name), putting the results of a step in the calls' order."""
-    out: list[tuple[int, dict]] = []
-    state = "start"  # start | user | text | results (a step's calls all answered)
-    pending: list[dict] = []  # the current step's calls
-    answers: dict[int, tuple[int, dict]] = {}  # index in pending -> (message number, result)
-    call_index = 0
-
-    def close_step(i: int) -> None:
-        nonlocal pending, answers
-        missing = [c for k, c in enumerate(pending) if k not in answers]
-        if missing:
-            raise InvalidRecord(RejectCode.MISSING_TOOL_RESULT,
-                                f"the call to {missing[0]['function']['name']} ({missing[0]['id']}) has no result "
-                                f"before message {i}")
-        order = [answers[k][0] for k in range(len(pending))]
-        if order != sorted(order):
-            tally.tool("tool_results_reordered")
-        out.extend(answers[k] for k in range(len(pending)))
-        pending, answers = [], {}
-
-    for i, m in body:
-        role = m["role"]
-        if role == "tool":
-            if not pending:
-                raise InvalidRecord(RejectCode.TOOL_RESULT_WITHOUT_CALL,
-                                    f"message {i} is a tool result with no call before it")
-            k = _match(i, m, pending, answers)
-            call = pending[k]
-            answers[k] = (i, {"role": "tool", "content": m["content"], "tool_call_id": call["id"],
-                              "name": call["function"]["name"]})
-            if len(answers) == len(pending):
-                close_step(i)
-                state = "results"
-            continue
-        if pending:
-            close_step(i)
-        expected = "user" if state in ("start", "text") else "assistant"
-        if role != expected:
-            after = " after the tool results" if state == "results" else ""
-            raise InvalidRecord(RejectCode.NOT_ALTERNATING,
-                                f"roles do not alternate: message {i} is {role} where {expected}{after} was expected")
-        if role == "assistant" and m.get("tool_calls"):
-            ids = set()
-            for call in m["tool_calls"]:
-                if call["id"] is None:
-                    call["id"] = made_call_id(call["function"]["name"], call_index)
-                    tally.tool("made_call_ids")
-                if call["id"] in ids:
-                    raise InvalidRecord(RejectCode.DUPLICATE_CALL_ID,
-                                        f"message {i}: two calls share the id {call['id']!r}")
-                ids.add(call["id"])
-                call_index += 1
-            pending = m["tool_calls"]
-        state = "user" if role == "user" else ("calls" if pending else "text")
-        out.append((i, m))
-    if pending and answers:
-        close_step(body[-1][0] + 1)
-    return out
-
-
-def _match(i: int, result: dict, pending: list[dict], answers: dict) -> int:
-    """Which of the step's unanswered calls a result answers: by its id, else by its tool's name, else the
-    next in order."""
-    open_calls = [k for k in range(len(pending)) if k not in answers]
-    if not open_calls:
-        raise InvalidRecord(RejectCode.TOOL_RESULT_WITHOUT_CALL,
-                            f"message {i} is a tool result, but every call before it has its result")
-    if result.get("tool_call_id") is not None:
-        for k in open_calls:
-            if pending[k]["id"] == result["tool_call_id"]:
-                return k
-        raise InvalidRecord(RejectCode.TOOL_RESULT_MISMATCH,
-                            f"message {i} answers call id {result['tool_call_id']!r}, which no open call has")
-    if result.get("name") is not None:
-        for k in open_calls:
-            if pending[k]["function"]["name"] == result["name"]:
-                return k
-        raise InvalidRecord(RejectCode.TOOL_RESULT_MISMATCH,
-                            f"message {i} is the result of {result['name']!r}, which no open call names")
-    return open_calls[0]
-
-
-def _count_tools(messages: list[dict[str, Any]], tools: tuple[dict[str, Any], ...] | None, tally: Tally) -> None:
-    names = tool_names(tools)
-    if tools:
-        tally.tool("prompts_with_tools")
-    for m in messages:
-        for call in m.get("tool_calls") or ():
-            tally.tool("tool_calls")
-            if call["function"]["name"] not in names:
-                tally.tool("calls_without_schema")
-        if m["role"] == "tool":
-            tally.tool("tool_results")

@@ -30,6 +30,8 @@ class RejectCode(str, Enum):
     TOOL_RESULT_WITHOUT_CALL = "tool_result_without_call"  # a tool result with no unanswered call before it
     MISSING_TOOL_RESULT = "missing_tool_result"  # a call whose result never comes, with more conversation after it
     TOOL_RESULT_MISMATCH = "tool_result_mismatch"  # a result whose id or name answers none of the step's calls
+    # a result whose id names one call and whose name another tool, or a second result for a call that has one
+    TOOL_RESULT_CONTRADICTION = "tool_result_contradiction"
     ARGUMENTS_NOT_JSON = "arguments_not_json"  # a call's arguments (or a Hermes <tool_call>) are not JSON
     ARGUMENTS_NOT_OBJECT = "arguments_not_object"  # JSON, but not an object of named arguments
     BAD_TOOL_CALL = "bad_tool_call"  # a call that is not an object, or has no function name
@@ -78,18 +80,24 @@ class Tally:
     """What normalising one record counted (merged into its source's report only if the record is kept).
 
     dropped: turns and characters taken out (leading_assistant, blank_system, blank_reference, nul, ...).
+    changed: messages (or text parts) whose text was changed (whitespace_stripped, unicode_nfc): system, user and
+    assistant text only; a tool result is sent as the source wrote it (docs/sources-tool-calls.md).
     uncarried: fields of the record that regen does not carry, by name (`record.KEY`, `message.KEY`,
     `tool_call.KEY`): the no-silent-drop rule of the readers.
     tools: tool-calling counts (tool_calls, tool_results, made_call_ids, calls_without_schema, ...).
     images: image counts (images, prompts_with_images, image_bytes, by where they came from; docs/sources.md)."""
 
     dropped: dict[str, int] = field(default_factory=dict)
+    changed: dict[str, int] = field(default_factory=dict)
     uncarried: dict[str, int] = field(default_factory=dict)
     tools: dict[str, int] = field(default_factory=dict)
     images: dict[str, int] = field(default_factory=dict)
 
     def drop(self, kind: str, n: int = 1) -> None:
         self.dropped[kind] = self.dropped.get(kind, 0) + n
+
+    def change(self, kind: str, n: int = 1) -> None:
+        self.changed[kind] = self.changed.get(kind, 0) + n
 
     def uncarry(self, name: str, n: int = 1) -> None:
         self.uncarried[name] = self.uncarried.get(name, 0) + n

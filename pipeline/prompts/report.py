@@ -24,6 +24,9 @@ class SourceReport:
     rejected_by_reason: dict[str, int] = field(default_factory=dict)  # RejectCode value -> records
     reason_examples: dict[str, str] = field(default_factory=dict)  # RejectCode value -> its first reason
     dropped_turns: dict[str, int] = field(default_factory=dict)  # leading_assistant, blank_system -> messages
+    # messages (or text parts) of system, user and assistant turns whose text was changed: whitespace_stripped,
+    # unicode_nfc (a tool result is never changed but for NUL characters)
+    changed: dict[str, int] = field(default_factory=dict)
     nul_removed: int = 0  # NUL characters taken out of kept messages (escaped \u0000 and raw bytes)
     containers: dict[str, str] = field(default_factory=dict)  # file or dataset -> what it turned out to be
     cuts: list[dict[str, Any]] = field(default_factory=list)  # salvaged files: offset, records kept, bytes dropped
@@ -42,11 +45,12 @@ class SourceReport:
 
     def count(self, tally: "Tally") -> None:
         """What normalising one kept record counted."""
-        if not (tally.dropped or tally.uncarried or tally.tools or tally.images):
+        if not (tally.dropped or tally.changed or tally.uncarried or tally.tools or tally.images):
             return
         dropped = dict(tally.dropped)
         self.nul_removed += dropped.pop("nul", 0)
-        for target, counts in ((self.dropped_turns, dropped), (self.uncarried, tally.uncarried),
+        for target, counts in ((self.dropped_turns, dropped), (self.changed, tally.changed),
+                               (self.uncarried, tally.uncarried),
                                (self.tool_counts, tally.tools), (self.image_counts, tally.images)):
             for kind, n in counts.items():
                 target[kind] = target.get(kind, 0) + n
@@ -75,6 +79,7 @@ def report_lines(reports: list[dict[str, Any]], indent: str = "  ") -> list[str]
                 + (f" ({reasons})" if reasons else "")
                 + f", selected {r.selected:,}, duplicates {r.duplicates:,}"
                 + (f"; dropped turns: {dropped}" if dropped else "")
+                + (f"; changed messages: {_counts(r.changed)}" if r.changed else "")
                 + (f"; NUL characters removed: {r.nul_removed:,}" if r.nul_removed else "")
                 + (f"; tool calls: {_counts(r.tool_counts)}" if r.tool_counts else "")
                 + (f"; images: {_counts(r.image_counts)}" if r.image_counts else "")
@@ -97,18 +102,18 @@ def _counts(counts: dict[str, int], most: int = 20) -> str:
 
 def report_table(reports: list[dict[str, Any]]) -> list[str]:
     """Markdown for the dataset card."""
-    lines = ["| source | read | valid | rejected | selected | duplicates | dropped turns | rejected by reason |"
-             " tool calls | images | fields not carried |",
-             "|---|---:|---:|---:|---:|---:|---|---|---|---|---|"]
+    lines = ["| source | read | valid | rejected | selected | duplicates | dropped turns | changed messages |"
+             " rejected by reason | tool calls | images | fields not carried |",
+             "|---|---:|---:|---:|---:|---:|---|---|---|---|---|---|"]
     for data in reports:
         r = SourceReport.from_dict(data)
         reasons = ", ".join(f"{code} {n}" for code, n, _ in r.top_reasons(len(r.rejected_by_reason))) or "-"
         dropped = ", ".join(f"{kind} {n}" for kind, n in sorted(r.dropped_turns.items()) if n) or "-"
         lines.append(f"| {r.name} | {r.read} | {r.valid} | {r.rejected} | {r.selected} | {r.duplicates} | "
-                     f"{dropped} | {reasons} | {_counts(r.tool_counts) or '-'} | {_counts(r.image_counts) or '-'} | "
-                     f"{_counts(r.uncarried) or '-'} |")
+                     f"{dropped} | {_counts(r.changed) or '-'} | {reasons} | {_counts(r.tool_counts) or '-'} | "
+                     f"{_counts(r.image_counts) or '-'} | {_counts(r.uncarried) or '-'} |")
         for cut in r.cuts:
-            lines.append(f"| {r.name}: salvaged `{cut['file']}` | | | | | | | {cut['problem']}: kept "
+            lines.append(f"| {r.name}: salvaged `{cut['file']}` | | | | | | | | {cut['problem']}: kept "
                          f"{cut['records_kept']} records up to byte {cut['offset']}, "
                          + ("nothing of a record lost | | | |" if cut.get("unclosed") else
                             f"{cut['bytes_dropped']} bytes dropped | | | |"))

@@ -1,8 +1,9 @@
 """Tool calls in normalised form (OpenAI's), and their canonical JSON text. Pure: no I/O.
 
 - a call: `{"id": str, "type": "function", "function": {"name": str, "arguments": str}}`, `arguments` the
-  canonical JSON text of an object (orjson, sorted keys);
-- `tools`: a tuple of `{"type": "function", "function": {"name", ...}}`, or None (never empty);
+  compact JSON text of an object, keys in the source's order (hashed as canonical JSON: `identity_calls`);
+- `tools`: a tuple of `{"type": "function", "function": {"name", ...}}`, or None (never empty), stored and sent
+  with their keys in the source's order (`as_written_json`; hashed with sorted keys);
 - a call without an id gets `functions.NAME:IDX` (Kimi-K2's convention, as SGLang's KimiK2Detector makes them;
   IDX counts the calls of the conversation from 0).
 
@@ -29,6 +30,29 @@ def canonical_json(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
 
 
+def as_written_json(value: Any) -> str:
+    """JSON text with the keys in the order they were written: how the tools list is stored and sent (a schema's
+    properties are rendered in that order)."""
+    return orjson.dumps(value).decode()
+
+
+def identity_calls(calls: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Calls as the prompt's id hashes them: each `arguments` as canonical JSON (sorted keys), so that one call
+    written with its keys in another order is the same prompt, and ids stay those of the regen that stored
+    canonical arguments."""
+    out = []
+    for call in calls:
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = canonical_json(orjson.loads(arguments))
+            except orjson.JSONDecodeError:
+                pass
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
 def tools_json(tools: Iterable[Mapping[str, Any]] | None) -> bytes | None:
     """WorkItem.tools_json: the canonical JSON of the tools list, None when there is none."""
     return None if not tools else orjson.dumps(list(tools), option=orjson.OPT_SORT_KEYS)
@@ -50,9 +74,12 @@ def parse_loose(text: str) -> Any:
         raise ValueError(json_error) from exc
 
 
-def canonical_arguments(raw: Any, where: str, tally: Tally) -> str:
-    """A call's arguments as canonical JSON text of an object. A string is parsed (one more time when it holds
-    a JSON string: double-encoded); an empty string or null is `{}`. Counted in `tally.tools`."""
+def call_arguments(raw: Any, where: str, tally: Tally) -> str:
+    """A call's arguments as the compact JSON text of an object, its keys in the source's order (the server parses
+    the arguments of a call in the history into an object before its template renders them, so their order is
+    what the target reads; their spacing is not). A string is parsed (one more time when it holds a JSON string:
+    double-encoded); an empty string or null is `{}`. Counted in `tally.tools`. The prompt's id hashes them as
+    canonical JSON (`identity_calls`)."""
     value = raw
     if value is None or (isinstance(value, str) and not value.strip()):
         tally.tool("empty_arguments")
@@ -73,7 +100,7 @@ def canonical_arguments(raw: Any, where: str, tally: Tally) -> str:
         raise InvalidRecord(RejectCode.ARGUMENTS_NOT_OBJECT,
                             f"{where}: the arguments are a JSON {type(value).__name__}, not an object")
     try:
-        return canonical_json(value)
+        return orjson.dumps(value).decode()
     except TypeError as exc:  # e.g. a non-string key from a Python literal
         raise InvalidRecord(RejectCode.ARGUMENTS_NOT_JSON, f"{where}: the arguments are not JSON ({exc})") from exc
 

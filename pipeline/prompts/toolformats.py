@@ -63,15 +63,29 @@ def _call_from_json(text: str, where: str) -> list[dict[str, Any]]:
     return [{"name": c["name"], "arguments": c.get("arguments", c.get("parameters"))} for c in calls]
 
 
-def _hermes_calls(message: dict[str, Any], i: int) -> dict[str, Any]:
+def _hermes_calls(message: dict[str, Any], i: int, tally: Tally) -> dict[str, Any]:
+    """The `<tool_call>` blocks of an assistant turn as its calls, the rest of its text as its content. An OpenAI
+    assistant message holds its text before its calls, so text written after the first block moves before the
+    calls: counted as `hermes_text_after_call`."""
     text = message["content"]
     if not isinstance(text, str) or "<tool_call>" not in text:
         return message
     calls = []
-    for block in TOOL_CALL_BLOCK.finditer(text):
+    blocks = list(TOOL_CALL_BLOCK.finditer(text))
+    for block in blocks:
         calls += _call_from_json(block.group(1), f"message {i}: a <tool_call>")
+    if TOOL_CALL_BLOCK.sub("", text[blocks[0].start():]).strip():
+        tally.tool("hermes_text_after_call")
     rest = TOOL_CALL_BLOCK.sub("", text).strip()
     return {**message, "content": rest or None, "tool_calls": calls}
+
+
+def _response_text(inner: str) -> str:
+    """A `<tool_response>` block's result as written: only the layout's own newline after the opening tag and
+    before the closing one is not the result's (Hermes and Qwen templates write `<tool_response>\n...\n</tool_response>`
+    around the result); nothing else is stripped."""
+    inner = inner[1:] if inner.startswith("\n") else inner
+    return inner[:-1] if inner.endswith("\n") else inner
 
 
 def _hermes_results(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -82,7 +96,7 @@ def _hermes_results(message: dict[str, Any]) -> list[dict[str, Any]]:
         return [message]
     out = []
     for block in TOOL_RESPONSE_BLOCK.finditer(text):
-        inner = block.group(1).strip()
+        inner = _response_text(block.group(1))
         result = {"role": "tool", "content": inner}
         try:
             parsed = parse_loose(inner)
@@ -118,14 +132,14 @@ def expand(messages: list[dict[str, Any]], hermes: bool, tally: Tally) -> list[d
                                                                   "arguments": fc.get("arguments")}]
             tally.tool("legacy_function_calls")
         elif hermes and role in ("gpt", "assistant") and not m.get("tool_calls"):
-            m = _hermes_calls(m, i)
+            m = _hermes_calls(m, i, tally)
         if role in RESULT_ROLES:
             if role == "function":
                 tally.tool("legacy_function_results")
             results = _hermes_results(m) if hermes and "tool_call_id" not in m else [m]
             if (len(results) == 1 and last_calls > 1 and role == "observation"
                     and isinstance(m["content"], str)):
-                results = _split_observation(m, last_calls)
+                results = _split_observation(m, last_calls, tally)
             for r in results:
                 out.append({**r, "role": "tool"})
             continue
@@ -135,14 +149,16 @@ def expand(messages: list[dict[str, Any]], hermes: bool, tally: Tally) -> list[d
     return out
 
 
-def _split_observation(message: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """LLaMA-Factory writes the results of n parallel calls as one observation holding a JSON list of n."""
+def _split_observation(message: dict[str, Any], n: int, tally: Tally) -> list[dict[str, Any]]:
+    """LLaMA-Factory writes the results of n parallel calls as one observation holding a JSON list of n; a result
+    that is not a string is sent as its JSON text (counted as `structured_results_as_json`)."""
     try:
         value = parse_loose(message["content"])
     except ValueError:
         return [message]
     if not isinstance(value, list) or len(value) != n:
         return [message]
+    tally.tool("structured_results_as_json", sum(not isinstance(v, str) for v in value))
     return [{**message, "content": v if isinstance(v, str) else canonical_json(v)} for v in value]
 
 

@@ -27,7 +27,7 @@ from ..prompts.errors import SourceError
 from ..prompts.fileid import FilesCheck, compare_files, file_identity
 from ..prompts.prompt_set import BuildResult, Prompt, Reject, build_into
 from ..prompts.sources import SourceSpec, load_source_spec
-from ..prompts.tool_calls import canonical_json, has_tool_fields, message_from_row, message_row
+from ..prompts.tool_calls import as_written_json, has_tool_fields, message_from_row, message_row
 from ..prompts.tokens import load_length_check
 from . import schema
 from .prompt_reader import route_schema
@@ -85,7 +85,7 @@ class StagedPromptSet:
         self.with_images = 0  # of them, prompts with images
 
     def add_prompt(self, p: Prompt) -> None:
-        tools = canonical_json(list(p.tools)) if p.tools else None
+        tools = as_written_json(list(p.tools)) if p.tools else None  # keys in the source's order, as sent
         if tools is not None or has_tool_fields(p.messages) or p.reference_tool_calls is not None:
             self.with_tools += 1
         parts = images_of(p.messages)
