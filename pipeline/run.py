@@ -344,6 +344,7 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     run_progress.close()
     run_progress.write(state)
     log.info("%s", summary_line(run_progress.goodput_total().as_dict()))
+    builder.tool_notes.log_to(log)
     session = (f"this session {run_progress.done} records, {run_progress.failed} failures in "
                f"{duration(run_progress.elapsed())}")
     if state == "interrupted":

@@ -177,8 +177,12 @@ def test_exports_status_and_card_of_a_tool_run(records, tmp_path, capsys):
 
     assert print_status(run.path, as_json=True) == 0
     status = orjson.loads(capsys.readouterr().out)
+    flagged = [r for r in rows if "spliced_other_arguments" in r["flags"]]
     assert status["tools"] == {"prompts_with_tools": 3, "records_with_calls": 4, "calls": 4,
-                               "cut_short": {"other_tool": 1, "answered": 1}}
+                               "cut_short": {"other_tool": 1, "answered": 1},
+                               "spliced_other_arguments": {"conversations": len({r["prompt_id"] for r in flagged}),
+                                                           "records": len(flagged)},
+                               "arguments_not_object": 0, "truncated_call": 0}
     card = write_card(run.path).read_bytes().decode()
     assert "- prompts sent with tools: 3" in card and "cut short: 2 — " in card
 

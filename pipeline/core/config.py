@@ -57,6 +57,14 @@ class RunConfig(_Strict):
                     "unverified here); every_turn: every tool-calling step (DeepSeek V4's rule); none: no reasoning "
                     "is sent back, as for plain answers. In the run identity only when not current_turn "
                     "(docs/tool-calls.md)")
+    tool_result_match: Literal["name", "arguments"] = Field(
+        "name",
+        description="all_turns with tools: when a cached tool result of the source answers a call of the target. "
+                    "name: the calls name the same tools in the same order (speculators' rule); a result spliced "
+                    "into a call whose arguments differ from the source's is flagged (`spliced_other_arguments` on "
+                    "the records whose history holds it) and counted. arguments: the canonical JSON arguments must "
+                    "match too, else the conversation ends there (`conversation_end` other_arguments). Parallel "
+                    "calls are matched call by call. In the run identity only when not name (docs/tool-calls.md)")
     sampling: Sampling = Field(Sampling(), description="Sampling parameters (the `sampling:` section).")
     selection_seed: int = Field(0, description=(
         "Seed of the per-source `limit` selection (the prompts of lowest sha256(seed:prompt_id) are kept)."))
@@ -243,6 +251,7 @@ class RunConfig(_Strict):
             **({"tool_choice": self.tool_choice} if self.tool_choice != "auto" else {}),
             **({"tool_reasoning_history": self.tool_reasoning_history}
                if self.tool_reasoning_history != "current_turn" else {}),
+            **({"tool_result_match": self.tool_result_match} if self.tool_result_match != "name" else {}),
             **({"samples_per_prompt": self.samples_per_prompt} if self.samples_per_prompt != 1 else {}),
         }
 

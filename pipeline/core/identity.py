@@ -39,6 +39,7 @@ INFORMATIONAL: frozenset[str] = frozenset()
 # their fingerprint): a document without one means the default, and a resume compares it as such.
 OMITTED_AT_DEFAULT: dict[str, object] = {"generation.tool_choice": "auto",
                                          "generation.tool_reasoning_history": "current_turn",
+                                         "generation.tool_result_match": "name",
                                          "generation.samples_per_prompt": 1,
                                          "prompts.images": {}}  # config_sections.Images.identity
 SAMPLES_KEY = "generation.samples_per_prompt"

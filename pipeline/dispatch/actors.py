@@ -109,7 +109,7 @@ def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callab
         handle.begin.remote(
             e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
             cfg.circuit_failures, readmission=cfg, start_open=start_open,
-            tool_reasoning_history=cfg.tool_reasoning_history,
+            tool_reasoning_history=cfg.tool_reasoning_history, tool_result_match=cfg.tool_result_match,
         )
         return handle
 
@@ -123,6 +123,7 @@ def local_worker_factory(cfg: RunConfig, settings: ClientSettings, api_key: Call
     def factory(e: Endpoint, start_open: bool) -> EndpointWorker:
         return EndpointWorker(e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
                               cfg.circuit_failures, readmission=cfg, start_open=start_open,
-                              tool_reasoning_history=cfg.tool_reasoning_history, **worker_options)
+                              tool_reasoning_history=cfg.tool_reasoning_history,
+                              tool_result_match=cfg.tool_result_match, **worker_options)
 
     return factory

@@ -24,7 +24,7 @@ from ..core.work import (
     DONE, DROPPED, ENDPOINT_FATAL, RETRY, RETURNED, TERMINAL, Completion, Exchange, Outcome, WorkItem,
 )
 from ..endpoints.client import ClientSettings, EndpointClient, unexpected
-from ..prompts.conversation import DEFAULT_REASONING_HISTORY, AllTurns, normalised
+from ..prompts.conversation import DEFAULT_REASONING_HISTORY, DEFAULT_RESULT_MATCH, AllTurns, normalised
 
 # Error class -> outcome kind, most specific first.
 OUTCOME_OF: tuple[tuple[type[RequestError], str], ...] = (
@@ -68,9 +68,10 @@ class EndpointWorker:
         readmission: RunConfig | None = None,
         start_open: bool = False,
         tool_reasoning_history: str = DEFAULT_REASONING_HISTORY,
+        tool_result_match: str = DEFAULT_RESULT_MATCH,
     ):
         self.label, self.concurrency, self.mode = label, concurrency, mode
-        self.tool_reasoning_history = tool_reasoning_history
+        self.tool_reasoning_history, self.tool_result_match = tool_reasoning_history, tool_result_match
         self.client = EndpointClient(url, label, settings, api_key)
         self.attempts_per_endpoint = attempts_per_endpoint
         self.circuit_failures = circuit_failures
@@ -173,7 +174,7 @@ class EndpointWorker:
             if self.mode == "all_turns":
                 # Each generation is one step (a tool-calling step included); the whole conversation is one outcome,
                 # so a kill mid-conversation redoes all of it.
-                conversation = AllTurns(messages, self.tool_reasoning_history)
+                conversation = AllTurns(messages, self.tool_reasoning_history, self.tool_result_match)
                 while (history := conversation.next_history()) is not None:
                     k = conversation.generations
                     seed = None if item.seed is None else item.seed + k

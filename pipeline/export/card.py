@@ -286,7 +286,8 @@ def _tool_lines(counts: ToolCounts | None) -> list[str]:
              "(each tool-calling step is a record)",
              f"- all_turns conversations cut short: {sum(counts.cut_short.values())}"
              + ("" if not counts.cut_short else " — " + ", ".join(f"{reason} {n}" for reason, n
-                                                                  in counts.cut_short.most_common())), ""]
+                                                                  in counts.cut_short.most_common())),
+             f"- {counts.flags_text()}", ""]
     return lines
 
 

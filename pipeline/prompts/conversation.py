@@ -4,12 +4,15 @@
 target writes the next assistant step).
 `all_turns`: the source's assistant turns are dropped; the target answers each user turn with the target's own
 earlier steps as history, as SpecForge's regenerator does. With tools, each step of the target is one generation
-(one record): when the target calls the tool(s) that the source's next cached result(s) answer (by name, in order),
-those results are spliced in under the target's own call ids and the target writes the next step. When it calls
-another tool, answers where the source called one, or calls where the source has no result left, the cached
-results no longer apply: the conversation ends there (`AllTurns.end` says why and at which step). A tool result is
-never invented. (speculators' regeneration moves on to the next user turn after such an answer; regen stops, so
-that no later turn follows a history the target did not write.)
+(one record): when the target calls the tool(s) that the source's next cached result(s) answer (by name, in order;
+parallel calls matched call by call, splice.py), those results are spliced in under the target's own call ids and
+the target writes the next step. `tool_result_match` says whether the arguments must match too: under `name` a
+result spliced into a call with other arguments is counted (`Replay.spliced_other_arguments`), under `arguments` it
+ends the conversation. When the target calls another tool, answers where the source called one, calls where the
+source has no result left, or writes arguments that are not a JSON object, the cached results no longer apply: the
+conversation ends there (`AllTurns.end` says why and at which step). A tool result is never invented.
+(speculators' regeneration moves on to the next user turn after such an answer; regen stops, so that no later turn
+follows a history the target did not write.)
 
 Reasoning is never sent back for a plain answer. For the target's tool-calling steps, `tool_reasoning_history`
 says which go back with their `reasoning_content` (docs/tool-calls.md):
@@ -28,6 +31,7 @@ from typing import Any, Protocol, Sequence
 import orjson
 
 from ..core.work import unit_id
+from .splice import DEFAULT_RESULT_MATCH, RESULT_MATCH, Cached, describe, not_objects, object_arguments, pair
 from .tool_calls import canonical_json
 
 REASONING_HISTORY = ("current_turn", "every_turn", "none")
@@ -36,9 +40,12 @@ DEFAULT_REASONING_HISTORY = "current_turn"
 # Why an all_turns conversation with tools ended before the source's last step (`conversation_end` prefix).
 END_OTHER_TOOL = "other_tool"  # the target called other tools than the cached results answer
 END_ANSWERED = "answered"  # the target answered where the source called a tool
-END_TRUNCATED = "truncated"  # the target was cut at max_tokens where the source called a tool
+END_TRUNCATED = "truncated"  # the target was cut at max_tokens where the source called a tool, or in its own calls
 END_NO_RESULT = "no_result"  # the target called a tool where the source has no result left
-END_REASONS = (END_OTHER_TOOL, END_ANSWERED, END_TRUNCATED, END_NO_RESULT)
+END_OTHER_ARGUMENTS = "other_arguments"  # tool_result_match arguments: the cached result answers other arguments
+END_ARGUMENTS_NOT_OBJECT = "arguments_not_object"  # the target's arguments are not a JSON object: never sent back
+END_REASONS = (END_OTHER_TOOL, END_ANSWERED, END_TRUNCATED, END_NO_RESULT, END_OTHER_ARGUMENTS,
+               END_ARGUMENTS_NOT_OBJECT)
 _OPTIONAL_KEYS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
 
 
@@ -76,38 +83,45 @@ def calls_json(calls: list[dict] | None) -> str | None:
     return canonical_json([call_of(c) for c in calls]) if calls else None
 
 
-def _names(items: Sequence[dict[str, Any]]) -> str:
-    names = [(item.get("function") or {}).get("name") if "function" in item else item.get("name") for item in items]
+def _names(items: Sequence[Any]) -> str:
+    """The tools named by calls (OpenAI form) or cached results."""
+    names = [item.name if isinstance(item, Cached) else (item.get("function") or {}).get("name") for item in items]
     return ", ".join(str(name) for name in names)
 
 
 # --- the source's conversation -------------------------------------------------------------------------------
 @dataclass
 class _UserTurn:
-    content: str
+    content: Any
     # The cached results of each of the source's tool-calling steps after this user message, in order: results[j]
-    # answers the source's step j (one tool message per call).
-    results: list[list[dict[str, Any]]] = field(default_factory=list)
+    # answers the source's step j (one result per call, with the call it answered).
+    results: list[list[Cached]] = field(default_factory=list)
 
 
 def _split(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[_UserTurn]]:
     """The leading system message (if any) and the user turns with their cached tool results."""
     system = [{"role": "system", "content": m["content"]} for m in messages[:1] if m["role"] == "system"]
     turns: list[_UserTurn] = []
-    expecting_results = False  # the previous assistant step called tools
+    calls: list[dict[str, Any]] = []  # the calls of the previous assistant step (none: it called no tool)
     for message in messages:
         role = message["role"]
         if role == "user":
             turns.append(_UserTurn(message["content"]))
-            expecting_results = False
+            calls = []
         elif not turns:
             continue
         elif role == "assistant":
-            expecting_results = bool(message.get("tool_calls"))
-            if expecting_results:
+            calls = list(message.get("tool_calls") or [])
+            if calls:
                 turns[-1].results.append([])
-        elif role == "tool" and expecting_results:
-            turns[-1].results[-1].append(normalised(message))
+        elif role == "tool" and calls:
+            result = normalised(message)
+            step = turns[-1].results[-1]
+            # normalise gave each result its call's id; a result without one answers the calls in order
+            call = next((c for c in calls if c.get("id") == result.get("tool_call_id")), None) or (
+                calls[len(step)] if len(step) < len(calls) else {})
+            step.append(Cached(result["content"], result.get("name"), call.get("id"),
+                               object_arguments((call.get("function") or {}).get("arguments"))))
     for turn in turns:  # a call the source has no result for (it ends the conversation) leaves nothing to splice
         turn.results = [results for results in turn.results if results]
     return system, turns
@@ -124,10 +138,15 @@ class AllTurns:
     """One prompt's all_turns conversation: `next_history()` is the next request (None: finished), `add()` takes
     what the target generated for it. Pure and deterministic, so the record builder replays what the worker sent."""
 
-    def __init__(self, messages: Sequence[dict[str, Any]], reasoning_history: str = DEFAULT_REASONING_HISTORY):
+    def __init__(self, messages: Sequence[dict[str, Any]], reasoning_history: str = DEFAULT_REASONING_HISTORY,
+                 result_match: str = DEFAULT_RESULT_MATCH):
         if reasoning_history not in REASONING_HISTORY:
             raise ValueError(f"tool_reasoning_history {reasoning_history!r} is not one of {REASONING_HISTORY}")
-        self.reasoning_history = reasoning_history
+        if result_match not in RESULT_MATCH:
+            raise ValueError(f"tool_result_match {result_match!r} is not one of {RESULT_MATCH}")
+        self.reasoning_history, self.result_match = reasoning_history, result_match
+        # (generation, calls) of each step whose calls got a cached result for other arguments (result_match name)
+        self.spliced_other_arguments: list[tuple[int, int]] = []
         self.system, self.turns = _split([normalised(m) for m in messages])
         self.sent: list[tuple[int, dict[str, Any]]] = []  # (user turn, message) of the conversation so far
         self.turn = 0  # the user turn being answered
@@ -169,31 +188,59 @@ class AllTurns:
             self.turn, self.step = self.turn + 1, 0
             self.finished = self.turn == len(self.turns)
             return
+        odd = not_objects(calls)
+        if odd:
+            return self._stop(f"{END_ARGUMENTS_NOT_OBJECT}: step {k} called {describe(odd[0])}, arguments that are "
+                              "not a JSON object (never sent back)")
+        if answer.finish_reason == "length":  # a stream's cut call may come with arguments the server completed
+            return self._stop(f"{END_TRUNCATED}: step {k} was cut at max_tokens in its calls to {_names(calls)}")
         if cached is None:
             return self._stop(f"{END_NO_RESULT}: step {k} called {_names(calls)}, the source has no result for it")
-        if [c["function"]["name"] for c in calls] != [r.get("name") for r in cached]:
+        pairing = pair(calls, cached)
+        if pairing is None:
             return self._stop(f"{END_OTHER_TOOL}: step {k} called {_names(calls)}, "
                               f"the cached result answers {_names(cached)}")
+        if pairing.other_arguments and self.result_match == "arguments":
+            i = pairing.other_arguments[0]
+            source = cached[pairing.answers[i]]
+            return self._stop(f"{END_OTHER_ARGUMENTS}: step {k} called {describe(calls[i])}, the cached result "
+                              f"answers {source.name} {source.arguments}")
+        if pairing.other_arguments:
+            self.spliced_other_arguments.append((k, len(pairing.other_arguments)))
         step = {"role": "assistant", "content": answer.content, "tool_calls": calls}
         if answer.reasoning_content:
             step["reasoning_content"] = answer.reasoning_content
         self.sent.append((self.turn, step))
-        for call, result in zip(calls, cached):
-            self.sent.append((self.turn, {"role": "tool", "content": result["content"], "tool_call_id": call["id"],
-                                          "name": result.get("name")}))
+        for call, j in zip(calls, pairing.answers):
+            self.sent.append((self.turn, {"role": "tool", "content": cached[j].content, "tool_call_id": call["id"],
+                                          "name": cached[j].name}))
         self.step += 1
 
     def _stop(self, why: str) -> None:
         self.end, self.finished = why, True
 
 
-def histories(mode: str, messages: Sequence[dict[str, Any]], answers: Sequence[Generated],
-              reasoning_history: str = DEFAULT_REASONING_HISTORY) -> tuple[list[list[dict[str, Any]]], str | None]:
-    """Every request of a finished prompt, in order (one per generation), and why an all_turns conversation ended
-    early (None: it did not). Replays the conversation the worker ran from its answers."""
+@dataclass(frozen=True)
+class Replay:
+    """A finished prompt's conversation replayed from its answers: every request in order (one per generation),
+    why an all_turns conversation ended early (None: it did not), and (generation, calls) of each step whose calls
+    got a cached result for other arguments."""
+
+    sent: list[list[dict[str, Any]]]
+    end: str | None = None
+    spliced_other_arguments: tuple[tuple[int, int], ...] = ()
+
+    def holds_other_arguments(self, generation: int) -> bool:
+        """The request of this generation holds a cached result spliced into a call with other arguments."""
+        return any(k < generation for k, _ in self.spliced_other_arguments)
+
+
+def replay(mode: str, messages: Sequence[dict[str, Any]], answers: Sequence[Generated],
+           reasoning_history: str = DEFAULT_REASONING_HISTORY, result_match: str = DEFAULT_RESULT_MATCH) -> Replay:
+    """Replays the conversation the worker ran from its answers (the worker and the record builder share AllTurns)."""
     if mode != "all_turns":
-        return [[normalised(m) for m in messages]], None
-    conversation = AllTurns(messages, reasoning_history)
+        return Replay([[normalised(m) for m in messages]])
+    conversation = AllTurns(messages, reasoning_history, result_match)
     sent = []
     for answer in answers:
         history = conversation.next_history()
@@ -201,7 +248,15 @@ def histories(mode: str, messages: Sequence[dict[str, Any]], answers: Sequence[G
             raise ValueError(f"{len(answers)} answers for a conversation of {len(sent)} steps")
         sent.append(history)
         conversation.add(answer)
-    return sent, conversation.end
+    return Replay(sent, conversation.end, tuple(conversation.spliced_other_arguments))
+
+
+def histories(mode: str, messages: Sequence[dict[str, Any]], answers: Sequence[Generated],
+              reasoning_history: str = DEFAULT_REASONING_HISTORY,
+              result_match: str = DEFAULT_RESULT_MATCH) -> tuple[list[list[dict[str, Any]]], str | None]:
+    """Every request of a finished prompt, in order, and why an all_turns conversation ended early (`replay`)."""
+    done = replay(mode, messages, answers, reasoning_history, result_match)
+    return done.sent, done.end
 
 
 def seed_for(prompt_id: str, temperature: float) -> int | None:

@@ -3,7 +3,7 @@
 
 Flags, always in this order:
     truncated           finish_reason == "length"
-    truncated_thinking  ... and the output ended inside the thinking: empty content, non-empty reasoning
+    truncated_thinking  ... and the output ended inside the thinking: empty content, non-empty reasoning, no call
     context_capped      ... with fewer completion tokens than the request's max_tokens: the context ran out
                         first (vLLM cuts max_tokens to what the context leaves, without an error)
     empty               content and reasoning both blank, and no tool call (a pure tool call, finish_reason
@@ -18,8 +18,18 @@ Flags, always in this order:
         * line loop: the same non-blank line of at least 8 characters (stripped) appears at least
           5 times in a row, blank lines between them ignored. The length floor keeps code
           (`}`, `end`, `---`) and short list items from counting.
+    truncated_call      finish_reason "length", a prompt sent with tools, no tool call and empty content though the output
+                        went on after the reasoning (no reasoning, or fewer reasoning tokens than the output's
+                        less one): the server's tool-call parser dropped a call cut before its end (SGLang keeps
+                        only the text before the call section). Not truncated_thinking then: the thinking ended
+    arguments_not_object  a call whose arguments are not a JSON object (not JSON, or another JSON type): a call
+                        cut at max_tokens streams its arguments so far; SGLang refuses such arguments in a history
+    spliced_other_arguments  all_turns, tool_result_match name: the history of this record holds a cached tool
+                        result spliced into a call of the target whose arguments differ from the source's call
 """
 from __future__ import annotations
+
+from ..prompts.splice import not_objects
 
 TRUNCATED = "truncated"
 TRUNCATED_THINKING = "truncated_thinking"
@@ -27,7 +37,11 @@ CONTEXT_CAPPED = "context_capped"
 EMPTY = "empty"
 LEAKED_THINK = "leaked_think"
 REPETITION = "repetition"
-QUALITY_FLAGS = (TRUNCATED, TRUNCATED_THINKING, CONTEXT_CAPPED, EMPTY, LEAKED_THINK, REPETITION)
+TRUNCATED_CALL = "truncated_call"
+ARGUMENTS_NOT_OBJECT = "arguments_not_object"
+SPLICED_OTHER_ARGUMENTS = "spliced_other_arguments"
+QUALITY_FLAGS = (TRUNCATED, TRUNCATED_THINKING, CONTEXT_CAPPED, EMPTY, LEAKED_THINK, REPETITION, TRUNCATED_CALL,
+                 ARGUMENTS_NOT_OBJECT, SPLICED_OTHER_ARGUMENTS)
 
 THINK_MARKERS = ("<think>", "</think>")
 TAIL_MAX_PERIOD_WORDS = 64
@@ -82,15 +96,21 @@ def is_repetitive(text: str | None) -> bool:
 
 def quality_flags(content: str, reasoning_content: str | None, finish_reason: str,
                   completion_tokens: int | None = None, max_tokens: int | None = None,
-                  tool_calls: list | None = None) -> list[str]:
+                  tool_calls: list | None = None, tools_sent: bool = False,
+                  reasoning_tokens: int | None = None) -> list[str]:
     """`completion_tokens` and `max_tokens` (the request's): a length finish short of max_tokens is capped.
-    `tool_calls`: the target's calls in this answer (None or empty: it called none)."""
+    `tool_calls`: the target's calls in this answer (None or empty: it called none); `tools_sent`: the request had
+    tools; `reasoning_tokens`: as the server counted them (None: not reported). The record builder adds
+    spliced_other_arguments, which the answer alone cannot tell."""
     flags: list[str] = []
     content = content or ""
+    cut_call = finish_reason == "length" and tools_sent and not tool_calls and _blank(content) and (
+        _blank(reasoning_content) or (completion_tokens is not None and bool(reasoning_tokens)
+                                      and completion_tokens > reasoning_tokens + 1))
     if finish_reason == "length":
         flags.append(TRUNCATED)
-        if _blank(content) and not _blank(reasoning_content):
-            flags.append(TRUNCATED_THINKING)
+        if _blank(content) and not _blank(reasoning_content) and not cut_call and not tool_calls:
+            flags.append(TRUNCATED_THINKING)  # a call (or a call cut and dropped) comes after the thinking
         if completion_tokens is not None and max_tokens is not None and 0 < completion_tokens < max_tokens:
             flags.append(CONTEXT_CAPPED)
     if _blank(content) and _blank(reasoning_content) and not tool_calls:
@@ -99,6 +119,10 @@ def quality_flags(content: str, reasoning_content: str | None, finish_reason: st
         flags.append(LEAKED_THINK)
     if is_repetitive(content) or is_repetitive(reasoning_content):
         flags.append(REPETITION)
+    if cut_call:
+        flags.append(TRUNCATED_CALL)
+    if tool_calls and not_objects(tool_calls):
+        flags.append(ARGUMENTS_NOT_OBJECT)
     return flags
 
 

@@ -9,10 +9,11 @@ import pyarrow.compute as pc
 from ..core.config import RunConfig
 from ..core.identity import StoredRecords
 from ..core.work import Outcome, WorkItem, split_unit
-from ..prompts.conversation import calls_json, histories, sample_seed
+from ..prompts.conversation import calls_json, replay, sample_seed
 from ..prompts.tool_calls import message_row
 from .prompt_reader import PendingPrompt, PromptRow, PromptSetReader
-from .quality import quality_flags
+from .quality import SPLICED_OTHER_ARGUMENTS, quality_flags
+from .tool_counts import SessionToolNotes
 from .rundir import RunDir, now_utc
 
 
@@ -30,8 +31,9 @@ class RecordBuilder:
         self.fingerprint = fingerprint or cfg.fingerprint()
         self.temperature, self.mode = cfg.sampling.temperature, cfg.mode
         self.max_tokens = cfg.sampling.max_tokens
-        self.tool_reasoning_history = cfg.tool_reasoning_history
+        self.tool_reasoning_history, self.tool_result_match = cfg.tool_reasoning_history, cfg.tool_result_match
         self.samples = cfg.samples_per_prompt
+        self.tool_notes = SessionToolNotes()  # this session's tool figures, for the run's log
 
     def work_items(self, batch: list[PendingPrompt | WorkItem]) -> list[WorkItem]:
         """The dispatcher's `load`: pending prompts become work items, their rows read from the prompt set in one
@@ -56,7 +58,9 @@ class RecordBuilder:
         is a generation, turn_index counts them); its last row says why it ended early, if it did."""
         row = self.in_flight.pop(outcome.prompt_id)
         prompt_id, j = split_unit(outcome.prompt_id)
-        sent, _ = histories(self.mode, row.messages, outcome.completions, self.tool_reasoning_history)
+        done = replay(self.mode, row.messages, outcome.completions, self.tool_reasoning_history,
+                      self.tool_result_match)
+        sent = done.sent
         seed = sample_seed(prompt_id, j, self.temperature)
         tools, last = row.tools, len(outcome.completions) - 1  # canonical JSON text, as stored
         rows = []
@@ -72,14 +76,17 @@ class RecordBuilder:
                 extra["sample_index"] = j
             if row.source_ref is not None:  # records schema 6
                 extra["source_ref"] = row.source_ref
+            flags = quality_flags(c.content, c.reasoning_content, c.finish_reason, c.completion_tokens,
+                                  self.max_tokens, c.tool_calls, tools is not None, c.reasoning_tokens)
+            if done.holds_other_arguments(k):
+                flags.append(SPLICED_OTHER_ARGUMENTS)
             rows.append({
                 "prompt_id": prompt_id, "source": row.source,
                 "messages": [message_row(m) for m in messages],
                 "turn_index": k if self.mode == "all_turns" else sum(m["role"] == "assistant" for m in messages),
                 "n_turns": len(outcome.completions), "reference": row.reference if self.mode != "all_turns" else None,
                 "content": c.content, "reasoning_content": c.reasoning_content, "finish_reason": c.finish_reason,
-                "flags": quality_flags(c.content, c.reasoning_content, c.finish_reason, c.completion_tokens,
-                                       self.max_tokens, c.tool_calls),
+                "flags": flags,
                 "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
                 "cached_tokens": c.cached_tokens, "reasoning_tokens": c.reasoning_tokens,
                 "endpoint": outcome.endpoint, "model": c.model, "weight_version": c.weight_version,
@@ -89,6 +96,7 @@ class RecordBuilder:
                 "request_id": c.request_id, "prompt_token_ids": c.prompt_token_ids,
                 "output_token_ids": c.output_token_ids, "created_at": now_utc(), **extra,
             })
+        self.tool_notes.add(done, rows)
         return rows
 
     def failure(self, outcome: Outcome, attempts: int) -> dict[str, Any]:
