@@ -72,7 +72,9 @@ def test_regen_flags_a_cut_call_as_what_the_server_made_of_it(server, tmp_path, 
     async def scenario():
         worker = EndpointWorker(server.url, "e", 1, settings, mode="all_turns", attempts_per_endpoint=1)
         outcomes = list((await worker.exchange(list(handed.values()), wait_s=1.0)).outcomes)
-        while not outcomes:
+        for _ in range(600):  # each exchange waits on the worker's event, at most 0.5 s
+            if outcomes:
+                break
             outcomes += (await worker.exchange([], wait_s=0.5)).outcomes
         await worker.close()
         return outcomes

@@ -65,7 +65,9 @@ def regenerate(url: str, rule: str, tmp: Path, thinking: bool = False, max_token
                                 tool_result_match=rule)
         items = list(handed.values())
         outcomes = list((await worker.exchange(items, wait_s=1.0)).outcomes)
-        while len(outcomes) < len(items):
+        for _ in range(600):  # each exchange waits on the worker's event, at most 0.5 s
+            if len(outcomes) == len(items):
+                break
             outcomes += (await worker.exchange([], wait_s=0.5)).outcomes
         await worker.close()
         return outcomes
