@@ -15,6 +15,8 @@ process id), the emulators, the regen runs.
   production  the production shape: 88K prompts, 16 endpoints x 64, checkpointing on, lost/doubled, RSS, commits
   sources     materialise a 1 GB JSON array of ShareGPT rows with limit 88,000: MB/s on one core, peak RSS
   capture     `regen capture` on SmolLM2-135M (CPU) vs its forward pass alone; hidden bytes vs the ideal bf16
+  images      what a 1 MB image adds to a request on the worker's path (read, sha256, base64, JSON, send), and per
+              all_turns step
   scale       on demand only (--only scale, --n N): N multi-turn prompts end to end through 16 endpoints, peak
               driver RSS, resume at 90% done (command to first request), 0 lost / 0 doubled (docs/scale.md)
 """
@@ -41,6 +43,7 @@ from .cases import (
     stragglers,
 )
 from .capture import capture_needs, capture_throughput
+from .images import image_request_cost
 from .env import REPO
 from .scale import memory, production, resume
 from .scale_run import scale
@@ -79,7 +82,7 @@ def simulator_accuracy(ctx: Ctx) -> Result:
 BENCHES = {"overhead": overhead, "saturation": saturation, "stragglers": stragglers, "resume": resume,
            "memory": memory, "emulator": emulator_capacity,
            "simulator": simulator_accuracy, "production": production, "sources": materialise_json,
-           "capture": capture_throughput, "scale": scale}
+           "capture": capture_throughput, "images": image_request_cost, "scale": scale}
 ON_DEMAND = {"scale"}  # tens of minutes: run only when named in --only
 # What a case needs beyond the benchmarks' own (a reason string when this environment lacks it): the case is
 # skipped with that line instead of failing the whole command after the others have run.
