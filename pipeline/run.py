@@ -34,6 +34,7 @@ from .store.resume import (ChosenRun, choose_run, committed_nothing, prompt_set_
                            with_prompt_advice)
 from .store.rundir import RunDir, RunLock, now_utc, successor_run_dir
 from .dispatch.fleet import EarlyProbe, FleetDrift, check_fleet_first, fleet_preflight
+from .dispatch.needs import has_images
 from .store.prompt_reader import PendingScan, PromptSetReader
 from .store.records import RecordBuilder
 from .dispatch.session import run_dispatch, session_start
@@ -64,7 +65,8 @@ def has_tools(prompts: PromptSetReader) -> bool:
 def build_prompts(cfg: RunConfig) -> PromptSet:
     """The whole prompt set in memory (regen simulate); a run streams it through stage_prompt_set."""
     specs = list(source_specs(cfg).values())
-    check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path(), cfg.served_chat_template())
+    check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path(), cfg.served_chat_template(),
+                              cfg.images.tokens_per_image)
     return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed, length_check=check, images=cfg.images,
                             fetch=image_fetcher(cfg.images))
 
@@ -267,15 +269,15 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     Arrow reads files), the fleet's probes (EarlyProbe: they wait on the endpoints) and, with the session, the
     first endpoint actors (they wait on Ray). The probes start early unless the run starts local servers (only once
     it knows it has work) or its status says it is complete."""
-    tools = has_tools(prompts)
+    tools, images = has_tools(prompts), has_images(prompts)
     scanning = Background(lambda: pending_scan(cfg, opts, run_dir, prompts), "regen-ledger")
     probe = None
     try:
         if cfg.local_fleet is None and (run_dir.read_status() or {}).get("state") != "complete":
-            probe = EarlyProbe(cfg, opts.start_with_passing, tools)
+            probe = EarlyProbe(cfg, opts.start_with_passing, tools, images)
         with session_start(cfg, run_dir, stop) as (early, metrics):
             return dispatch_started(cfg, opts, run_dir, manifest, prompts, stop, lock, early, metrics, tools,
-                                    scanning.result, probe)
+                                    scanning.result, probe, images)
     finally:
         if probe is not None:
             probe.cancel()  # nothing pending, or the run stopped: the probes' answers are not needed
@@ -300,7 +302,7 @@ def pending_scan(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts
 
 def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any],
                      prompts: PromptSetReader, stop: StopFlag, lock: RunLock | None, early, metrics, tools: bool,
-                     scanned: Callable[[], PendingScan], probe: EarlyProbe | None) -> int:
+                     scanned: Callable[[], PendingScan], probe: EarlyProbe | None, images: bool = False) -> int:
     from .endpoints.localfleet import local_fleet
     from .store.progress import Progress, image_counts
 
@@ -321,7 +323,7 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     if not pending and not (opts.new_run and manifest.get("weight_version") is not None):
         return report_complete(run_dir, progress())
     with local_fleet(cfg.local_fleet, run_dir.local_logs()):
-        fleet = fleet_preflight(cfg, run_dir, opts.start_with_passing, tools=tools, probed=probe)
+        fleet = fleet_preflight(cfg, run_dir, opts.start_with_passing, tools=tools, probed=probe, images=images)
         if not pending:
             return report_complete(run_dir, progress())
         what = "prompts" if samples == 1 else f"samples ({samples} per prompt)"

@@ -57,6 +57,8 @@ def read_sglang_info(report: Any, model_info: dict | None, server_info: dict | N
         report.weight_version = model_info.get("weight_version") or report.weight_version
         if "reasoning_parser" in model_info:
             report.reasoning_parser = model_info.get("reasoning_parser")
+        if isinstance(model_info.get("has_image_understanding"), bool):  # every checked version (http_server.py)
+            report.images = model_info["has_image_understanding"]
     if server_info is None:
         return None
     info = server_info

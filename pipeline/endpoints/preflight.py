@@ -232,8 +232,8 @@ def preflight(cfg: RunConfig, api_keys: dict[str, str | None], announce: bool = 
     Raises PreflightError naming each endpoint and mismatch; waits with backoff up to
     cfg.dead_fleet_deadline_s while no endpoint answers. Unreachable endpoints among working ones are
     warnings (logged, and in the reports); so are endpoints with problems under `start_with_passing` (their
-    reports keep the problems). `timeouts`: info_timeout_s, probe_timeout_s, and `tools=True` for a prompt set with tools (check_endpoint's
-    keywords)."""
+    reports keep the problems). `timeouts`: info_timeout_s, probe_timeout_s, and `tools=True` for a prompt set with
+    tools, `images=True` for one with images (check_endpoint's keywords)."""
     return asyncio.run(preflight_async(cfg, api_keys, announce, start_with_passing, **timeouts))
 
 

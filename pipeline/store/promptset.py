@@ -202,7 +202,8 @@ def stage_prompt_set(cfg: RunConfig, fetch: ImageFetch | None = None) -> StagedP
     staged = StagedPromptSet(cfg.prefix_affinity_chars, cfg.images.store)
     try:
         staged.files = file_identity({key: spec for key, (spec, _) in specs.items()})
-        check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path(), cfg.served_chat_template())
+        check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path(), cfg.served_chat_template(),
+                                  cfg.images.tokens_per_image)
         staged.result = build_into(staged, list(specs.values()), mode=cfg.mode, seed=cfg.selection_seed,
                                    length_check=check, images=cfg.images, fetch=fetch)
         _check_every_listed_file_was_read(specs, staged)
