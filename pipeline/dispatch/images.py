@@ -17,9 +17,9 @@ import hashlib
 from typing import Any, Callable, Mapping
 
 from ..core.errors import ConfigError, EndpointFatal, ImageUnsendable, RequestError, Retryable, StorageError
-from ..core.images import stored_image_path
 from ..endpoints.engines import OpenAIAdapter
 from ..endpoints.images import DATA_URL, FILE_URL, data_url, file_url, request_messages
+from ..store.run_images import image_location as stored_image_location
 from ..store.storage import Location
 
 # (run directory URI, image part) -> the image's bytes. FileNotFoundError: the bytes are gone.
@@ -27,17 +27,13 @@ ImageReader = Callable[[str | None, Mapping[str, Any]], bytes]
 
 
 def image_location(run_uri: str | None, part: Mapping[str, Any]) -> Location:
-    """Where a part's bytes are: its `path`, else the run directory's copy."""
-    if part.get("path"):
-        return Location.at(part["path"])
-    if not run_uri:
+    """Where a part's bytes are (store/run_images.py); a copied image needs the run directory."""
+    if not part.get("path") and not run_uri:
         raise ValueError(f"image {part['sha256']} has no path and the worker was given no run directory")
-    return Location.at(run_uri) / stored_image_path(part["sha256"])
+    return stored_image_location(run_uri or "", part)
 
 
 def read_image(run_uri: str | None, part: Mapping[str, Any]) -> bytes:
-    """The default reader (the store's own, store/, replaces it once it is there): local paths and object stores,
-    through the storage layer."""
     return image_location(run_uri, part).read_bytes()
 
 
