@@ -14,7 +14,8 @@
   ["num_tokens"]` times; those ids are the prompt's (prompt_tokens, prompt_token_ids).
 
 The emulated model's answer starts by naming each image it saw (size and the first 16 hex digits of the sha256 of
-its bytes), so a test can tell which image arrived. Loading the bytes: media_load.py.
+its bytes), so a test can tell which image arrived (an answer cut inside its reasoning names none); the images'
+digests also seed the answer. Kimi ignores video_url and audio_url parts. Loading the bytes: media_load.py.
 """
 from __future__ import annotations
 
