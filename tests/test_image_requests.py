@@ -5,7 +5,7 @@ of a fleet that cannot take images, and max_prompt_tokens counting images.
 
 The servers: a stand-in recording every body (tests/image_servers.py; until the emulator takes images), the
 SGLang emulator as a text-only model, each SGLang wheel's own request model (one subprocess,
-tests/conformance/sglang_image_checks.py), and vLLM's own texts and Kimi-K2.5 processor read from its venv. Real
+tests/conformance/sglang_request_images.py), and vLLM's own texts and Kimi-K2.5 processor read from its venv. Real
 images, made with Pillow; a real run directory on disk."""
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def test_each_sglang_versions_request_model_takes_the_request(sent, tmp_path):
         pytest.skip(why) if os.environ.get("REGEN_ALLOW_MISSING_WHEELS") == "1" else pytest.fail(why)
     bodies = {v: {"root": str(roots[v]), "bodies": sent["by_engine"][f"sglang-{v}"][1]} for v in VERSIONS}
     (tmp_path / "bodies.json").write_text(json.dumps(bodies))
-    done = subprocess.run([sys.executable, "-m", "tests.conformance.sglang_image_checks", "--bodies",
+    done = subprocess.run([sys.executable, "-m", "tests.conformance.sglang_request_images", "--bodies",
                            str(tmp_path / "bodies.json"), "--out", str(tmp_path / "out.json")], cwd=WORKTREE,
                           env={**os.environ, "PYTHONPATH": str(WORKTREE)}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
