@@ -5,8 +5,9 @@ A list content is read part by part:
 - an image -> `{"type": "image_ref", "ref": <the reference as the source wrote it>}`, read later by images.py:
   `{"type": "image_url", "image_url": {"url"}}` or `image_url` as a bare string (OpenAI, TorchSpec), `{"type":
   "image", "image" | "path" | "url" | "image_url" | "base64": ...}` (TorchSpec, speculators, transformers' chat
-  templates), `{"type": "input_image", "image_url"}` (the Responses API; SGLang takes it too). An image part that
-  holds nothing (`{"type": "image"}`, as TRL's datasets write them beside an `images` column) is a placeholder
+  templates), `{"type": "input_image", "image_url"}` (the Responses API). Each is sent as an `image_url` part, the
+  one form every supported SGLang version's request model takes (its pydantic models refuse `image`,
+  `input_image` and a bare-string `image_url`). An image part that holds nothing (`{"type": "image"}`, as TRL's datasets write them beside an `images` column) is a placeholder
   (`ref` None) that the record's images field fills (image_records.py);
 - an image part already read (`sha256` and `media_type`: the normalised form, core/images.py) is kept as it is;
 - video, audio and file parts, and any other type: the record is rejected under the kind's own code, the reason
