@@ -158,8 +158,8 @@ def _count_table(header: str, counts: Counter, total: int) -> list[str]:
     return lines
 
 
-def _stats_table(rows: list[tuple[str, LengthStats | None]]) -> list[str]:
-    lines = ["| length | count | mean | p50 | p95 | max |", "|---|---:|---:|---:|---:|---:|"]
+def _stats_table(rows: list[tuple[str, LengthStats | None]], header: str = "length") -> list[str]:
+    lines = [f"| {header} | count | mean | p50 | p95 | max |", "|---|---:|---:|---:|---:|---:|"]
     for label, stats in rows:
         if stats is None:
             lines.append(f"| {label} | 0 | - | - | - | - |")

@@ -82,10 +82,10 @@ def image_lines(images: ImageContents, stats_table: Callable[[list], list[str]],
         *[f"| {n} | {count} |" for n, count in sorted(per_prompt.items())], "",
         *stats_table([("image width (pixels)", stats_of([w for w, _, _ in sizes])),
                       ("image height (pixels)", stats_of([h for _, h, _ in sizes])),
-                      ("image size (thousand pixels)", stats_of([round(w * h / 1000) for w, h, _ in sizes])),
-                      ("image file size (KB)", stats_of([round(b / 1024) for _, _, b in sizes])),
+                      ("image pixels (width x height)", stats_of([w * h for w, h, _ in sizes])),
+                      ("image file (bytes)", stats_of([b for _, _, b in sizes])),
                       ("prompt tokens, image records", stats_of(images.prompt_tokens_images)),
-                      ("prompt tokens, text records", stats_of(images.prompt_tokens_text))]), "",
+                      ("prompt tokens, text records", stats_of(images.prompt_tokens_text))], "figure"), "",
         "Sizes are of each distinct image once. The prompt tokens of an image record are the server's count, the "
         "image's placeholder tokens included (their number depends on the image's size and the model's processor); "
         "no exact per-image token count can be read from them, so they are shown beside those of the text records, "
