@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .export.command import add_export_arguments, run_export
 
-    export = sub.add_parser("export", help="training files from a run (SpecForge, speculators)",
+    export = sub.add_parser("export", help="training files from a run (SpecForge, speculators, TorchSpec)",
                             description="Write a run's committed records in a training library's format, atomically.")
     add_export_arguments(export)
     export.set_defaults(func=run_export)
