@@ -193,6 +193,21 @@ def test_specforge_loads_both_exports_of_an_image_run_which_hold_no_image_record
     assert all(sum(r["loss_mask"]) for r in tokens["rows"] + conversations["rows"])
 
 
+def test_an_all_turns_conversation_whose_image_comes_in_a_later_turn_is_one_image_row(tmp_path):
+    from tests.image_records import copied_image, image_record, user, write_run
+
+    cat = copied_image(tmp_path / "run", 8, 8, 4)
+    first, later = user("Hello"), user(cat, "And this?")
+    records = [image_record("c", 0, [first], "Hi.", n_turns=2),
+               image_record("c", 1, [first, {"role": "assistant", "content": "Hi."}, later], "A square.", n_turns=2)]
+    run = write_run(tmp_path / "run", "all_turns", [records])
+    out = tmp_path / "spec.jsonl"
+    summary = export_run(run.path, "speculators", out)
+    assert (summary.rows_written, summary.image_rows, summary.records_exported) == (1, 1, 2) and not out.read_text()
+    (row,) = read_jsonl(images_path(out))
+    assert [m["role"] for m in row["conversations"]] == ["user", "assistant", "user", "assistant"]
+
+
 def test_image_prefix_rewrites_the_paths_a_trainer_opens_and_an_unmapped_object_store_path_is_refused(
         tmp_path, last_turn):
     run, images = last_turn

@@ -96,10 +96,13 @@ class Exporter:
     def add_part(self, records: list[dict[str, Any]]) -> None:
         self.summary.records_read += len(records)
         if self.fmt == "speculators":
-            image_records = [r for r in records if record_has_images(r)]
-            if image_records:
-                self._speculators_images(image_records)
-                records = [r for r in records if not record_has_images(r)]
+            # all_turns: a conversation is an image conversation, whole, if any of its turns has an image
+            units = {formats.conversation_id(r) for r in records if record_has_images(r)}
+            is_image = (lambda r: formats.conversation_id(r) in units) if self.mode == "all_turns" \
+                else record_has_images
+            if units:
+                self._speculators_images([r for r in records if is_image(r)])
+                records = [r for r in records if not is_image(r)]
         if self.fmt == "specforge" and not self.per_turn:
             for turns in conversations_in(records):
                 self._whole_conversation(turns)

@@ -95,8 +95,8 @@ def _earlier_images_file(out: Path) -> Path | None:
 
 
 def export_run(run_dir: str | Path | Location, fmt: str, out: Path, *, drop_truncated: bool = False,
-               drop_flagged: bool = False, sources: list[str] | None = None, per_turn: bool = False, keep_truncated: bool = False,
-               image_prefixes: list[str] | None = None) -> ExportSummary:
+               drop_flagged: bool = False, sources: list[str] | None = None, per_turn: bool = False,
+               keep_truncated: bool = False, image_prefixes: list[str] | None = None) -> ExportSummary:
     """`keep_truncated`: the conversation exports keep records cut at max_tokens (dropped by default: SpecForge and
     TorchSpec would close them with an end-of-turn token the model never generated). `image_prefixes`: `OLD=NEW`
     rewrites of the image paths the speculators and torchspec rows name."""
