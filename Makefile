@@ -15,7 +15,7 @@ CHECK_PYTHON = $(PYTHON) -c 'import sys; need = tuple(int(n) for n in "$(PYTHON_
 	+ "$(PYTHON) is Python " + sys.version.split()[0] + " (" + sys.executable + "). Install a newer Python, or " \
 	+ "name one: make setup PYTHON=python3.12")'
 
-.PHONY: setup check-python generate status export card test serve-local emulate help sglang-wheels trainlib-wheels capture vllm test-deps docs docs-ref docs-build
+.PHONY: setup check-python generate status export card test serve-local emulate help sglang-wheels trainlib-wheels capture vllm vlm test-deps docs docs-ref docs-build
 
 help:
 	@echo "make setup        create $(VENV) with PYTHON=$(PYTHON) (>= $(PYTHON_MIN)) and install regen with the local fleet and test extras"
@@ -29,6 +29,7 @@ help:
 	@echo "make docs-ref     regenerate docs/reference/ from the code (config keys, CLI, exit codes)"
 	@echo "make serve-local  serve SmolLM2-135M on 127.0.0.1:18181 (llama.cpp), for a config that lists it under endpoints"
 	@echo "make vllm         vLLM's CPU build in its own cached venv, and SmolLM2-135M as an HF folder (configs/local_vllm.yaml)"
+	@echo "make vlm          make vllm, a tiny Kimi-K2.5 (random weights) and scikit-image's photos, for tests/test_vlm_engine.py"
 
 setup: $(VENV)/.installed
 
@@ -143,11 +144,32 @@ $(VLLM_CACHE)/%/.installed:
 $(SMOLLM2_HF)/.complete: $(VENV)/.verify
 	$(PY) -m pipeline.tools.convert_smollm2 --out $(SMOLLM2_HF)
 
+# The vision-language tests (tests/test_vlm_engine.py): vLLM's CPU build serving a tiny Kimi-K2.5 with random
+# weights, written by the project (config, tokenizer, chat template, weights; nothing from a hub; it needs numpy,
+# safetensors and tokenizers), and photographs to ask about: scikit-image's, from its wheel, unpacked with
+# --no-deps into a cache folder keyed by version (only its skimage/data/ is read, never imported). vLLM's venv
+# needs nothing more: its Kimi-K2.5 image processor runs on numba and PIL, not torchvision.
+TINY_VLM         := $(MODELS_CACHE)/tiny-kimi-k25
+SKIMAGE_VERSION  ?= 0.26.0
+SKIMAGE_CACHE    := $(HOME)/.cache/regen/skimage-$(SKIMAGE_VERSION)
+
+vlm: vllm $(TINY_VLM)/.complete $(SKIMAGE_CACHE)/.installed
+
+$(TINY_VLM)/.complete: $(VENV)/.verify
+	$(PY) -m pipeline.tools.make_tiny_vlm --out $(TINY_VLM)
+
+$(SKIMAGE_CACHE)/.installed: | $(VENV)/.installed
+	rm -rf $(SKIMAGE_CACHE).tmp
+	$(PY) -m pip install -q --no-deps --no-compile --target $(SKIMAGE_CACHE).tmp "scikit-image==$(SKIMAGE_VERSION)"
+	rm -rf $(SKIMAGE_CACHE) && mv $(SKIMAGE_CACHE).tmp $(SKIMAGE_CACHE)
+	touch $@
+
 # What the tests need, installed 3 at a time: vLLM's own venv (the longest) beside the project venv's chain.
-test-deps: setup $(VENV)/.verify sglang-wheels trainlib-wheels vllm
+test-deps: setup $(VENV)/.verify sglang-wheels trainlib-wheels vllm vlm
 
 # The layering contract ([tool.importlinter] in pyproject.toml) first: a stage importing a later one fails here.
-# The vLLM tests find the venv and the model through REGEN_VLLM_PYTHON and REGEN_VLLM_MODEL.
+# The vLLM tests find the venv and the model through REGEN_VLLM_PYTHON and REGEN_VLLM_MODEL, the vision-language
+# ones the tiny Kimi-K2.5 and the photos through REGEN_VLM_MODEL and REGEN_SKIMAGE_DATA.
 # TEST_WORKERS pytest-xdist workers, each module whole on one worker (tests/conftest.py): most tests wait on
 # servers, Ray and subprocesses, so two workers fit on two cores.
 TEST_WORKERS ?= 2
@@ -155,7 +177,8 @@ test:
 	@$(MAKE) --no-print-directory -j3 test-deps
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	@$(MAKE) --no-print-directory docs-build
-	REGEN_VLLM_PYTHON=$(VLLM_VENV)/bin/python REGEN_VLLM_MODEL=$(SMOLLM2_HF) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	REGEN_VLLM_PYTHON=$(VLLM_VENV)/bin/python REGEN_VLLM_MODEL=$(SMOLLM2_HF) REGEN_VLM_MODEL=$(TINY_VLM) \
+		REGEN_SKIMAGE_DATA=$(SKIMAGE_CACHE)/skimage/data $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The docs site (mkdocs.yml, docs/): --strict fails on a broken link, a missing page or a page outside the nav.
 # Never --quiet: it hides the warnings from the count --strict aborts on (mkdocs 1.6), and a broken link passes.

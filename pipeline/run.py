@@ -22,8 +22,10 @@ from .core.identity import IDENTITY_VERSION, check_identity, new_samples, resume
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
 from .prompts.tokens import load_length_check
-from .store.promptset import (StagedPromptSet, check_schema_takes_samples, check_schema_takes_tools,
-                              check_source_files, report_document, source_specs, stage_prompt_set)
+from .endpoints.image_fetch import image_fetcher
+from .store.promptset import (StagedPromptSet, check_schema_takes_parts, check_schema_takes_samples,
+                              check_schema_takes_tools, check_source_files, report_document, source_specs,
+                              stage_prompt_set)
 from .store.committer import Committer
 from .store.goodput import Goodput, summary_line
 from .store.progress import duration
@@ -63,7 +65,14 @@ def build_prompts(cfg: RunConfig) -> PromptSet:
     """The whole prompt set in memory (regen simulate); a run streams it through stage_prompt_set."""
     specs = list(source_specs(cfg).values())
     check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path(), cfg.served_chat_template())
-    return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed, length_check=check)
+    return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed, length_check=check, images=cfg.images,
+                            fetch=image_fetcher(cfg.images))
+
+
+def read_sources(cfg: RunConfig) -> StagedPromptSet:
+    """The sources read into a staged set, http(s) images fetched here (endpoints/: the prompts layer does no
+    HTTP) unless `images.remote: refuse`."""
+    return stage_prompt_set(cfg, fetch=image_fetcher(cfg.images))
 
 
 def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool,
@@ -77,8 +86,10 @@ def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool,
         if staged is not None:
             staged.discard()
         return existing
-    staged = staged or stage_prompt_set(cfg)
-    check_schema_takes_tools(staged, run_dir.read_manifest().get("schema_version"))  # discards it if it refuses
+    staged = staged or read_sources(cfg)
+    schema_version = run_dir.read_manifest().get("schema_version")
+    check_schema_takes_tools(staged, schema_version)  # each discards the staged set if it refuses
+    check_schema_takes_parts(staged, schema_version)
     report = report_document(staged)
     for line in report_lines(report["sources"], indent=""):
         log.info("%s", line)
@@ -226,7 +237,7 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
         # a new run reads its sources before it writes anything: a source that fails leaves no run directory
         # (nor the folder a start killed here left: only its lock files are in it, removed under the lock)
         try:
-            staged = None if run_dir.exists() else stage_prompt_set(cfg)
+            staged = None if run_dir.exists() else read_sources(cfg)
         except BaseException:
             lock.remove_folder_on_release = not run_dir.exists()
             raise
@@ -291,7 +302,7 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
                      prompts: PromptSetReader, stop: StopFlag, lock: RunLock | None, early, metrics, tools: bool,
                      scanned: Callable[[], PendingScan], probe: EarlyProbe | None) -> int:
     from .endpoints.localfleet import local_fleet
-    from .store.progress import Progress
+    from .store.progress import Progress, image_counts
 
     scan = scanned()
     pending = scan.pending
@@ -304,7 +315,7 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
                         rejects=rejects, status_interval_s=cfg.status_interval_s,
                         log_interval_s=cfg.progress_log_interval_s,
                         goodput_before=Goodput.from_dict((run_dir.read_status() or {}).get("goodput")),
-                        samples_per_prompt=samples)
+                        samples_per_prompt=samples, image_prompts=image_counts(scan, opts.retry_failures))
 
     # --new-run also looks at the weights a complete run is pinned to: other weights make a successor
     if not pending and not (opts.new_run and manifest.get("weight_version") is not None):

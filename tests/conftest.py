@@ -33,7 +33,7 @@ os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled
 
 
 # Test modules that start real vLLM servers (about 4 GB each): one xdist worker runs them one after another.
-REAL_VLLM_MODULES = {"test_vllm_engine.py", "test_vllm_capture.py"}
+REAL_VLLM_MODULES = {"test_vllm_engine.py", "test_vllm_capture.py", "test_vlm_engine.py"}
 GROUP = pytest.StashKey[str]()
 
 

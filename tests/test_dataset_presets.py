@@ -33,6 +33,10 @@ SAMPLE = {"sharegpt": "sharegpt_vicuna.json", "ultrachat": "ultrachat_200k.jsonl
           "magpie_qwen25_pro_1m": "magpie_qwen25_pro_1m.jsonl", "open_perfectblend": "open_perfectblend.jsonl",
           "nemotron_chat": "nemotron_chat.jsonl", "gsm8k": "gsm8k.jsonl",
           "hermes_function_calling": "hermes_function_calling.json"}
+# the image presets: their samples (tests/data/presets/images/ holds their pictures) are read by
+# tests/test_image_datasets.py, and their runs need the image stages
+IMAGE_PRESETS = {"llava_instruct_150k": "llava_instruct_150k.json", "sharegpt4v": "sharegpt4v.json",
+                 "allava_4v": "allava_4v.json"}
 # the presets whose hub files are Parquet (the others are JSON or JSON Lines), and where the split's files are
 PARQUET_ON_HUB = {"ultrachat": "data/train_sft-*.parquet", "magpie_llama31_pro_300k": "data/train-*.parquet",
                   "magpie_qwen25_pro_1m": "data/train-*.parquet", "open_perfectblend": "data/train-*.parquet",
@@ -134,7 +138,8 @@ EXPECTED = {
 
 def test_every_shipped_dataset_spec_is_a_preset_with_a_sample():
     shipped = {p.stem for p in SOURCES.glob("*.yaml") if not p.stem.startswith("sample")}
-    assert shipped == set(SAMPLE) == set(EXPECTED) == {p.name for p in PRESETS}
+    assert shipped == set(SAMPLE) | set(IMAGE_PRESETS) == set(EXPECTED) | set(IMAGE_PRESETS) == \
+        {p.name for p in PRESETS}
     for p in PRESETS:  # what validate recognises is what the spec file says
         spec = load_source_spec(SOURCES / f"{p.name}.yaml")
         assert (spec.format, spec.conversation_field) == (p.format, p.field), p.name

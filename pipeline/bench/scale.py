@@ -62,11 +62,13 @@ def build_run_dir(config: Path, n_prompts: int, n_done: int, n_failed: int, part
     roles = pa.array(["user"] * n_prompts)
     nulls = pa.nulls(n_prompts, pa.string())
     messages = pa.ListArray.from_arrays(pa.array(np.arange(n_prompts + 1, dtype=np.int32)),
-                                        pa.StructArray.from_arrays([roles, user, nulls, nulls, nulls],
-                                                                   fields=list(schema.TOOL_MESSAGE)))
+                                        pa.StructArray.from_arrays(
+                                            [roles, user, pa.nulls(n_prompts, schema.MESSAGE6.field("parts").type),
+                                             nulls, nulls, nulls], fields=list(schema.MESSAGE6)))
     prompts = pa.Table.from_arrays([pa.array(ids), pa.array(["bench"] * n_prompts),
                                     pa.array([f"bench.jsonl:{i + 1}" for i in range(n_prompts)]), nulls, messages,
-                                    nulls, nulls, nulls, pa.nulls(n_prompts, pa.uint64())], schema=schema.PROMPTS)
+                                    nulls, nulls, nulls, pa.nulls(n_prompts, pa.uint64()),
+                                    pa.array(np.zeros(n_prompts, np.int32))], schema=schema.PROMPTS)
     run.write_prompt_set(prompts, schema.REJECTS.empty_table())
     order = rng.permutation(n_prompts)  # done prompts are not a prefix of the prompt set
     done, failed = order[:n_done], order[n_done:n_done + n_failed]

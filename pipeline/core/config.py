@@ -258,6 +258,8 @@ class RunConfig(_Strict):
             "specs": {s.spec: spec_content(s.spec) for s in self.sources},
             "max_prompt_tokens": self.max_prompt_tokens,
             "tokenizer": (self.tokenizer or self.model) if self.max_prompt_tokens else None,
+            # the images keys that select or shape the set, only those not at their default (Images.identity)
+            **({"images": images} if (images := self.images.identity(self.max_prompt_tokens)) else {}),
         }
 
     def identity(self) -> dict[str, Any]:

@@ -3,7 +3,7 @@ gate's thresholds): strict pydantic models whose field descriptions the docs ref
 config itself, its identity and its loading are in config.py."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -199,3 +199,18 @@ class Images(_Strict):
     tokens_per_image: int = Field(4096, ge=1, description=(
         "The prompt tokens one image is counted as by max_prompt_tokens where the tokenizer cannot say "
         "(a conservative budget: Kimi-K2.5 spends up to 4,096 on an image)."))
+
+    # What of this section selects or shapes the prompt set (run identity `prompts.images`): where the bytes are
+    # (`store`: a part carries `path` or not), what is rejected (`remote`, `max_bytes`, `max_pixels`,
+    # `max_per_prompt`) and, only where max_prompt_tokens rejects long prompts, what an image counts there
+    # (`tokens_per_image`). Not identity: `send_as` (the target sees the same pixels either way) and
+    # `fetch_timeout_s` (how long to wait, not what is read: a fetch that times out is a reject of that read, as
+    # a file missing at that moment is).
+    IDENTITY_KEYS: ClassVar[tuple[str, ...]] = ("store", "remote", "max_bytes", "max_pixels", "max_per_prompt")
+
+    def identity(self, max_prompt_tokens: int | None) -> dict[str, Any]:
+        """The identity keys that differ from their default (empty at the defaults: every run made before images
+        keeps its identity; core/identity.py OMITTED_AT_DEFAULT compares an absent key as its default)."""
+        keys = self.IDENTITY_KEYS + (("tokens_per_image",) if max_prompt_tokens else ())
+        fields = type(self).model_fields
+        return {key: getattr(self, key) for key in keys if getattr(self, key) != fields[key].default}

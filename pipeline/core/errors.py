@@ -18,6 +18,15 @@ class SecretMissing(ConfigError):
     """An endpoint names an API-key environment variable that is not set."""
 
 
+class ImageFetchFailed(RegenError):
+    """An http(s) image could not be fetched while the sources were read (the prompts layer rejects the record as
+    `remote_image` with this cause). `status`: the HTTP status, if the server answered."""
+
+    def __init__(self, url: str, cause: str, status: int | None = None):
+        self.url, self.cause, self.status = url, cause, status
+        super().__init__(f"{url}: {cause}" + (f" (HTTP {status})" if status is not None else ""))
+
+
 class DriftError(RegenError):
     """Resuming a run whose identity changed: generation config, prompt-set config or weight version."""
 
@@ -113,3 +122,16 @@ class StorageError(RunFatal):
 
 class PartExists(StorageError):
     """A commit would replace an existing part: committed files are never replaced."""
+
+
+# --- the prompt set's images ---------------------------------------------------------------------
+class ImageChanged(ConfigError):
+    """A local image's bytes are no longer those read when the prompt set was built (changed or gone before they
+    were copied into the run): the prompt set is not committed. Names the file."""
+
+    def __init__(self, path: str, expected: str, found: str | None):
+        self.path, self.expected, self.found = path, expected, found
+        now = "is gone" if found is None else f"now has sha256 {found}"
+        super().__init__(f"image {path} changed while the prompt set was built (read with sha256 {expected}, it {now}):"
+                         " the prompt set was not committed; rerun to read the sources again (images already copied "
+                         "are kept: they are stored by their content)")

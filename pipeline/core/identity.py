@@ -39,7 +39,8 @@ INFORMATIONAL: frozenset[str] = frozenset()
 # their fingerprint): a document without one means the default, and a resume compares it as such.
 OMITTED_AT_DEFAULT: dict[str, object] = {"generation.tool_choice": "auto",
                                          "generation.tool_reasoning_history": "current_turn",
-                                         "generation.samples_per_prompt": 1}
+                                         "generation.samples_per_prompt": 1,
+                                         "prompts.images": {}}  # config_sections.Images.identity
 SAMPLES_KEY = "generation.samples_per_prompt"
 ADD_SAMPLES_FLAG = "--add-samples"
 

@@ -18,11 +18,19 @@ def affinity_key(messages: list[dict], prefix_chars: int, tools_json: bytes | No
     only where present."""
     if prefix_chars <= 0:
         return 0
-    text = "\x1f".join(f"{m['role']}\x1e{m['content'] or ''}" + _tool_fields(m) for m in messages)
+    text = "\x1f".join(f"{m['role']}\x1e{_text(m['content'])}" + _tool_fields(m) for m in messages)
     if tools_json is not None:
         text = f"tools\x1e{tools_json.decode()}\x1f{text}"
     text = text[:prefix_chars]
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def _text(content: str | list | None) -> str:
+    """A content's text for the key: a string as it is; parts as core/images.py content_text, an image as its
+    sha256 (the image is in the prefix the server caches)."""
+    if type(content) is not list:
+        return content or ""
+    return "\n".join(p["text"] if p["type"] == "text" else f"<image {p.get('sha256')}>" for p in content)
 
 
 SAMPLE_SEP = "#s"

@@ -4,6 +4,8 @@ Roles and contents are checked by `normalise`; an adapter only finds the message
 The readers' rule: every field of a record that shapes what the model sees is carried or counted by name. An
 adapter carries the fields it knows (`carried_keys`) and counts every other non-empty key of the record
 (`record.KEY`) and of each message (`message.KEY`) in the record's Tally (docs/sources-tool-calls.md).
+A record's images field (`image`/`images`, or the spec's `image_field`), in any format, puts its images into the
+user turns as image references (image_records.py); they are read after `normalise` (images.py).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigError
+from .image_records import image_fields, record_images, with_images
 from .records import InvalidRecord, RejectCode, Tally
 from .tool_calls import drop_arrow_nulls, normalise_tools
 from .toolformats import CALL_ROLES, RESULT_ROLES, expand, hermes_tools, is_hermes, role_of
@@ -53,6 +56,9 @@ def to_conversation(spec: "SourceSpec", data: Any, tally: Tally) -> tuple[list[d
         messages, tools = _question_answer(data, field), []
     else:
         raise ConfigError(f"source {spec.name!r}: unknown format {spec.format!r}")
+    images = record_images(spec, data)
+    if images is not None:
+        messages = with_images(messages, images[0], images[1], tally)
     carried = carried_keys(spec)
     for key in data:
         if key not in carried and not _empty(data[key]):
@@ -64,7 +70,7 @@ def to_conversation(spec: "SourceSpec", data: Any, tally: Tally) -> tuple[list[d
 def carried_keys(spec: "SourceSpec") -> frozenset[str]:
     """The top-level keys of a record that the spec's format reads (the others are counted, never dropped
     silently)."""
-    keys = {spec.conversation_field} | ({spec.id_field} if spec.id_field else set())
+    keys = {spec.conversation_field} | ({spec.id_field} if spec.id_field else set()) | set(image_fields(spec))
     if spec.format in ("sharegpt", "openai"):
         return frozenset(keys | set(TOOLS_KEYS))
     if spec.format == "input_output":

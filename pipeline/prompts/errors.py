@@ -40,7 +40,7 @@ REJECT_HINTS = {
     "bad_json": "the file is not JSON Lines (or `kind` is wrong)",
     "not_object": _SHAPE, "missing_field": _SHAPE, "bad_conversation": _SHAPE, "bad_message": _SHAPE,
     "unknown_role": _SHAPE + "; the roles regen reads are listed in docs/sources-tool-calls.md",
-    "non_string_content": "the contents are not plain text (lists of content parts are not read)",
+    "non_string_content": "the contents are neither text nor lists of content parts",
     "roles_not_alternating": "the turns are not in conversation order (user, then assistant, ...)",
     "system_not_first": "a system message may only come first",
     "empty_conversation": "the conversations are empty", "blank_content": "the messages are blank",
@@ -52,6 +52,20 @@ REJECT_HINTS = {
     "arguments_not_json": "the tool calls' arguments are not JSON objects",
     "arguments_not_object": "the tool calls' arguments are not JSON objects",
     "bad_tool_call": "the tool calls have no function name", "bad_tools": "the records' tools lists cannot be read",
+    "image_missing": "the images are not where the records say: set the spec's `image_root` to the folder that holds "
+                     "them (docs/sources.md, section Images)",
+    "image_outside_root": "the images resolve outside the source's image folder: set `image_root` to the folder "
+                          "that holds them",
+    "image_unreadable": "the image files cannot be read (permissions, or cut short)",
+    "not_an_image": "the image references do not hold images", "image_format": "the images are in a format not "
+                                                                              "sent (or animated)",
+    "image_too_large": "the images are over images.max_bytes or images.max_pixels",
+    "image_marker_mismatch": "the <image> markers do not match the records' images (check `image_field`)",
+    "too_many_images": "the prompts hold more images than images.max_per_prompt",
+    "remote_image": "the http(s) images cannot be fetched (or images.remote is refuse)",
+    "image_in_assistant_turn": "the records hold images in assistant turns",
+    "video_part": "the records hold video, which is out of scope", "audio_part": "the records hold audio",
+    "file_part": "the records hold files", "unknown_part": "the records hold content parts regen does not read",
 }
 
 

@@ -156,7 +156,8 @@ def _read_saved(spec: SourceSpec, folder: Path, stats: ReadStats) -> Iterator[Ra
         ds = ds[spec.split]
     label = f"{spec.path}[{spec.split}]"
     stats.containers[spec.path] = f"datasets save_to_disk folder, columns {', '.join(ds.column_names)}"
-    for i, data in enumerate(ds):
+    stats.file = None
+    for i, data in enumerate(media_undecoded(ds)):
         yield RawRecord(spec.name, f"{label}#{i}", data)
 
 
@@ -172,10 +173,11 @@ def _read_dataset(spec: SourceSpec, target: str, stats: ReadStats, streaming: bo
     with _quiet_hub():
         try:
             ds = datasets.load_dataset(target, **options)
-            rows = iter(ds)
+            rows = iter(media_undecoded(ds))
             first = next(rows, None)
         except Exception as exc:  # noqa: BLE001 - datasets raises many types; one line naming the cause
             raise read_error(spec.name, exc, label) from exc
+    stats.file = None
     stats.containers[label] = ("Hugging Face dataset" + (" (streamed)" if streaming else "")
                                + (f", columns {', '.join(ds.column_names)}" if ds.column_names else ""))
     if first is None:
@@ -191,6 +193,33 @@ def _read_dataset(spec: SourceSpec, target: str, stats: ReadStats, streaming: bo
             raise read_error(spec.name, exc, f"{label} after {i} records") from exc
         yield RawRecord(spec.name, f"{label}#{i}", data)
         i += 1
+
+
+def media_undecoded(ds: Any) -> Any:
+    """The dataset with its Image (Audio, Video) columns as stored, `{"bytes", "path"}`, never decoded: regen
+    reads and checks an image's bytes itself (prompts/images.py), and a decoded image would be a Pillow object.
+    A dataset without such columns is returned as it is."""
+    import datasets
+
+    features = getattr(ds, "features", None)
+    if not features or not _has_media(features):
+        return ds
+    if isinstance(ds, datasets.Dataset):
+        ds = ds.to_iterable_dataset()
+    return ds.decode(False)
+
+
+def _has_media(feature: Any) -> bool:
+    import datasets
+
+    if isinstance(feature, (datasets.Image, datasets.Audio, datasets.Video)):
+        return True
+    if isinstance(feature, dict):
+        return any(_has_media(f) for f in feature.values())
+    if isinstance(feature, (list, tuple)):
+        return any(_has_media(f) for f in feature)
+    inner = getattr(feature, "feature", None)  # List, LargeList, Sequence
+    return inner is not None and _has_media(inner)
 
 
 @contextlib.contextmanager

@@ -19,11 +19,26 @@ from .records import RAW_MAX_CHARS, RawRecord, Reject, RejectCode
 from .spec import SourceSpec
 
 _PARQUET_BATCH_ROWS = 1024
+_BINARY_BATCH_ROWS = 64  # a table with binary columns (the bytes of a `datasets` Image column): fewer rows a batch
+
+
+def batch_rows(schema) -> int:
+    """The rows a batch of this Arrow schema is read in: memory holds one batch of records as Python objects."""
+    return _BINARY_BATCH_ROWS if any(_has_binary(f.type) for f in schema) else _PARQUET_BATCH_ROWS
+
+
+def _has_binary(dtype) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype) or pa.types.is_fixed_size_binary(dtype):
+        return True
+    return any(_has_binary(dtype.field(i).type) for i in range(dtype.num_fields))
 
 
 def read_file(spec: SourceSpec, file: Path, kind: str, stats: ReadStats) -> Iterator[RawRecord | Reject]:
     """One local file, read by the reader of `kind` (jsonl, json, parquet or arrow)."""
     shown = spec.shown(file)
+    stats.file = file
     try:
         if kind == "jsonl":
             yield from _read_jsonl(spec, file, shown, stats)
@@ -106,7 +121,7 @@ def _read_parquet(spec: SourceSpec, file: Path, shown: str, stats: ReadStats) ->
     row = 0
     with pq.ParquetFile(file) as pf:
         stats.containers[shown] = f"Parquet, columns {', '.join(pf.schema_arrow.names)}"
-        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+        for batch in pf.iter_batches(batch_size=batch_rows(pf.schema_arrow)):
             for data in batch.to_pylist():
                 yield RawRecord(spec.name, f"{shown}#{row}", data)
                 row += 1
@@ -120,16 +135,17 @@ def _read_arrow(spec: SourceSpec, file: Path, shown: str, stats: ReadStats) -> I
         try:
             reader = pa.ipc.open_stream(source)
             batches = iter(reader)
-            names = reader.schema.names
+            table_schema = reader.schema
         except pa.ArrowInvalid:
             source.seek(0)
             file_reader = pa.ipc.open_file(source)
             batches = (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
-            names = file_reader.schema.names
-        stats.containers[shown] = f"Arrow, columns {', '.join(names)}"
+            table_schema = file_reader.schema
+        stats.containers[shown] = f"Arrow, columns {', '.join(table_schema.names)}"
+        rows = batch_rows(table_schema)
         row = 0
         for batch in batches:
-            for offset in range(0, batch.num_rows, _PARQUET_BATCH_ROWS):
-                for data in batch.slice(offset, _PARQUET_BATCH_ROWS).to_pylist():
+            for offset in range(0, batch.num_rows, rows):
+                for data in batch.slice(offset, rows).to_pylist():
                     yield RawRecord(spec.name, f"{shown}#{row}", data)
                     row += 1

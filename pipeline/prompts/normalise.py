@@ -15,6 +15,8 @@ from typing import Any, Iterable, Mapping
 import orjson
 
 from ..core.errors import ConfigError
+from ..core.images import content_text, identity_content
+from .parts import IMAGE_REF, is_part_list, read_parts
 from .records import InvalidRecord, RejectCode, Tally
 from .tool_calls import canonical_arguments, canonical_json, made_call_id, tool_names
 
@@ -41,12 +43,14 @@ def prompt_id(messages: Iterable[Mapping[str, Any]], mode: str = "last_turn",
 
     In `all_turns` mode the assistant turns are regenerated, so only the system and user turns name the prompt,
     plus (when there are any) the source's calls, whose cached results are spliced in, and those results. The
-    tool keys and `tools` enter the hash only when present, so a tool-free prompt keeps the id it always had.
+    tool keys and `tools` enter the hash only when present, so a tool-free prompt keeps the id it always had. A
+    content of parts is hashed as `identity_content` (an image by its sha256 alone); a string content as it is.
     """
     check_mode(mode)
     msgs = []
     for m in messages:
-        msg = {"role": m["role"], "content": m["content"]}
+        content = m["content"]
+        msg = {"role": m["role"], "content": identity_content(content) if type(content) is list else content}
         if len(m) > 2:
             msg.update({key: m[key] for key in ("tool_calls", "tool_call_id", "name") if m.get(key) is not None})
         if mode == "all_turns" and m["role"] == "assistant":
@@ -140,7 +144,7 @@ def normalise_record(raw_messages: Any, tools: list[dict[str, Any]] | None, mode
     reference = calls = None
     if messages[-1]["role"] == "assistant":
         last = messages.pop()
-        reference = last["content"]
+        reference = content_text(last["content"]) if type(last["content"]) is list else last["content"]
         if last.get("tool_calls"):
             calls = canonical_json(last["tool_calls"])
             tally.tool("reference_is_call")
@@ -170,7 +174,7 @@ def _message(i: int, m: Any, tally: Tally) -> tuple[int, dict[str, Any]] | None:
             for key in ("tool_call_id", "name"):
                 if m.get(key) is not None:
                     tally.uncarry(f"message.{key}")
-        if role == "tool" and isinstance(content, (dict, list)):
+        if role == "tool" and isinstance(content, (dict, list)) and not is_part_list(content):
             try:
                 content = canonical_json(content)  # a structured result, as its JSON text
             except TypeError as exc:
@@ -179,13 +183,16 @@ def _message(i: int, m: Any, tally: Tally) -> tuple[int, dict[str, Any]] | None:
             tally.tool("structured_results_as_json")
         if content is None and calls:
             content = ""
-    if type(content) is not str and not isinstance(content, str):
+    if type(content) is str or isinstance(content, str):
+        if "\x00" in content:
+            tally.drop("nul", content.count("\x00"))
+            content = content.replace("\x00", "")
+        content = unicodedata.normalize("NFC", content.strip())
+    elif isinstance(content, (list, tuple)):
+        content = _parts(i, role, content, tally)
+    else:
         raise InvalidRecord(RejectCode.NON_STRING_CONTENT,
                             f"message {i} ({role}) has non-string content ({type(content).__name__})")
-    if "\x00" in content:
-        tally.drop("nul", content.count("\x00"))
-        content = content.replace("\x00", "")
-    content = unicodedata.normalize("NFC", content.strip())
     if not content and role == "system":
         tally.drop("blank_system")
         return None
@@ -200,6 +207,36 @@ def _message(i: int, m: Any, tally: Tally) -> tuple[int, dict[str, Any]] | None:
             if m.get(key) is not None:
                 out[key] = str(m[key])
     return i, out
+
+
+def _clean(text: str, tally: Tally) -> str:
+    """NUL characters removed (counted), then NFC and stripped."""
+    if "\x00" in text:
+        tally.drop("nul", text.count("\x00"))
+        text = text.replace("\x00", "")
+    return unicodedata.normalize("NFC", text.strip())
+
+
+def _parts(i: int, role: str, content: list | tuple, tally: Tally) -> list[dict[str, Any]] | str:
+    """A content of parts: text parts cleaned as a string content is (a blank one dropped and counted), image parts
+    kept; "" when nothing is left. An image in an assistant turn rejects the record: the target writes that turn.
+    Counted as `messages_with_parts` (a record without it has no image to read)."""
+    tally.image("messages_with_parts")
+    out = []
+    for part in read_parts(content, i, tally):
+        if part["type"] == "text":
+            text = _clean(part["text"], tally)
+            if text:
+                out.append({"type": "text", "text": text})
+            else:
+                tally.drop("blank_text_part")
+            continue
+        if role == "assistant":
+            raise InvalidRecord(RejectCode.IMAGE_IN_ASSISTANT_TURN,
+                                f"message {i} (assistant) holds an image: images are read in user, system and tool "
+                                "messages (an assistant turn is what the target writes)")
+        out.append({**part, "at": i} if part["type"] == IMAGE_REF else part)
+    return out or ""
 
 
 def _call(i: int, k: int, raw: Any, tally: Tally) -> dict[str, Any]:

@@ -46,12 +46,30 @@ def _magpie(model_word: str) -> Callable[[dict[str, Any]], bool]:
     return matches
 
 
+def _image_path(data: dict[str, Any]) -> str:
+    image = data.get("image")
+    return image if isinstance(image, str) else ""
+
+
+def _llava_shaped(matches: Callable[[str], bool]) -> Callable[[dict[str, Any]], bool]:
+    """ShareGPT turns with an `image` path beside them (LLaVA's layout), the path as each dataset writes it."""
+    def check(data: dict[str, Any]) -> bool:
+        path = _image_path(data)
+        return _turns(data.get("conversations")) and bool(path) and matches(path)
+    return check
+
+
 PRESETS: tuple[Preset, ...] = (
     Preset("nemotron_chat", "input_output", "input",
            lambda d: _turns(d.get("input"), "role", "content") and isinstance(d.get("output"), str)),
     Preset("gsm8k", "question_answer", "question",
            lambda d: isinstance(d.get("question"), str) and isinstance(d.get("answer"), str)),
     Preset("hermes_function_calling", "sharegpt", "conversations", _hermes),
+    # image datasets (docs/sources.md, section Images): ALLaVA's paths start with its folder, ShareGPT4V's with
+    # their dataset's folder (coco/train2017/...), LLaVA-Instruct's are bare COCO file names
+    Preset("allava_4v", "sharegpt", "conversations", _llava_shaped(lambda p: p.lstrip("/").startswith("allava_"))),
+    Preset("sharegpt4v", "sharegpt", "conversations", _llava_shaped(lambda p: "/" in p)),
+    Preset("llava_instruct_150k", "sharegpt", "conversations", _llava_shaped(lambda p: "/" not in p)),
     Preset("magpie_qwen25_pro_1m", "sharegpt", "conversations", _magpie("qwen")),
     Preset("magpie_llama31_pro_300k", "sharegpt", "conversations", _magpie("llama")),
     Preset("ultrachat", "openai", "messages",

@@ -10,11 +10,14 @@ from typing import Any
 
 import orjson
 
-from .adapters import to_messages
+from ..core.config_sections import Images
+from .adapters import to_conversation
+from .census import ImageCensus
+from .images import ImageReader
 from .presets import Preset, recognise
-from .prompt_set import normalise
+from .prompt_set import image_folder, normalise_record
 from .errors import NoValidPrompts, SourceError, TruncatedSource
-from .records import InvalidRecord, RawRecord, Reject
+from .records import InvalidRecord, RawRecord, Reject, Tally
 from .report import SourceReport
 from .sources import BOM, ReadStats, SourceSpec, read_file, read_records, resolve_files
 
@@ -32,10 +35,12 @@ class Probe:
     looks_like: tuple[str, str] | None = None  # (format, conversation field) the records seem to be
     presets: Counter = field(default_factory=Counter)  # the preset each of the first records looks like
     warnings: list[str] = field(default_factory=list)
+    images: Counter = field(default_factory=Counter)  # the image counts of the valid first records (report.py's)
     # the first records all rejected: the rest was read, and none is valid (as `regen generate` refuses it)
     no_valid: NoValidPrompts | None = None
     # a file cut short without `salvage: true`: read to its end, as `regen generate` refuses it
     truncated: TruncatedSource | None = None
+    census: ImageCensus = field(default_factory=ImageCensus)  # distinct images, formats, image rejects
 
     def lines(self) -> list[str]:
         seen = "; ".join(f"{name}: {what}" for name, what in self.containers.items()) or "nothing"
@@ -48,23 +53,31 @@ class Probe:
         if self.looks_like:
             summary += f"; they look like {self.looks_like[0]} (field {self.looks_like[1]!r})"
         out.append(summary)
+        if self.images:
+            out.append(f"  images: {self.images['images']:,} read in {self.images['prompts_with_images']:,} prompts, "
+                       f"{self.images['image_bytes']:,} bytes" + (
+                           f"; {self.images['from_http']:,} http(s) images not fetched (validate contacts nothing)"
+                           if self.images["from_http"] else ""))
+        out += self.census.lines()
         out += [f"  warning: {w}" for w in self.warnings]
         return out
 
 
-def probe_source(spec: SourceSpec, records: int = PROBE_RECORDS) -> Probe:
-    """Raises SourceError when the source cannot be read at all."""
+def probe_source(spec: SourceSpec, records: int = PROBE_RECORDS, images: Images | None = None) -> Probe:
+    """Raises SourceError when the source cannot be read at all. Images are read and checked under `images` (the
+    run's settings), as generate reads them, but http(s) ones are not fetched and nothing is copied."""
     probe = Probe(spec)
     stats = ReadStats()
     report = SourceReport(spec.name)  # every record read, for a source with no valid one
     reader = read_records(spec, stats, stream_hub=True)
+    valid = _Checker(spec, stats, ImageReader(images, unfetched_stand_in=True))
     try:
         for rec in itertools.islice(reader, records):
             probe.read += 1
-            probe.valid += _valid(spec, rec, report, probe)
+            probe.valid += valid(rec, report, probe)
         if probe.read and not probe.valid:  # would the whole source give no prompt? Read on until one is valid
             try:
-                found = any(_valid(spec, rec, report) for rec in reader)
+                found = any(valid(rec, report) for rec in reader)
             except SourceError:  # further on it cannot be read: the probe's lines and warnings say enough
                 found = True
             if not found:
@@ -76,27 +89,42 @@ def probe_source(spec: SourceSpec, records: int = PROBE_RECORDS) -> Probe:
     return probe
 
 
-def _valid(spec: SourceSpec, rec: Reject | RawRecord, report: SourceReport, probe: Probe | None = None) -> bool:
-    """Is the record a prompt? Its reject is counted in `report` (and in the probe of the first records)."""
-    report.read += 1
-    if isinstance(rec, Reject):
-        code, reason = rec.code, rec.reason
-    else:
-        if probe is not None and isinstance(rec.data, dict):
-            probe.keys.update(rec.data.keys())
-            probe.looks_like = probe.looks_like or guess_format(rec.data)
-            preset = recognise(rec.data)
-            if preset is not None:
-                probe.presets[preset] += 1
-        try:
-            normalise(to_messages(spec, rec.data))
-            return True
-        except InvalidRecord as exc:
-            code, reason = exc.code.value, exc.reason
-    report.reject(code, reason)
-    if probe is not None:
-        probe.rejected[code] += 1
-    return False
+@dataclass
+class _Checker:
+    spec: SourceSpec
+    stats: ReadStats
+    images: ImageReader
+
+    def __call__(self, rec: Reject | RawRecord, report: SourceReport, probe: Probe | None = None) -> bool:
+        """Is the record a prompt? Its reject is counted in `report` (and in the probe of the first records)."""
+        report.read += 1
+        if isinstance(rec, Reject):
+            code, reason = rec.code, rec.reason
+        else:
+            if probe is not None and isinstance(rec.data, dict):
+                probe.keys.update(rec.data.keys())
+                probe.looks_like = probe.looks_like or guess_format(rec.data)
+                preset = recognise(rec.data)
+                if preset is not None:
+                    probe.presets[preset] += 1
+            tally = Tally()
+            try:
+                raw, tools = to_conversation(self.spec, rec.data, tally)
+                norm = normalise_record(raw, tools, "last_turn", tally)
+                if tally.images:  # content parts: maybe images to read
+                    resolved = self.images.resolve(norm.messages, image_folder(self.spec, self.stats.file), tally)
+                    if probe is not None:
+                        probe.census.add(resolved)
+                if probe is not None:
+                    probe.images.update(tally.images)
+                return True
+            except InvalidRecord as exc:
+                code, reason = exc.code.value, exc.reason_of(rec.origin)
+        report.reject(code, reason)
+        if probe is not None:
+            probe.rejected[code] += 1
+            probe.census.reject(code)
+        return False
 
 
 def guess_format(data: dict[str, Any]) -> tuple[str, str] | None:

@@ -9,14 +9,17 @@ keeps a bounded heap (selection.py). Memory holds the ids seen, never the source
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import orjson
 
+from ..core.config_sections import Images
 from ..core.errors import ConfigError
 from .adapters import to_conversation
-from .errors import NoValidPrompts
+from .errors import NoValidPrompts, SourceError
+from .images import Fetch, ImageReader, check_folder
 from .normalise import MODES, ROLE_MAP, check_mode, normalise, normalise_record, prompt_id
 from .records import RAW_MAX_CHARS, InvalidRecord, Reject, RejectCode, Tally
 from .report import SourceReport
@@ -45,6 +48,15 @@ class PromptSink(Protocol):
 
     def add_reject(self, reject: Reject) -> None: ...
 
+    def add_image(self, sha256: str, source: str | bytes) -> None:
+        """An image whose bytes go into the run (`images.store: copy`, and always for data:, http(s) and `datasets`
+        bytes): `source` is the absolute realpath of a local file whose bytes hashed to `sha256` (copy it and check
+        its hash again), or the bytes themselves. Called once per sha256 per build, when the image is read: before
+        its prompt is known to be kept (a later reject of the record, a duplicate, a limit may drop it), so keep
+        only the images the committed prompts' parts name. Never called under `images.store: reference` for a
+        local file (its part carries `path`)."""
+        ...
+
 
 @dataclass
 class PromptSet:
@@ -54,12 +66,16 @@ class PromptSet:
     rejects: list[Reject] = field(default_factory=list)
     reports: list[SourceReport] = field(default_factory=list)
     duplicates: int = 0
+    images: dict[str, str | int] = field(default_factory=dict)  # sha256 -> a local file's path, or a byte count
 
     def add_prompt(self, prompt: Prompt) -> None:
         self.prompts.append(prompt)
 
     def add_reject(self, reject: Reject) -> None:
         self.rejects.append(reject)
+
+    def add_image(self, sha256: str, source: str | bytes) -> None:
+        self.images[sha256] = source if isinstance(source, str) else len(source)  # bytes are not held
 
 
 @dataclass
@@ -69,9 +85,15 @@ class BuildResult:
     prompts: int
 
 
+def _not_json(value: Any) -> str:
+    if isinstance(value, (bytes, bytearray, memoryview)):  # an image's bytes: their count, not their text
+        return f"<{len(value):,} bytes>"
+    return str(value)
+
+
 def _raw_text(data: Any) -> str:
     try:
-        text = orjson.dumps(data, default=str).decode()
+        text = orjson.dumps(data, default=_not_json).decode()
     except TypeError:  # e.g. non-string dict keys from a parquet map column
         text = repr(data)
     return text[:RAW_MAX_CHARS]
@@ -93,7 +115,8 @@ LengthCheck = Callable[[tuple[dict[str, Any], ...], list[dict[str, Any]] | None]
 
 
 def build_into(sink: PromptSink, sources: list[tuple[SourceSpec, int | None]], mode: str = "last_turn",
-               seed: int = 0, length_check: LengthCheck | None = None) -> BuildResult:
+               seed: int = 0, length_check: LengthCheck | None = None, images: Images | None = None,
+               fetch: Fetch | None = None) -> BuildResult:
     """Read every source, keep its valid prompts, dedup across sources in list order, then apply its limit.
 
     A limit (the run's override, else the spec's own) keeps the N prompts of lowest sha256(f"{seed}:{prompt_id}"),
@@ -113,6 +136,7 @@ def build_into(sink: PromptSink, sources: list[tuple[SourceSpec, int | None]], m
         limits.append(limit)
 
     held: set[str] = set()  # prompt_ids in the set so far, across sources
+    reader = ImageReader(images, fetch, getattr(sink, "add_image", None) or _cannot_store_images)
     result = BuildResult([], 0, 0)
     for (spec, _), limit in zip(sources, limits):
         report = SourceReport(spec.name)
@@ -133,7 +157,7 @@ def build_into(sink: PromptSink, sources: list[tuple[SourceSpec, int | None]], m
 
         selection = BoundedSelection(limit, _encode, _decode) if limit is not None else None
         try:
-            _read_source(spec, mode, report, sink, length_check, emit if selection is None else offer)
+            _read_source(spec, mode, report, sink, length_check, emit if selection is None else offer, reader)
             if report.valid == 0:
                 raise NoValidPrompts(spec.name, report.read, report.top_reasons())
             for prompt in selection.selected() if selection is not None else ():
@@ -148,10 +172,11 @@ def build_into(sink: PromptSink, sources: list[tuple[SourceSpec, int | None]], m
 
 
 def _read_source(spec: SourceSpec, mode: str, report: SourceReport, sink: PromptSink,
-                 length_check: LengthCheck | None, keep: Callable[[Prompt], None]) -> None:
+                 length_check: LengthCheck | None, keep: Callable[[Prompt], None], reader: ImageReader) -> None:
     """Each valid prompt of one source, first occurrence only, to `keep`; rejects to the sink."""
     seen: set[str] = set()
     stats = ReadStats()
+    folders: dict[Path | None, Path | None] = {}  # data file -> its image folder
     for rec in read_records(spec, stats):
         report.read += 1
         if isinstance(rec, Reject):
@@ -162,11 +187,16 @@ def _read_source(spec: SourceSpec, mode: str, report: SourceReport, sink: Prompt
         try:
             raw, tools = to_conversation(spec, rec.data, tally)
             norm = normalise_record(raw, tools, mode, tally)
+            if tally.images:  # content parts: maybe images to read
+                if stats.file not in folders:
+                    folders[stats.file] = image_folder(spec, stats.file)
+                norm = replace(norm, messages=reader.resolve(norm.messages, folders[stats.file], tally))
             if length_check is not None:
                 length_check(norm.messages, list(norm.tools) if norm.tools else None)
         except InvalidRecord as e:
-            report.reject(e.code.value, e.reason)
-            sink.add_reject(Reject(spec.name, rec.origin, e.reason, _raw_text(rec.data), e.code.value))
+            reason = e.reason_of(rec.origin)
+            report.reject(e.code.value, reason)
+            sink.add_reject(Reject(spec.name, rec.origin, reason, _raw_text(rec.data), e.code.value))
             continue
         report.valid += 1
         report.count(tally)
@@ -183,10 +213,25 @@ def _read_source(spec: SourceSpec, mode: str, report: SourceReport, sink: Prompt
     report.cuts = [cut.as_dict() for cut in stats.cuts]
 
 
+def _cannot_store_images(sha256: str, source: str | bytes) -> None:
+    raise ConfigError(f"the sources hold images (the first: sha256 {sha256}), and this prompt set cannot store "
+                      "them (its sink has no add_image)")
+
+
+def image_folder(spec: SourceSpec, data_file: Path | None) -> Path | None:
+    """The source's image folder for records of `data_file`; SourceError when its `image_root` is no folder."""
+    folder = spec.image_folder(data_file)
+    problem = check_folder(folder)
+    if problem is not None:
+        raise SourceError(spec.name, problem, "set the spec's `image_root` to the folder its images are in")
+    return folder
+
+
 def build_prompt_set(sources: list[tuple[SourceSpec, int | None]], mode: str = "last_turn", seed: int = 0,
-                     length_check: LengthCheck | None = None) -> PromptSet:
+                     length_check: LengthCheck | None = None, images: Images | None = None,
+                     fetch: Fetch | None = None) -> PromptSet:
     """The whole set in memory: for tests and dry runs. A run streams through `build_into`."""
     out = PromptSet()
-    result = build_into(out, sources, mode, seed, length_check)
+    result = build_into(out, sources, mode, seed, length_check, images, fetch)
     out.reports, out.duplicates = result.reports, result.duplicates
     return out

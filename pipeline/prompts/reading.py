@@ -17,6 +17,7 @@ class ReadStats:
     containers: dict[str, str] = field(default_factory=dict)  # file or dataset -> what it turned out to be
     cuts: list[Cut] = field(default_factory=list)  # salvaged files: where each was cut
     nul_bytes_removed: int = 0  # raw NUL bytes taken out of JSON text (JSON allows none outside escapes)
+    file: Path | None = None  # the local data file being read: the default image_root is its folder
 
 
 def first_bytes(file: Path, n: int = 4096) -> bytes:

@@ -35,6 +35,30 @@ class RejectCode(str, Enum):
     BAD_TOOL_CALL = "bad_tool_call"  # a call that is not an object, or has no function name
     DUPLICATE_CALL_ID = "duplicate_call_id"  # two calls of one step share an id: their results cannot be told apart
     BAD_TOOLS = "bad_tools"  # the tools list (a column, or a Hermes <tools> block) cannot be read
+    # images (docs/sources.md, section Images); each reason names the record and the image as the source wrote it
+    IMAGE_MISSING = "image_missing"  # no file there (or a placeholder with no image to fill it)
+    IMAGE_UNREADABLE = "image_unreadable"  # permissions, a folder, a truncated or corrupt file, bad base64
+    NOT_AN_IMAGE = "not_an_image"  # Pillow cannot identify it
+    IMAGE_FORMAT = "image_format"  # an image, but not a format sent (core/images.py MEDIA_TYPES), or animated
+    IMAGE_OUTSIDE_ROOT = "image_outside_root"  # a local path resolving (`..`, symlinks) outside image_root
+    IMAGE_MARKER_MISMATCH = "image_marker_mismatch"  # more or fewer <image> markers than the record has images
+    IMAGE_TOO_LARGE = "image_too_large"  # over images.max_bytes or images.max_pixels (decompression bombs)
+    TOO_MANY_IMAGES = "too_many_images"  # over images.max_per_prompt
+    REMOTE_IMAGE = "remote_image"  # an http(s) image refused (images.remote: refuse), not fetched, or failing
+    IMAGE_IN_ASSISTANT_TURN = "image_in_assistant_turn"  # an assistant turn is what the target writes: text only
+    # content parts of a kind regen does not carry: never sent as text, each counted under its own code
+    VIDEO_PART = "video_part"  # video_url, video: out of scope
+    AUDIO_PART = "audio_part"  # input_audio, audio_url, audio
+    FILE_PART = "file_part"  # file, input_file
+    UNKNOWN_PART = "unknown_part"  # any other part type (the reason names it)
+
+
+# the codes whose reason names the record (its origin) as well as the image or part: prompt_set.py prefixes it
+IMAGE_CODES = frozenset({
+    RejectCode.IMAGE_MISSING, RejectCode.IMAGE_UNREADABLE, RejectCode.NOT_AN_IMAGE, RejectCode.IMAGE_FORMAT,
+    RejectCode.IMAGE_OUTSIDE_ROOT, RejectCode.IMAGE_MARKER_MISMATCH, RejectCode.IMAGE_TOO_LARGE,
+    RejectCode.TOO_MANY_IMAGES, RejectCode.REMOTE_IMAGE, RejectCode.IMAGE_IN_ASSISTANT_TURN, RejectCode.VIDEO_PART,
+    RejectCode.AUDIO_PART, RejectCode.FILE_PART, RejectCode.UNKNOWN_PART})
 
 
 class InvalidRecord(ValueError):
@@ -44,6 +68,10 @@ class InvalidRecord(ValueError):
         super().__init__(reason)
         self.code, self.reason = code, reason
 
+    def reason_of(self, origin: str) -> str:
+        """The reason as a reject gives it: an image's or a part's names the record first."""
+        return f"{origin}: {self.reason}" if self.code in IMAGE_CODES else self.reason
+
 
 @dataclass
 class Tally:
@@ -52,11 +80,13 @@ class Tally:
     dropped: turns and characters taken out (leading_assistant, blank_system, blank_reference, nul, ...).
     uncarried: fields of the record that regen does not carry, by name (`record.KEY`, `message.KEY`,
     `tool_call.KEY`): the no-silent-drop rule of the readers.
-    tools: tool-calling counts (tool_calls, tool_results, made_call_ids, calls_without_schema, ...)."""
+    tools: tool-calling counts (tool_calls, tool_results, made_call_ids, calls_without_schema, ...).
+    images: image counts (images, prompts_with_images, image_bytes, by where they came from; docs/sources.md)."""
 
     dropped: dict[str, int] = field(default_factory=dict)
     uncarried: dict[str, int] = field(default_factory=dict)
     tools: dict[str, int] = field(default_factory=dict)
+    images: dict[str, int] = field(default_factory=dict)
 
     def drop(self, kind: str, n: int = 1) -> None:
         self.dropped[kind] = self.dropped.get(kind, 0) + n
@@ -66,6 +96,9 @@ class Tally:
 
     def tool(self, kind: str, n: int = 1) -> None:
         self.tools[kind] = self.tools.get(kind, 0) + n
+
+    def image(self, kind: str, n: int = 1) -> None:
+        self.images[kind] = self.images.get(kind, 0) + n
 
 
 @dataclass(frozen=True)

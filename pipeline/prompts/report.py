@@ -31,6 +31,10 @@ class SourceReport:
     # or messages that had them: nothing that shapes what the model sees is dropped without a count
     uncarried: dict[str, int] = field(default_factory=dict)
     tool_counts: dict[str, int] = field(default_factory=dict)  # tool_calls, made_call_ids, ... (docs/sources-tool-calls.md)
+    # images of kept records (images, prompts_with_images, image_bytes, from_files, from_data_url, from_http,
+    # from_dataset_bytes, images_at_markers, images_placed_before_text) and messages_with_parts (content lists,
+    # text-only ones too); their rejects are in rejected_by_reason
+    image_counts: dict[str, int] = field(default_factory=dict)
 
     def reject(self, code: str, reason: str) -> None:
         self.rejected_by_reason[code] = self.rejected_by_reason.get(code, 0) + 1
@@ -38,12 +42,12 @@ class SourceReport:
 
     def count(self, tally: "Tally") -> None:
         """What normalising one kept record counted."""
-        if not (tally.dropped or tally.uncarried or tally.tools):
+        if not (tally.dropped or tally.uncarried or tally.tools or tally.images):
             return
         dropped = dict(tally.dropped)
         self.nul_removed += dropped.pop("nul", 0)
         for target, counts in ((self.dropped_turns, dropped), (self.uncarried, tally.uncarried),
-                               (self.tool_counts, tally.tools)):
+                               (self.tool_counts, tally.tools), (self.image_counts, tally.images)):
             for kind, n in counts.items():
                 target[kind] = target.get(kind, 0) + n
 
@@ -73,6 +77,7 @@ def report_lines(reports: list[dict[str, Any]], indent: str = "  ") -> list[str]
                 + (f"; dropped turns: {dropped}" if dropped else "")
                 + (f"; NUL characters removed: {r.nul_removed:,}" if r.nul_removed else "")
                 + (f"; tool calls: {_counts(r.tool_counts)}" if r.tool_counts else "")
+                + (f"; images: {_counts(r.image_counts)}" if r.image_counts else "")
                 + (f"; fields not carried: {_counts(r.uncarried)}" if r.uncarried else ""))
         lines.append(line)
         for cut in r.cuts:
@@ -93,17 +98,18 @@ def _counts(counts: dict[str, int], most: int = 20) -> str:
 def report_table(reports: list[dict[str, Any]]) -> list[str]:
     """Markdown for the dataset card."""
     lines = ["| source | read | valid | rejected | selected | duplicates | dropped turns | rejected by reason |"
-             " tool calls | fields not carried |",
-             "|---|---:|---:|---:|---:|---:|---|---|---|---|"]
+             " tool calls | images | fields not carried |",
+             "|---|---:|---:|---:|---:|---:|---|---|---|---|---|"]
     for data in reports:
         r = SourceReport.from_dict(data)
         reasons = ", ".join(f"{code} {n}" for code, n, _ in r.top_reasons(len(r.rejected_by_reason))) or "-"
         dropped = ", ".join(f"{kind} {n}" for kind, n in sorted(r.dropped_turns.items()) if n) or "-"
         lines.append(f"| {r.name} | {r.read} | {r.valid} | {r.rejected} | {r.selected} | {r.duplicates} | "
-                     f"{dropped} | {reasons} | {_counts(r.tool_counts) or '-'} | {_counts(r.uncarried) or '-'} |")
+                     f"{dropped} | {reasons} | {_counts(r.tool_counts) or '-'} | {_counts(r.image_counts) or '-'} | "
+                     f"{_counts(r.uncarried) or '-'} |")
         for cut in r.cuts:
             lines.append(f"| {r.name}: salvaged `{cut['file']}` | | | | | | | {cut['problem']}: kept "
                          f"{cut['records_kept']} records up to byte {cut['offset']}, "
-                         + ("nothing of a record lost | | |" if cut.get("unclosed") else
-                            f"{cut['bytes_dropped']} bytes dropped | | |"))
+                         + ("nothing of a record lost | | | |" if cut.get("unclosed") else
+                            f"{cut['bytes_dropped']} bytes dropped | | | |"))
     return lines

@@ -36,6 +36,8 @@ class SourceSpec:
     salvage: bool = False  # keep the complete records of a file cut short, and report the cut
     data_files: tuple[str, ...] = ()  # kind hf: which files of the folder (or hub repository) to read
     spec_file: Path | None = None  # relative paths resolve against its directory (else the working directory)
+    image_root: str | None = None  # the folder local images resolve against and must lie in (None: image_folder)
+    image_field: str | None = None  # the record's images field (None: `image`, then `images`)
 
     @property
     def base_dir(self) -> Path:
@@ -48,6 +50,20 @@ class SourceSpec:
     def local_path(self) -> Path:
         path = Path(self.path).expanduser()
         return path if path.is_absolute() else self.base_dir / path
+
+    def image_folder(self, data_file: Path | None) -> Path | None:
+        """The folder a record's relative image paths resolve against, and that every local image must lie in:
+        `image_root` (relative to the spec's folder); else the folder of a kind-hf local dataset, or the folder of
+        the data file read (`data_file`). None: a hub dataset, which has no folder of its own."""
+        if self.image_root is not None:
+            root = Path(self.image_root).expanduser()
+            return root if root.is_absolute() else self.base_dir / root
+        if self.kind == "hf":
+            local = self.local_path()
+            if local.is_dir():
+                return local
+            return local.parent if local.is_file() else None
+        return data_file.parent if data_file is not None else None
 
     def shown(self, file: Path) -> str:
         """A file as messages and origins name it: relative to the spec's folder where it can be."""
@@ -96,6 +112,19 @@ class SourceSpecFile(BaseModel):
                                              "end) and report the cut, instead of refusing the source.")
     data_files: str | list[str] | None = Field(None, description="kind hf: which files of the folder (or hub "
                                                                  "repository) to read: a name, a glob or a list.")
+    image_root: str | None = Field(None, description="The folder that relative image paths resolve against, and "
+                                                     "that every local image must lie in once `..` and symbolic "
+                                                     "links are resolved (`image_outside_root` otherwise). A "
+                                                     "relative `image_root` is read from the spec file's folder. "
+                                                     "Default: the data file's folder (kind hf: the dataset's "
+                                                     "folder); a hub dataset has none, so its images must be "
+                                                     "bytes (a `datasets` Image column), URLs, or paths under an "
+                                                     "`image_root` you set (docs/sources.md, section Images).")
+    image_field: str | None = Field(None, description="The record's field holding its images beside the "
+                                                      "conversation: one reference or a list (a path, a URL, or a "
+                                                      "`datasets` Image value), placed at the `<image>` markers of "
+                                                      "the user turns, else before the first user text. Default: "
+                                                      "`image`, then `images`.")
 
     @model_validator(mode="before")
     @classmethod
@@ -124,7 +153,7 @@ class SourceSpecFile(BaseModel):
                 raise ConfigError(f"{spec_file}: key {key!r} applies only to kind {' or '.join(kinds)}")
         if doc.get("limit") is not None and doc["limit"] < 1:
             raise ConfigError(f"{spec_file}: key 'limit' must be at least 1, got {doc['limit']}")
-        for key in ("split", "field", "id_field", "subset", "records_field"):
+        for key in ("split", "field", "id_field", "subset", "records_field", "image_root", "image_field"):
             if doc.get(key) == "":
                 raise ConfigError(f"{spec_file}: key {key!r} must not be empty")
         data_files = doc.get("data_files") or ()
@@ -139,7 +168,8 @@ class SourceSpecFile(BaseModel):
             name=self.name, kind=self.kind, path=self.path, format=self.format, split=self.split or "train",
             subset=self.subset, field=self.field, id_field=self.id_field, limit=self.limit,
             records_field=self.records_field, salvage=self.salvage,
-            data_files=(data_files,) if isinstance(data_files, str) else tuple(data_files), spec_file=spec_file)
+            data_files=(data_files,) if isinstance(data_files, str) else tuple(data_files), spec_file=spec_file,
+            image_root=self.image_root, image_field=self.image_field)
 
 
 def load_source_spec(path: str | Path) -> SourceSpec:

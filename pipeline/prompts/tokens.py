@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from ..core.images import content_text
 from .records import InvalidRecord, RejectCode
 
 log = logging.getLogger("regen")
@@ -74,7 +75,7 @@ class PromptLength:
 
 def _texts(messages: tuple[dict[str, Any], ...], tools: list[dict] | None) -> list[str]:
     """Every text the template renders: contents, calls (arguments as JSON) and the tools' schemas."""
-    texts = [m.get("content") or "" for m in messages]
+    texts = [content_text(m.get("content")) for m in messages]  # an image: SEND counts its tokens
     texts += [orjson.dumps(m["tool_calls"]).decode() for m in messages if m.get("tool_calls")]
     if tools:
         texts.append(orjson.dumps(tools).decode())

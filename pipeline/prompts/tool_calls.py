@@ -7,7 +7,9 @@
   IDX counts the calls of the conversation from 0).
 
 Messages go into Parquet with `tool_calls` as canonical JSON text (`message_row`) and come back as dicts with
-only the keys that are present (`message_from_row`), so a tool-free message is `{"role", "content"}` again.
+only the keys that are present (`message_from_row`), so a tool-free message is `{"role", "content"}` again. A
+content that is a list of parts (core/images.py) is stored as PART rows (`parts`, `content` null) and comes back
+as that list, each part with only the keys it has.
 """
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ from typing import Any, Iterable, Mapping
 
 import orjson
 
+from ..core.images import is_parts
 from .records import InvalidRecord, RejectCode, Tally
 
 TOOL_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")  # the message keys beyond role and content
+PART_KEYS = ("type", "text", "sha256", "media_type", "width", "height", "bytes", "path")  # store/schema.py PART
 
 
 def canonical_json(value: Any) -> str:
@@ -139,8 +143,12 @@ def tool_names(tools: Iterable[Mapping[str, Any]] | None) -> set[str]:
 
 
 def message_row(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A normalised message as a row of the MESSAGE struct of the prompt set and of records schema 5."""
-    row = {"role": message["role"], "content": message.get("content")}
+    """A normalised message as a row of the MESSAGE6 struct of the prompt set and of records schema 6 (the
+    schemas before it take the keys they have: a text message is the same row in each)."""
+    content = message.get("content")
+    row: dict[str, Any] = {"role": message["role"], "content": None if is_parts(content) else content,
+                           "parts": [{key: part.get(key) for key in PART_KEYS} for part in content]
+                           if is_parts(content) else None}
     calls = message.get("tool_calls")
     row["tool_calls"] = canonical_json(list(calls)) if calls else None
     row["tool_call_id"] = message.get("tool_call_id")
@@ -149,8 +157,12 @@ def message_row(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def message_from_row(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A MESSAGE struct row (of any version) as the normalised message: tool keys only when present."""
-    message: dict[str, Any] = {"role": row["role"], "content": row.get("content")}
+    """A MESSAGE struct row (of any version) as the normalised message: tool keys only when present; a content of
+    parts as the list of its parts, each with the keys it has."""
+    parts = row.get("parts")
+    content = ([{key: value for key, value in part.items() if value is not None} for part in parts]
+               if parts is not None else row.get("content"))
+    message: dict[str, Any] = {"role": row["role"], "content": content}
     if row.get("tool_calls"):
         message["tool_calls"] = orjson.loads(row["tool_calls"])
     for key in ("tool_call_id", "name"):

@@ -47,7 +47,7 @@ def validate(opts: ValidateOptions) -> int:
         if is_hub_dataset(spec) and hub_reason:
             print(f"  the hub is not contacted ({hub_reason}): looked for in the local cache only (--offline skips "
                   "hub datasets)")
-        unreadable += _source_refused(spec)
+        unreadable += _source_refused(spec, cfg)
     missing = _missing_secrets(cfg, opts.secrets)
     errors = []
     if unreadable:
@@ -62,10 +62,10 @@ def validate(opts: ValidateOptions) -> int:
     return exits.OK.code
 
 
-def _source_refused(spec: SourceSpec) -> bool:
+def _source_refused(spec: SourceSpec, cfg: RunConfig) -> bool:
     """Print what the source's first records are; True if `regen generate` would refuse the source."""
     try:
-        probe = probe_source(spec)
+        probe = probe_source(spec, images=cfg.images)
     except SourceError as exc:  # one line per source; the others are still looked at
         print(f"  cannot read it: {exc.cause}" + (f"; {exc.hint}" if exc.hint else ""))
         return True

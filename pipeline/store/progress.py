@@ -11,7 +11,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..core.work import record_unit
 from .goodput import Goodput, summary_line
+from .prompt_reader import PendingScan
 from .rundir import RunDir, now_utc
 
 log = logging.getLogger("regen.progress")
@@ -28,6 +30,19 @@ def duration(seconds: float | None) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
+
+
+def row_has_images(row: dict[str, Any]) -> bool:
+    """A record row (message_row messages) whose messages hold an image part."""
+    return any(part.get("type") == "image" for m in row.get("messages") or () for part in m.get("parts") or ())
+
+
+def image_counts(scan: PendingScan, retry_failures: bool) -> dict[str, int] | None:
+    """status.json's count of the prompts (samples) with images, from the scan (the set's `images` column)."""
+    if not scan.image_total:
+        return None
+    failed = 0 if retry_failures else scan.image_total - scan.image_done - scan.image_waiting
+    return {"total": scan.image_total, "done": scan.image_done, "failed": failed}
 
 
 @dataclass
@@ -50,6 +65,9 @@ class Progress:
     quality_gate: dict[str, Any] = field(default_factory=dict)  # the gate's verdict (store/gate.py)
     # samples_per_prompt: with k > 1 total, done, failed and pending count samples (prompts x k), and say so
     samples_per_prompt: int = 1
+    # prompts (samples) with images: {"total", "done"} from the ledger at the start (PendingScan), done counted on
+    # as records commit; None: the set has none
+    image_prompts: dict[str, int] | None = None
     terminal: bool | None = None  # None: whether stderr is a terminal
 
     def __post_init__(self) -> None:
@@ -88,6 +106,8 @@ class Progress:
         """A records part was committed: its records are counted, and status.json, which carries the counts to the
         next session, is rewritten at the next `write_counted` (right after the commit), so a SIGKILL loses none."""
         self.goodput.add_records(rows, whole_conversations)
+        if self.image_prompts is not None:
+            self.image_prompts["done"] += len({record_unit(row) for row in rows if row_has_images(row)})
         self._counted_unwritten = True
 
     def write_counted(self) -> None:
@@ -193,6 +213,10 @@ class Progress:
             "endpoints": {label: self._endpoint(label, stats) for label, stats in self.endpoints.items()},
             "goodput": self.goodput_total().as_dict(),
             **({"quality_gate": self.quality_gate} if self.quality_gate else {}),
+            **({"image_prompts": {**self.image_prompts,
+                                  "pending": max(0, self.image_prompts["total"] - self.image_prompts["done"]
+                                                 - self.image_prompts.get("failed", 0))}}
+               if self.image_prompts is not None else {}),
             **self.extra,
         }
 
@@ -218,8 +242,9 @@ class Progress:
         last = self.run_dir.read_status()
         status = self.status(state)
         if last and not self.done + self.failed and last.get("this_session", {}).get("elapsed_s"):
-            counts = ("state", "total", "done", "failed", "pending", "rejects", "eta_s")
-            status = {**{k: v for k, v in last.items() if k != "metrics_url"}, **{k: status[k] for k in counts},
+            counts = ("state", "total", "done", "failed", "pending", "rejects", "eta_s", "image_prompts")
+            status = {**{k: v for k, v in last.items() if k != "metrics_url"},
+                      **{k: status[k] for k in counts if k in status},
                       "endpoints": {label: {**stats, "in_flight": 0}
                                     for label, stats in (last.get("endpoints") or {}).items()}}
         self.run_dir.write_status(status)

@@ -33,12 +33,14 @@ from .storage import Location
 log = logging.getLogger("regen")
 
 ROUTE_KEY = "route_key"
+IMAGES = "images"  # the prompt set's count of each prompt's image parts (sets staged before issue 28 lack it)
 ROUTE_CHARS = b"regen.route_key_chars"  # schema metadata: the prefix_affinity_chars the column was computed with
 READ_ATTEMPTS = 4
 READ_RETRY_S = 0.5  # doubled after each failed attempt
 CACHED_GROUPS = 32  # row groups held at once (each at most 1024 prompts or ~1 MB of text): ~32 MB
 PENDING_CHUNK = 1 << 16  # pending units made into Python objects at a time by the scan
-ROW_COLUMNS = ("prompt_id", "source", "messages", "reference", "tools")  # "tools": when the set has the column
+# "tools", "source_ref": when the set has the column (every set has had source_ref)
+ROW_COLUMNS = ("prompt_id", "source", "messages", "reference", "tools", "source_ref")
 
 
 Units = Union[Collection[str], pa.Array, pa.ChunkedArray]  # unit ids: a set, or the ledger as Arrow (RunDir.unit_ids)
@@ -72,6 +74,7 @@ class PromptRow:
     reference: str | None
     tools: str | None  # canonical JSON of the tools list, as stored; None: the prompt has none
     affinity: int
+    source_ref: str | None = None  # the source's own id of the prompt (records schema 6 carry it)
 
 
 @dataclass
@@ -83,6 +86,10 @@ class PendingScan:
     done: int  # of them committed
     failed: int  # of them failed terminally (and not committed)
     waiting: int = 0  # pending samples (also when they are only counted)
+    # of them, the samples of prompts with images (the set's `images` column; a set without it has none)
+    image_total: int = 0
+    image_done: int = 0
+    image_waiting: int = 0
 
 
 def route_schema(table_schema: pa.Schema, affinity_chars: int) -> pa.Schema:
@@ -199,7 +206,7 @@ class PromptSetReader:
         if listed:
             log.info("prompt set %s: %d prompts in %d row groups, pinned for this run", self.name, self.num_rows,
                      len(self.group_rows))
-        columns = ["prompt_id"] + ([ROUTE_KEY] if stored and listed else [])
+        columns = ["prompt_id"] + ([ROUTE_KEY] if stored and listed else []) + [IMAGES]
         tables = [t for _, t in self.scan(columns)]  # a group at a time: less held while reading than one read
         if not tables:
             return PendingScan([], 0, 0, 0)
@@ -209,14 +216,22 @@ class PromptSetReader:
         committed, failed = _arrow_units(committed, ids.type), _arrow_units(failed, ids.type)
         scan = PendingScan([], self.num_rows * samples, 0, 0)
         waiting = np.zeros((len(ids), samples), dtype=bool)
+        committed_units = np.zeros((len(ids), samples), dtype=bool)
         for j in range(samples):
             units = ids if j == 0 else pc.binary_join_element_wise(ids, pa.scalar(str(j), ids.type), SAMPLE_SEP)
             done = pc.is_in(units, value_set=committed).to_numpy(zero_copy_only=False)
             failed_now = pc.is_in(units, value_set=failed).to_numpy(zero_copy_only=False) & ~done
+            committed_units[:, j] = done
             scan.done += int(done.sum())
             scan.failed += int(failed_now.sum())
             waiting[:, j] = ~done & ~failed_now if skip_failed else ~done
         scan.waiting = int(waiting.sum())
+        if IMAGES in table.column_names:  # a few bytes a prompt, read with the ids: no image is read
+            with_images = pc.fill_null(pc.greater(table.column(IMAGES), 0), False).to_numpy(zero_copy_only=False)
+            scan.image_total = int(with_images.sum()) * samples
+            scan.image_waiting = int(waiting[with_images].sum())
+            scan.image_done = int(committed_units[with_images].sum())
+        del committed_units
         if not listed or not scan.waiting:
             return scan
         flat = np.flatnonzero(waiting.ravel())  # row-major: file order, a prompt's samples one after the other
@@ -267,6 +282,7 @@ class PromptSetReader:
             messages, sources = table.column("messages"), table.column("source")
             references = table.column("reference")
             tools = table.column("tools") if "tools" in table.column_names else None
+            refs = table.column("source_ref") if "source_ref" in table.column_names else None
             ids = table.column("prompt_id")
             for i in indexes:
                 p = pending[i]
@@ -278,7 +294,7 @@ class PromptSetReader:
                 out[i] = PromptRow(base, p.position, sources[r].as_py(),
                                    [message_from_row(m) for m in messages[r].as_py()],
                                    references[r].as_py(), tools[r].as_py() if tools is not None else None,
-                                   p.affinity)
+                                   p.affinity, refs[r].as_py() if refs is not None else None)
         return out  # type: ignore[return-value]
 
     def _group(self, group: int) -> pa.Table:

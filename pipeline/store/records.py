@@ -70,6 +70,8 @@ class RecordBuilder:
                 extra["conversation_end"] = outcome.conversation_end
             if self.samples > 1 or j:  # a run of one sample leaves it null (records schema 5)
                 extra["sample_index"] = j
+            if row.source_ref is not None:  # records schema 6
+                extra["source_ref"] = row.source_ref
             rows.append({
                 "prompt_id": prompt_id, "source": row.source,
                 "messages": [message_row(m) for m in messages],

@@ -6,6 +6,7 @@ Layout of `outputs/<run>/`:
     rejects/            invalid inputs with their reason, one file per materialisation
     data/part-*.parquet committed records
     failures/part-*.parquet  terminal failures with the server's message
+    images/<sha[:2]>/<sha>   each image of the prompt set once, by its content (images.store: copy; run_images.py)
     capture/            `regen capture`'s hidden states, a run directory of its own (store/capture_ledger.py)
     status.json         progress, rewritten atomically
     logs/
@@ -31,6 +32,7 @@ import pyarrow.parquet as pq
 
 from . import schema
 from ..core.errors import StorageError
+from ..core.images import IMAGES_DIR
 from ..core.work import SAMPLE_SEP
 from .lock import RunLock  # the run's lock lives with its directory
 from .prompt_reader import PromptSetReader, pinned_reader
@@ -80,6 +82,11 @@ class RunDir:
     @property
     def logs(self) -> Location:
         return self.path / "logs"
+
+    @property
+    def images(self) -> Location:
+        """RUN/images/: its own temporary files are at its top, its images one level down (run_images.py)."""
+        return self.path / IMAGES_DIR
 
     def local_logs(self) -> Path:
         """Where logs are appended: `logs/` on POSIX. An object store cannot append, so a remote run logs to
@@ -140,7 +147,7 @@ class RunDir:
     def cleanup_temp(self) -> list[Location]:
         """Remove temporary files a killed writer left behind; they were never committed."""
         removed = []
-        for folder in (self.path, self.data, self.failures, self.rejects, self.prompts, self.logs):
+        for folder in (self.path, self.data, self.failures, self.rejects, self.prompts, self.logs, self.images):
             for tmp in folder.iterdir():
                 if tmp.name.startswith(TMP_PREFIX):
                     tmp.unlink()

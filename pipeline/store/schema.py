@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 5  # 2: `deterministic`; 3: `engine`, `engine_version`; 4: no `hidden_part`, `hidden_row`;
-# 5: tool calls (`tools`, `tool_calls`, the MESSAGE struct's tool fields), `sample_index`, `conversation_end`
+SCHEMA_VERSION = 6  # 2: `deterministic`; 3: `engine`, `engine_version`; 4: no `hidden_part`, `hidden_row`;
+# 5: tool calls (`tools`, `tool_calls`, the MESSAGE struct's tool fields), `sample_index`, `conversation_end`;
+# 6: content parts (MESSAGE6: a message's content a string or a list of PARTs: images, text parts), `source_ref`
 RECORDS_ADDED = {"deterministic": 2, "engine": 3, "engine_version": 3,  # column -> the version that added it
-                 "tools": 5, "tool_calls": 5, "sample_index": 5, "conversation_end": 5}
+                 "tools": 5, "tool_calls": 5, "sample_index": 5, "conversation_end": 5, "source_ref": 6}
 TOOLS_VERSION = 5  # the first records schema that can store a prompt with tools
+IMAGES_VERSION = 6  # the first records schema that can store a prompt whose content is a list of parts (images)
 SAMPLES_VERSION = 5  # the first records schema with `sample_index` (samples_per_prompt > 1)
 # column -> the first version without it. hidden_part/hidden_row named the generating request's hidden parts (a
 # route retired for `regen capture`, whose ledger names its own parts): null in every row regen writes now.
@@ -23,22 +25,34 @@ MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])  # record
 # for a pure call.
 TOOL_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.string()),
                           ("tool_call_id", pa.string()), ("name", pa.string())])
+# A content part (core/images.py): `{"type": "text", "text"}` or `{"type": "image", "sha256", "media_type",
+# "width", "height", "bytes"}` + `path` (images.store: reference); a key a part does not have is null.
+PART = pa.struct([("type", pa.string()), ("text", pa.string()), ("sha256", pa.string()),
+                  ("media_type", pa.string()), ("width", pa.int32()), ("height", pa.int32()),
+                  ("bytes", pa.int64()), ("path", pa.string())])
+# Records schema 6 and the prompt set: TOOL_MESSAGE with `parts`. A message's content is either `content` (a
+# string; `parts` null: every text prompt, stored as before) or `parts` (`content` null); both null: a pure call.
+MESSAGE6 = pa.struct([("role", pa.string()), ("content", pa.string()), ("parts", pa.list_(PART)),
+                      ("tool_calls", pa.string()), ("tool_call_id", pa.string()), ("name", pa.string())])
 
-# The materialised prompt set. `tools`, `reference_tool_calls` and the messages' tool fields came with issue 22;
-# an older prompt set (MESSAGE messages, no tools columns) still reads: readers take what is there.
+# The materialised prompt set. `tools`, `reference_tool_calls` and the messages' tool fields came with issue 22,
+# MESSAGE6 messages and `images` with issue 28; an older prompt set (MESSAGE or TOOL_MESSAGE messages, no tools or
+# images columns) still reads: readers take what is there.
 PROMPTS = pa.schema(
     [
         ("prompt_id", pa.string()),
         ("source", pa.string()),
         ("origin", pa.string()),
         ("source_ref", pa.string()),
-        ("messages", pa.list_(TOOL_MESSAGE)),
+        ("messages", pa.list_(MESSAGE6)),
         ("reference", pa.string()),  # the text of the source's final assistant step (last_turn)
         ("reference_tool_calls", pa.string()),  # that step's calls, canonical JSON; null: it called none
         ("tools", pa.string()),  # canonical JSON of the OpenAI tools list; null: the prompt has none
         # The routing key (core/work.py affinity_key, tools included) for the prefix length in the schema's
         # metadata (prompt_reader.ROUTE_CHARS); a set staged without it has it computed when a run reads it.
         ("route_key", pa.uint64()),
+        # The prompt's image parts (0: none): status counts image prompts from it, never reading an image.
+        ("images", pa.int32()),
     ]
 )
 
@@ -48,7 +62,7 @@ _EVERY_RECORD_COLUMN = pa.schema(
         ("turn_index", pa.int32()),  # which assistant turn of the conversation this row regenerated (0-based)
         ("n_turns", pa.int32()),  # assistant turns regenerated for this prompt (all_turns: the whole conversation)
         ("source", pa.string()),
-        ("messages", pa.list_(MESSAGE)),  # exactly what was sent (schema 5: TOOL_MESSAGE, see records_schema)
+        ("messages", pa.list_(MESSAGE)),  # exactly what was sent (5: TOOL_MESSAGE, 6: MESSAGE6; records_schema)
         ("reference", pa.string()),  # the source's original final assistant turn, if any
         # The tools sent with the request (canonical JSON of the list; null: none).
         ("tools", pa.string()),
@@ -87,6 +101,9 @@ _EVERY_RECORD_COLUMN = pa.schema(
         ("sample_index", pa.int32()),
         # all_turns: on the last row of a conversation cut short, why and at which step; null otherwise.
         ("conversation_end", pa.string()),
+        # The source's own id of the prompt (the prompt set's `source_ref`: the first source's, when several held
+        # it); null where the source has none.
+        ("source_ref", pa.string()),
     ]
 )
 
@@ -160,8 +177,8 @@ def records_schema(version: int | None) -> pa.Schema:
     version = version or 1
     fields = [f for f in _EVERY_RECORD_COLUMN
               if RECORDS_ADDED.get(f.name, 1) <= version < RECORDS_RETIRED.get(f.name, version + 1)]
-    if version >= TOOLS_VERSION:
-        fields = [pa.field("messages", pa.list_(TOOL_MESSAGE)) if f.name == "messages" else f for f in fields]
+    message = MESSAGE6 if version >= IMAGES_VERSION else TOOL_MESSAGE if version >= TOOLS_VERSION else MESSAGE
+    fields = [pa.field("messages", pa.list_(message)) if f.name == "messages" else f for f in fields]
     return pa.schema(fields)
 
 

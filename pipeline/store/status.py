@@ -39,6 +39,10 @@ def ledger_counts(run_dir: RunDir) -> dict[str, Any]:
         "rejects": run_dir.rejects_count(),
         "vanished_with_records": pc.count_distinct(committed).as_py() - scan.done,
         "parts": len(run_dir.parts(run_dir.data)),
+        # prompts (samples) with images, from the set's `images` column (no image is read); absent: none
+        **({"image_prompts": {"total": scan.image_total, "done": scan.image_done, "pending": scan.image_waiting,
+                              "failed": scan.image_total - scan.image_done - scan.image_waiting}}
+           if scan.image_total else {}),
     }
 
 
@@ -96,6 +100,10 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
     what = "prompts" if k == 1 else f"samples ({k} per prompt, {counts['total'] // k} prompts)"
     print(f"  {what} {counts['total']}: done {counts['done']}, failed {counts['failed']}, "
           f"pending {counts['pending']}; rejected inputs {counts['rejects']}; parts {counts['parts']}")
+    if counts.get("image_prompts"):
+        images = counts["image_prompts"]
+        print(f"  of them with images {images['total']}: done {images['done']}, failed {images['failed']}, "
+              f"pending {images['pending']}")
     for line in report_lines(sources) + [f"  {line}" for line in files]:
         print(line)
     if tools is not None and (tools.prompts_with_tools or tools.calls):

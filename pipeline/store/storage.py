@@ -120,8 +120,8 @@ class Location:
     def parent(self) -> "Location":
         return Location(posixpath.dirname(self.path), self.scheme, self.query, self.fs)
 
-    def _temp(self) -> "Location":
-        return self.parent / f"{TMP_PREFIX}{self.name}.{uuid.uuid4().hex[:8]}"
+    def _temp(self, folder: "Location | None" = None) -> "Location":
+        return (folder or self.parent) / f"{TMP_PREFIX}{self.name}.{uuid.uuid4().hex[:8]}"
 
     # --- reading ------------------------------------------------------------------------------------
     def exists(self) -> bool:
@@ -191,16 +191,22 @@ class Location:
 
         self._commit(copy, exclusive=exclusive)
 
+    def write_with(self, write: Callable[["_Sink"], object], temp_folder: "Location | None" = None) -> None:
+        """Like write_atomic, the bytes written by `write(sink)` (an exception it raises commits nothing), under a
+        temporary name in `temp_folder` (default: beside the file; a folder cleaned on resume)."""
+        self._commit(write, exclusive=False, temp_folder=temp_folder)
+
     def write_parquet_atomic(self, table: pa.Table, *, exclusive: bool = False, direct: bool = False,
                              **options) -> None:
         """Like write_atomic, but the Parquet writer streams: the encoded file is never held in memory.
         `direct` (exclusive only): on an object store, upload straight under the final name (hidden parts)."""
         self._commit(lambda sink: pq.write_table(table, sink, **options), exclusive=exclusive, direct=direct)
 
-    def _commit(self, write: Callable[["_Sink"], object], exclusive: bool, direct: bool = False) -> None:
+    def _commit(self, write: Callable[["_Sink"], object], exclusive: bool, direct: bool = False,
+                temp_folder: "Location | None" = None) -> None:
         if exclusive and not self.local and self.exists():
             raise PartExists(f"{self} already exists: a committed object is never replaced")
-        upload = self if direct and not self.local else self._temp()
+        upload = self if direct and not self.local else self._temp(temp_folder)
         # what to delete at the end: the temporary name (unless a rename took it), or a direct upload that
         # failed (its dropped stream may have been completed, torn)
         leftover: Location | None = upload
