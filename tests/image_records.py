@@ -1,10 +1,9 @@
 """Runs whose records hold image prompts, built by hand on real parts (real Parquet, real PNG files made with
 Pillow), for the export, card and capture tests.
 
-The records schema is 6 as /work/images-contract.md fixes it (a message's `parts` beside a null `content`,
-PART = struct(type, text, sha256, media_type, width, height, bytes, path), a `source_ref` column): store/schema.py's
-own RECORDS where it is already at 6, else built here from schema 5 the same way. Copied images are at
-RUN/images/<sha[:2]>/<sha> (core/images.py stored_image_path); a referenced one has its `path`.
+Records schema 6 (store/schema.py: a message's `parts` beside a null `content`, a `source_ref` column), messages
+written by prompts/tool_calls.py `message_row` as a run writes them. Copied images are at RUN/images/<sha[:2]>/<sha>
+(core/images.py stored_image_path); a referenced one has its `path`.
 """
 from __future__ import annotations
 
@@ -16,34 +15,13 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from pipeline.core.images import image_part, is_parts, stored_image_path, text_part
-from pipeline.prompts.tool_calls import canonical_json
+from pipeline.core.images import image_part, stored_image_path, text_part
+from pipeline.prompts.tool_calls import canonical_json, message_row
 from pipeline.store import schema
 from pipeline.store.quality import quality_flags
 from pipeline.store.rundir import RunDir
 
-PART = pa.struct([("type", pa.string()), ("text", pa.string()), ("sha256", pa.string()),
-                  ("media_type", pa.string()), ("width", pa.int32()), ("height", pa.int32()),
-                  ("bytes", pa.int64()), ("path", pa.string())])
-MESSAGE6 = pa.struct([("role", pa.string()), ("content", pa.string()), ("parts", pa.list_(PART)),
-                      ("tool_calls", pa.string()), ("tool_call_id", pa.string()), ("name", pa.string())])
 SAMPLING = {"temperature": 0.6, "max_tokens": 64}
-
-
-def records6() -> pa.Schema:
-    if schema.SCHEMA_VERSION >= 6:
-        return schema.RECORDS
-    fields = [pa.field("messages", pa.list_(MESSAGE6)) if f.name == "messages" else f for f in schema.RECORDS]
-    return pa.schema(fields + [pa.field("source_ref", pa.string())])
-
-
-def message_row6(message: dict[str, Any]) -> dict[str, Any]:
-    content = message.get("content")
-    calls = message.get("tool_calls")
-    return {"role": message["role"], "content": None if is_parts(content) else content,
-            "parts": list(content) if is_parts(content) else None,
-            "tool_calls": canonical_json(list(calls)) if calls else None,
-            "tool_call_id": message.get("tool_call_id"), "name": message.get("name")}
 
 
 def png(width: int, height: int, seed: int) -> bytes:
@@ -86,7 +64,7 @@ def image_record(prompt_id: str, turn_index: int, messages: list[dict[str, Any]]
     output_ids = [base + 1000 + i for i in range(len(content.split()) + 2)]
     return {
         "prompt_id": prompt_id, "turn_index": turn_index, "n_turns": n_turns, "source": source,
-        "messages": [message_row6(m) for m in messages], "tools": canonical_json(tools) if tools else None,
+        "messages": [message_row(m) for m in messages], "tools": canonical_json(tools) if tools else None,
         "content": content, "reasoning_content": reasoning, "finish_reason": finish,
         "tool_calls": orjson.dumps(calls).decode() if calls else None,
         "flags": quality_flags(content, reasoning, finish, tool_calls=calls), "prompt_tokens": len(prompt_ids),
@@ -103,7 +81,7 @@ def write_run(path: Path, mode: str, parts: list[list[dict[str, Any]]]) -> RunDi
                                        "chat_template_kwargs": {"thinking": True}, "hidden_states": None,
                                        "tool_reasoning_history": "current_turn"}})
     for rows in parts:
-        run.write_part(run.data, pa.Table.from_pylist(rows, schema=records6()))
+        run.write_part(run.data, pa.Table.from_pylist(rows, schema=schema.RECORDS))
     return run
 
 

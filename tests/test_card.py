@@ -107,7 +107,7 @@ def test_card_of_an_image_run_shows_images_per_prompt_their_sizes_and_prompt_tok
     assert "  - prompt: [image 24x16] What is in this image?" in text
 
 
-def test_card_examples_of_an_older_run_take_the_source_id_from_the_prompt_set(tmp_path):
+def test_card_examples_without_a_source_id_on_their_records_take_it_from_the_prompt_set(tmp_path):
     run = known_run(tmp_path / "run")
     prompts = pa.Table.from_pylist([{"prompt_id": "a", "source": "chat", "source_ref": "conv-7", "messages": USER}],
                                    schema=schema.PROMPTS)

@@ -231,10 +231,15 @@ def test_image_prefix_rewrites_the_paths_a_trainer_opens_and_an_unmapped_object_
 
 
 def test_an_older_run_gets_its_source_ids_from_the_prompt_set(tmp_path):
-    user = [{"role": "user", "content": "q"}]
-    run = make_run(tmp_path / "run", "last_turn", [[record("p1", 0, user, "a b"), record("p2", 0, user, "c d")]])
+    """A run created at records schema 5 (no `source_ref` column); its prompt set had the source's ids."""
     from pipeline.store.rundir import RunDir
 
+    user = [{"role": "user", "content": "q"}]
+    run = make_run(tmp_path / "run", "last_turn", [])
+    manifest = RunDir(run).read_manifest()
+    RunDir(run).write_manifest({**manifest, "schema_version": 5})
+    RunDir(run).write_part(RunDir(run).data, pa.Table.from_pylist(
+        [record("p1", 0, user, "a b"), record("p2", 0, user, "c d")], schema=schema.records_schema(5)))
     prompts = pa.Table.from_pylist([{"prompt_id": "p1", "source": "chat", "origin": "f.jsonl:1",
                                      "source_ref": "conv-41", "messages": user}], schema=schema.PROMPTS)
     RunDir(run).write_prompt_set(prompts, pa.Table.from_pylist([], schema=schema.REJECTS))

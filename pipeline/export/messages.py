@@ -2,7 +2,7 @@
 
 Records hold each message as a Parquet struct row; `message_of` turns it back into the normalised message
 (core/images.py): `content` a string, or a list of parts when the message has parts (records schema 6: `parts`
-beside a null `content`), with the tool keys only where present. An image part's bytes are at `part["path"]`
+beside a null `content`, each part with the keys it has), with the tool keys only where present. An image part's bytes are at `part["path"]`
 (images.store: reference) or in the run directory at `stored_image_path(sha256)` (images.store: copy); a trainer
 reads them from its own filesystem, so `ImagePaths` rewrites a path's prefix (`--image-prefix OLD=NEW`) and
 refuses a path that is not an absolute local one after that (an object-store URI: no trainer opens it).
@@ -22,20 +22,9 @@ class ImagePathError(ConfigError):
     """An image's path cannot be given to a trainer as an absolute local path (e.g. an object-store URI)."""
 
 
-def _part(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A PART struct row as a part dict: only its present keys (Arrow fills a struct's absent fields with null)."""
-    return {key: value for key, value in row.items() if value is not None}
-
-
 def message_of(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A MESSAGE struct row of any records schema as the normalised message."""
-    message = message_from_row(row)
-    parts = row.get("parts")
-    if parts is not None and not is_parts(message.get("content")):
-        message["content"] = [_part(p) for p in parts]
-    elif is_parts(message.get("content")):
-        message["content"] = [_part(p) for p in message["content"]]
-    return message
+    """A MESSAGE struct row of any records schema as the normalised message (prompts/tool_calls.py)."""
+    return message_from_row(row)
 
 
 def normalise_record(record: dict[str, Any]) -> dict[str, Any]:
