@@ -3,6 +3,7 @@ Only the libraries' own entry points are called; what they return is saved with 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import warnings
@@ -161,23 +162,38 @@ def speculators_image_rows(task):
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Render)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    # a real vLLM server of the target where the task names one (its ids are token ids, not bytes)
+    endpoint = task.get("render_endpoint") or f"http://127.0.0.1:{server.server_address[1]}"
     results = []
     for export in task["exports"]:  # one interpreter for all: importing speculators takes seconds
         seen.clear()
-        results.append(_speculators_image_export(export, endpoint, seen, load_raw_dataset, _preprocess_batch))
+        results.append(_speculators_image_export(export, endpoint, seen, load_raw_dataset, _preprocess_batch,
+                                                 stand_in="render_endpoint" not in task))
     server.shutdown()
     return {"exports": results}
 
 
-def _speculators_image_export(task, endpoint, seen, load_raw_dataset, _preprocess_batch):
-    out = {}
+class _Kept(logging.Handler):
+    """The warnings and errors speculators logs (a conversation it could not render is logged and skipped)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage()[:500])
+
+
+def _speculators_image_export(task, endpoint, seen, load_raw_dataset, _preprocess_batch, stand_in=True):
+    kept = _Kept()
+    logging.getLogger("speculators").addHandler(kept)
+    out = {"log": kept.lines}
     for name in ("rows", "images"):
         ds, _ = load_raw_dataset(task[name])
         batch = _preprocess_batch(ds[:], True, endpoint, 4096)
         rows = [{"input_ids": list(map(int, ids)), "loss_mask": list(map(int, mask))}
                 for ids, mask in zip(batch["input_ids"], batch["loss_mask"])]
-        if name == "images":  # the stand-in's ids are bytes: what each row trains, as text
+        if name == "images" and stand_in:  # the stand-in's ids are bytes: what each row trains, as text
             rows = [{"trained": bytes(i for i, m in zip(r["input_ids"], r["loss_mask"]) if m).decode()} for r in rows]
         out[name] = {"columns": ds.column_names, "n_in": len(ds), "rows": rows, "messages": batch.get("messages")}
     return {**out, "image_urls": list(seen)}
