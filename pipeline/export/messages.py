@@ -2,8 +2,9 @@
 
 Records hold each message as a Parquet struct row; `message_of` turns it back into the normalised message
 (core/images.py): `content` a string, or a list of parts when the message has parts (records schema 6: `parts`
-beside a null `content`, each part with the keys it has), with the tool keys only where present. An image part's bytes are at `part["path"]`
-(images.store: reference) or in the run directory at `stored_image_path(sha256)` (images.store: copy); a trainer
+beside a null `content`, each part with the keys it has), with the tool keys only where present. An image part's
+bytes are at `part["path"]` (images.store: reference) or in the run directory at `stored_image_path(sha256)`
+(images.store: copy); a trainer
 reads them from its own filesystem, so `ImagePaths` rewrites a path's prefix (`--image-prefix OLD=NEW`) and
 refuses a path that is not an absolute local one after that (an object-store URI: no trainer opens it).
 """

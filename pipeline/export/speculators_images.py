@@ -28,9 +28,10 @@ from .messages import ImagePaths
 
 NOTE = ("speculators: image records are natural-language conversations in {images} (image parts as absolute "
         "`path`s, --image-prefix rewrites them for the trainer's filesystem); `speculators prepare-data` renders "
-        "them only with `--render-endpoint` (a vLLM server of the target, started with "
-        "--allowed-local-media-path covering the images, and on vLLM 0.32 --enable-scale-out for its render route) and trains every assistant turn of each row: pass both "
-        "files, `--data {out} --data {images}`. Text records stay pre-tokenized rows in {out}")
+        "them only with `--render-endpoint` (a vLLM server of the target, started with --allowed-local-media-path "
+        "covering the images, and on vLLM 0.32 --enable-scale-out for its render route) and trains every assistant "
+        "turn of each row: pass both files, `--data {out} --data {images}`. Text records stay pre-tokenized rows in "
+        "{out}")
 
 
 def _parts(content: Any, paths: ImagePaths) -> list[dict[str, Any]]:
