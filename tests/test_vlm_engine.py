@@ -100,7 +100,8 @@ def vlm(tmp_path_factory):
     try:
         try:
             with open(log, "ab") as server_log:
-                extra = ["--attention-backend", "CPU_MLA", "--allowed-local-media-path", str(media)]
+                extra = ["--attention-backend", "CPU_MLA", "--allowed-local-media-path", str(media),
+                         "--enable-scale-out"]  # vLLM 0.32 answers /v1/chat/completions/render 403 without it
                 processes.processes.append(subprocess.Popen(
                     vllm_command(fleet, port, read_end) + extra, stdout=server_log, stderr=subprocess.STDOUT,
                     env=vllm_environment(fleet, 0), start_new_session=True, pass_fds=(read_end,)))
@@ -261,3 +262,36 @@ def test_models_and_version(vlm):
         (ALIAS, "vllm", str(vlm.model), 4096), model
     with urllib.request.urlopen(f"{vlm.url}/version", timeout=30) as response:
         assert json.load(response) == {"version": "0.32.0"}
+
+
+def test_speculators_prepares_the_image_rows_of_the_export_with_this_server_as_its_render_endpoint(vlm, tokenizer):
+    """The `speculators` export of an image run (tests/image_records.py), its image rows through speculators' own
+    `_preprocess_batch` (tests/trainlib_checks.py) with this server as `--render-endpoint`: vLLM reads each image
+    from the run's folder (under --allowed-local-media-path) and expands it, and speculators trains the reply."""
+    import hashlib
+
+    from pipeline.core.images import image_part
+    from pipeline.export.jsonl import export_run, images_path
+    from tests.image_records import image_record, user, write_run
+    from tests.trainlib import run_checks
+
+    data = (vlm.photos / "chelsea.png").read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    run_path = vlm.media / "speculators-run"  # the run inside the folder the server may read
+    (run_path / "images" / sha[:2]).mkdir(parents=True)
+    (run_path / "images" / sha[:2] / sha).write_bytes(data)
+    cat = image_part(sha, "image/png", 451, 300, len(data))
+    records = [image_record("v-img", 0, [user(cat, "What is in this picture?")], "A cat on a table.",
+                            source_ref="coco-1"),
+               image_record("v-text", 0, [user("Say hello")], "Hello.", source="chat")]
+    run = write_run(run_path, "last_turn", [records])
+    out = vlm.media / "spec.jsonl"
+    assert export_run(run.path, "speculators", out).image_rows == 1
+    got = run_checks({"check": "speculators_image_rows", "render_endpoint": vlm.url,
+                      "exports": [{"rows": str(out), "images": str(images_path(out))}]})["exports"][0]
+    assert len(got["images"]["rows"]) == 1, got["log"]
+    ids, mask = got["images"]["rows"][0]["input_ids"], got["images"]["rows"][0]["loss_mask"]
+    assert ids.count(vlm.pad) == vlm.counts["chelsea.png"], "vLLM read the run's file and expanded the image"
+    trained = tokenizer.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert "A cat on a table." in trained and not any(mask[:ids.index(vlm.pad) + 1]), trained
+    assert len(got["rows"]["rows"]) == 1  # the text record: its pre-tokenized row, passed through
