@@ -1,0 +1,44 @@
+"""Review of image prompts (issue 28): behaviours found broken by a review, each proved here on real files."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from pipeline.core.config_sections import Images
+from tests.test_image_sources import build, picture
+
+
+@pytest.mark.parametrize("store", ["copy", "reference"])
+def test_an_image_part_written_by_the_source_in_regens_own_form_is_read_and_checked_like_any_other(tmp_path, store):
+    """A record may hold `{"type": "image", "sha256", "media_type", "path"}` (regen's own stored form, e.g. records of
+    an earlier run fed back as a source). Its bytes must be read from `path` under image_root and hashed: never taken
+    on the record's word (an image outside image_root, a sha256 that is not the bytes', an image never copied)."""
+    picture(tmp_path / "coco" / "red.png")
+    outside = picture(tmp_path / "secret.png", colour=(1, 2, 3))
+    claimed = hashlib.sha256(outside.read_bytes()).hexdigest()
+    ps = build(tmp_path, [
+        {"id": "out", "messages": [{"role": "user", "content": [
+            {"type": "image", "sha256": claimed, "media_type": "image/png", "path": str(outside)},
+            {"type": "text", "text": "what?"}]}]},
+        {"id": "lie", "messages": [{"role": "user", "content": [
+            {"type": "image", "sha256": "0" * 64, "media_type": "image/png", "path": "red.png"},
+            {"type": "text", "text": "what?"}]}]},
+        {"id": "bare", "messages": [{"role": "user", "content": [
+            {"type": "image", "sha256": claimed, "media_type": "image/png"}, {"type": "text", "text": "what?"}]}]},
+    ], fmt="openai", image_root="coco", images=Images(store=store))
+    codes = {r.origin.split(":")[-1]: r.code for r in ps.rejects}
+    assert codes == {"1": "image_outside_root", "3": "image_marker_mismatch"}, ps.rejects
+    (lie,) = ps.prompts
+    image = lie.messages[0]["content"][0]
+    assert image["sha256"] == hashlib.sha256((tmp_path / "coco" / "red.png").read_bytes()).hexdigest()
+    assert ("path" in image) == (store == "reference")
+
+
+def test_a_source_part_of_the_internal_image_ref_type_without_a_ref_is_a_reject_not_a_crash(tmp_path):
+    ps = build(tmp_path, [{"id": "a", "messages": [{"role": "user", "content": [{"type": "image_ref"},
+                                                                              {"type": "text", "text": "x"}]}]},
+                          {"id": "b", "messages": [{"role": "user", "content": "ok"}]}], fmt="openai")
+    assert [r.code for r in ps.rejects] == ["image_marker_mismatch"] and len(ps.prompts) == 1
