@@ -42,3 +42,45 @@ def test_a_source_part_of_the_internal_image_ref_type_without_a_ref_is_a_reject_
                                                                               {"type": "text", "text": "x"}]}]},
                           {"id": "b", "messages": [{"role": "user", "content": "ok"}]}], fmt="openai")
     assert [r.code for r in ps.rejects] == ["image_marker_mismatch"] and len(ps.prompts) == 1
+
+
+def test_an_http_image_dripped_a_byte_at_a_time_fails_within_its_fetch_timeout():
+    """images.fetch_timeout_s bounds the whole fetch: a server that sends a byte every 50 ms (each read of the
+    socket within its own timeout) must not hold the build for 65,536 of them per chunk."""
+    import http.server
+    import socketserver
+    import threading
+    import time
+
+    from pipeline.core.errors import ImageFetchFailed
+    from pipeline.endpoints.image_fetch import fetch_image
+
+    stop = threading.Event()
+
+    class Drip(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            while not stop.wait(0.05):  # the server's pace; it ends when the test does
+                try:
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                except OSError:
+                    return
+
+        def log_message(self, *args):
+            pass
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Drip)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ImageFetchFailed, match="fetch_timeout_s"):
+            fetch_image(f"http://127.0.0.1:{server.server_address[1]}/a.png", timeout_s=0.3, max_bytes=10**6)
+        assert time.monotonic() - started < 6  # two tries of 0.3 s and the pause between them, with room
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
