@@ -84,3 +84,33 @@ def test_an_http_image_dripped_a_byte_at_a_time_fails_within_its_fetch_timeout()
         stop.set()
         server.shutdown()
         server.server_close()
+
+
+class _Server:
+    """A client whose two probe answers are given: the one with the image, and its text-only twin."""
+
+    def __init__(self, with_image, alone):
+        from pipeline.endpoints.engines import VLLMAdapter
+
+        self.label, self.engine, self.answers = "http://127.0.0.1:1", VLLMAdapter(), {True: with_image, False: alone}
+
+    async def post_json(self, path, body, timeout_s):
+        content = body["messages"][0]["content"]
+        return self.answers[isinstance(content, list)]
+
+
+@pytest.mark.parametrize("alone", [(503, {"error": {"message": "overloaded"}}), (200, {"choices": []})],
+                         ids=["text_twin_failed", "no_usage"])
+def test_the_image_probe_admits_no_server_without_evidence_that_the_image_counted(alone):
+    """SGLang 0.5.14 drops an image without a word: the probe admits a server only when the image raised the prompt's
+    tokens. A twin that failed (a passing 503) or answers without usage is no evidence: unknown, never admitted."""
+    import asyncio
+
+    from pipeline.core.config import RunConfig
+    from pipeline.endpoints.image_probe import probe_images
+
+    cfg = RunConfig.model_validate({"run_name": "t", "model": "m", "sources": [{"spec": "u.yaml"}],
+                                    "endpoints": [{"url": "http://127.0.0.1:1"}]})
+    verdict = asyncio.run(probe_images(_Server((200, {"choices": [], "usage": {"prompt_tokens": 9}}), alone), cfg,
+                                       lambda: "rid", 1.0))
+    assert verdict.takes is not True and (verdict.down or verdict.problem)

@@ -6,7 +6,8 @@
   1-token requests, the same text with and without an 8x8 PNG (a data: URL, the run's default). A refusal (vLLM:
   400 "<model> is not a multimodal model"; SGLang 0.5.17+: 400 "Model only supports text input; ...") refuses the
   endpoint; so does an answer whose prompt counted no more tokens with the image than without: the server dropped
-  it and would answer every image prompt from its text alone.
+  it and would answer every image prompt from its text alone. Without both counts (the twin failed, no `usage`)
+  there is no evidence: the endpoint is unknown (down, asked again when readmitted), never admitted on it.
 """
 from __future__ import annotations
 
@@ -86,7 +87,11 @@ async def probe_images(client: EndpointClient, cfg: RunConfig, rid: Callable[[],
         return ImageVerdict(False, images_refusal(client.engine, f"a tiny image request ({PROBE_SIDE_TEXT}) was "
                                                                  f"refused: {status} {_error_message(answer, '')}"))
     with_image, alone = _prompt_tokens(answer), _prompt_tokens(plain) if plain_status == 200 else None
-    if with_image is not None and alone is not None and with_image <= alone:
+    if with_image is None or alone is None:  # no evidence the image counted: unknown, never admitted on it
+        why = (f"its text-only twin failed ({plain_status}: {_error_message(plain, '')})" if plain_status != 200
+               else "an answer carried no usage.prompt_tokens")
+        return ImageVerdict(None, down=f"a tiny image request could not tell whether the image was taken ({why})")
+    if with_image <= alone:
         return ImageVerdict(False, images_refusal(
             client.engine, f"it answered a tiny image request ({PROBE_SIDE_TEXT}) whose prompt counted {with_image} "
                            f"tokens, no more than the same text alone ({alone}): it dropped the image"))
