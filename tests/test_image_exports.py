@@ -267,3 +267,13 @@ def test_capture_refuses_each_image_record_with_its_reason_and_counts_it(last_tu
     capture_run_dir(run).path.mkdir()
     capture_run_dir(run).write_manifest({"route": route, "fingerprint": "f", "layout": {"states": []}})
     assert capture_counts(run)["refused_images"] == 4
+
+
+def test_image_prefix_rewrites_a_whole_folder_never_a_sibling_whose_name_it_begins():
+    from pipeline.export.messages import ImagePaths
+    from pipeline.store.storage import Location
+
+    paths = ImagePaths(Location.at("/runs/a"), [("/data/run", "/mnt/run")])
+    assert paths.path_of({"sha256": "ab" * 32, "path": "/data/run/x.png"}) == "/mnt/run/x.png"
+    assert paths.path_of({"sha256": "ab" * 32, "path": "/data/run2/x.png"}) == "/data/run2/x.png"
+    assert paths.rewritten == 1

@@ -77,8 +77,8 @@ class ImagePaths:
     def path_of(self, part: Mapping[str, Any]) -> str:
         where = self.stored(part)
         for old, new in self.prefixes:
-            if where.startswith(old):
-                where = new + where[len(old):]
+            if _under(where, old):  # a whole folder: /data/run does not rewrite /data/run2/...
+                where = new.rstrip("/") + where[len(old.rstrip("/")):]
                 self.rewritten += 1
                 break
         if "://" in where or not posixpath.isabs(where):
@@ -87,3 +87,8 @@ class ImagePaths:
                 "--image-prefix OLD=NEW to map it to the folder the trainer's machines see (e.g. a mount of the "
                 "bucket, or a copy of RUN/images)")
         return where
+
+
+def _under(path: str, folder: str) -> bool:
+    folder = folder.rstrip("/")
+    return path == folder or path.startswith(folder + "/")
