@@ -70,6 +70,9 @@ class LocalFleet(_Strict):
         "vLLM only: launch with --allowed-local-media-path DIR, the folder under which it reads `file://` images "
         "(needed by `images.send_as: file_url`; a relative path resolves against the config file's folder, `~` "
         "expands). Without it vLLM answers every file:// image with a 500."))
+    extra_args: list[str] = Field(default_factory=list, description=(
+        "vLLM only: more arguments for vLLM's API server, appended as given, one list item per argument (e.g. "
+        "[\"--enable-scale-out\"], which speculators' --render-endpoint needs)."))
     emulator_preset: Literal["kimi", "kimi-eagle3", "plain"] = Field("kimi", description=(
         "emulator only: the emulator's preset (`kimi`: Kimi-K2.5 as SGLang serves it, kimi_k2 parsers, image "
         "parts read; `plain`: a text-only model, which the preflight refuses for a prompt set with images)."))
@@ -95,8 +98,9 @@ class LocalFleet(_Strict):
     def _hidden_states_need_vllm(self) -> "LocalFleet":
         if (self.chat_template or self.tool_call_parser) and self.engine != "vllm":
             raise ValueError("local_fleet.chat_template / tool_call_parser need engine: vllm")
-        if (self.attention_backend or self.allowed_local_media_path) and self.engine != "vllm":
-            raise ValueError("local_fleet.attention_backend / allowed_local_media_path need engine: vllm")
+        if (self.attention_backend or self.allowed_local_media_path or self.extra_args) and self.engine != "vllm":
+            raise ValueError("local_fleet.attention_backend / allowed_local_media_path / extra_args need engine: "
+                             "vllm")
         if self.emulator_preset != "kimi" and self.engine != "emulator":
             raise ValueError("local_fleet.emulator_preset needs engine: emulator")
         if (self.hidden_states_dir or self.hidden_layer_ids) and self.engine != "vllm":

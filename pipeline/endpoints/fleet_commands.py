@@ -39,7 +39,7 @@ def vllm_command(fleet: LocalFleet, port: int, lifeline_fd: int) -> list[str]:
             "--model", str(model), "--served-model-name", fleet.model_alias, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(fleet.ctx_per_slot),
             "--max-num-seqs", str(fleet.slots), *tool_arguments(fleet), *media_arguments(fleet),
-            *hidden_states_arguments(fleet, model)]
+            *hidden_states_arguments(fleet, model), *fleet.extra_args]
 
 
 def fleet_vllm_python(fleet: LocalFleet) -> Path:
