@@ -219,9 +219,10 @@ class Images(_Strict):
         "How an image reaches the server: `data_url` (base64 in the request: works on any fleet) or `file_url` "
         "(`file://` + the path the bytes are at: the servers must read the same storage; vLLM needs "
         "--allowed-local-media-path). Not in the run identity: the target sees the same pixels."))
-    tokens_per_image: int = Field(4096, ge=1, description=(
-        "The prompt tokens one image is counted as by max_prompt_tokens where the tokenizer cannot say "
-        "(a conservative budget: Kimi-K2.5 spends up to 4,096 on an image)."))
+    tokens_per_image: int = Field(4608, ge=1, description=(
+        "The prompt tokens one image is counted as by max_prompt_tokens where the model's processor cannot say "
+        "(a conservative budget: Kimi-K2.5 spends at most 4,446 on an image, padding included, plus its markers; "
+        "with its preprocessor_config.json at hand the count is exact)."))
 
     # What of this section selects or shapes the prompt set (run identity `prompts.images`): where the bytes are
     # (`store`: a part carries `path` or not), what is rejected (`remote`, `max_bytes`, `max_pixels`,

@@ -32,7 +32,7 @@ MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD = ("<|media_begin|>", "<|media_
 MEDIA_SPECIAL = {MEDIA_BEGIN: 163602, MEDIA_CONTENT: 163603, MEDIA_END: 163604, MEDIA_PAD: 163605}
 MEDIA_PAD_ID = MEDIA_SPECIAL[MEDIA_PAD]
 # Kimi-K2.5's media_proc_cfg (the hub's preprocessor_config.json, not in the wheels): 14-pixel patches merged
-# 2x2, at most 16384 patches (so 4096 tokens) and 512 patches on a side.
+# 2x2, at most 16384 patches (about 4096 tokens; up to 4446 with the padding to whole blocks) and 512 patches on a side.
 KIMI_K25_MEDIA = {"patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 16384, "patch_limit_on_one_side": 512}
 MEDIA_PART_TYPES = ("image_url", "video_url", "audio_url")  # serving_chat.py:_MEDIA_CONTENT_PART_TYPES
 _DETAILS = ("auto", "low", "high")

@@ -8,7 +8,8 @@ Kimi-K2.5 (and every model whose preprocessor_config.json holds a NaViT `media_p
 engines: SGLang 0.5.23 `multimodal/processors/kimi_k25.py` `navit_resize_config` (its CPU path asks the model's
 own `media_tokens_calculator`) and vLLM 0.32.0 `transformers_utils/processors/kimi_k25_vision_fused.py`
 `navit_resize_image` (behind `KimiK25Processor`, `transformers_utils/processors/kimi_k25.py`). Kimi-K2.5's values
-(its preprocessor_config.json): patch 14, merge 2, 16,384 patches, 512 a side, so at most 4,096 tokens an image.
+(its preprocessor_config.json): patch 14, merge 2, 16,384 patches, 512 a side: about 4,096 tokens for a large
+image, at most 4,446 (7035 x 487: the padding to whole blocks), so `images.tokens_per_image` defaults to 4,608.
 The width and height are the image part's own (those of the file the servers decode). Pure: no I/O but
 `media_proc_cfg_of`, which reads a model folder's (or the hub cache's) preprocessor_config.json.
 """

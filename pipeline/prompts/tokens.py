@@ -23,7 +23,7 @@ from .records import InvalidRecord, RejectCode
 
 log = logging.getLogger("regen")
 
-DEFAULT_TOKENS_PER_IMAGE = 4096  # core/config_sections.py Images.tokens_per_image's default
+DEFAULT_TOKENS_PER_IMAGE = 4608  # core/config_sections.py Images.tokens_per_image's default
 TEMPLATE_ALLOWANCE = 64  # tokens a chat template adds around a conversation, at most...
 MESSAGE_ALLOWANCE = 16  # ... and around each message
 
