@@ -330,7 +330,7 @@ def test_a_run_mixing_every_preset_generates_and_exports_each_prompt_once(tmp_pa
     reports = {s["name"]: s for s in status["sources"]}
     assert reports["nemotron_chat"]["uncarried"]["record.system_prompt"] == 2
     assert status["done"] == len(rows) and reports["sharegpt"]["rejected_by_reason"] == {"empty_conversation": 1}
-    assert reports["sharegpt4v"]["rejected_by_reason"] == {"image_missing": 1} and reports["sharegpt4v"]["duplicates"] == 1
+    assert (reports["sharegpt4v"]["rejected_by_reason"], reports["sharegpt4v"]["duplicates"]) == ({"image_missing": 1}, 1)
     assert status["image_prompts"] == {"total": 6, "done": 6, "pending": 0, "failed": 0}
     speculators = tmp_path / "speculators.jsonl"
     assert run_regen("export", str(run), "--format", "speculators", "--out", str(speculators)).returncode == 0

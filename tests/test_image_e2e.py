@@ -14,7 +14,6 @@ from pathlib import Path
 
 import orjson
 import pyarrow.parquet as pq
-import pytest
 
 from pipeline.core.images import IMAGE, stored_image_path
 from pipeline.emulator import start_emulator

@@ -199,8 +199,9 @@ def regen_class(status: int, body: dict) -> str:
 
 
 def test_file_urls_only_under_the_allowed_local_media_path(vlm):
-    """Inside the folder: the same ids as the photo sent as data. Outside it: 400. A missing file inside: 500 (an
-    internal error to vLLM), which regen retries; outside it regen stops using the endpoint (ContractError). (A server without the flag answers any file:// URL with 500
+    """Inside the folder: the same ids as the photo sent as data. Outside it: 400, on which regen stops using the
+    endpoint (ContractError: every file:// image of the run would be refused). A missing file inside: 500 (an
+    internal error to vLLM), which regen retries. (A server without the flag answers any file:// URL with 500
     "Cannot load local files without `--allowed-local-media-path`.": seen by hand, not started here.)"""
     status, by_file = post(vlm, [ASK, image((vlm.media / "chelsea.png").as_uri())])
     assert status == 200, by_file
@@ -212,7 +213,6 @@ def test_file_urls_only_under_the_allowed_local_media_path(vlm):
                                   "BadRequestError", 400))
     missing = post(vlm, [ASK, image((vlm.media / "absent.png").as_uri())])
     assert missing == (500, error("[Errno 2] No such file or directory: '<path>'", "InternalServerError", 500))
-    # outside the folder, every file:// image of the run would be refused: the endpoint's contract (engines/vllm.py)
     assert (regen_class(*outside), regen_class(*missing)) == ("ContractError", "Retryable")
 
 
