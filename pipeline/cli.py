@@ -135,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "unreachable hub is skipped too, after a 3 s connect)")
     validate.set_defaults(func=_validate)
 
-    from .export.jsonl import add_export_arguments, run_export
+    from .export.command import add_export_arguments, run_export
 
-    export = sub.add_parser("export", help="training files from a run (SpecForge, speculators)",
+    export = sub.add_parser("export", help="training files from a run (SpecForge, speculators, TorchSpec)",
                             description="Write a run's committed records in a training library's format, atomically.")
     add_export_arguments(export)
     export.set_defaults(func=run_export)
