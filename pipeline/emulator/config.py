@@ -238,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
             p.add_argument(flag, dest=name, type=typ, default=None, help=help_)
+    # Not a setting of the emulated server: how it is run (regen's local fleet, `engine: emulator`).
+    p.add_argument("--lifeline-fd", type=int, default=None,
+                   help="stop when this pipe reaches end of file (the local fleet's driver exited)")
     # SGLang spellings accepted as aliases.
     p.add_argument("--model", dest="model_path", type=str, default=None, help=argparse.SUPPRESS)
     p.add_argument("--tp", dest="tp_size", type=int, default=None, help=argparse.SUPPRESS)
