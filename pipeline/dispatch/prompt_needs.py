@@ -50,7 +50,7 @@ class PromptNeeds:
         if self.longest_tokens is not None:
             what.append(f"longest prompt {self.longest_tokens} tokens ({self.tokenizer})")
         else:
-            what.append(f"longest prompt {self.longest_bytes} bytes (not measured in tokens: set `tokenizer:` to)")
+            what.append(f"longest prompt {self.longest_bytes} bytes (name a `tokenizer:` to measure it in tokens)")
         return f"prompt set: {', '.join(what)}; read from {self.where} in {self.seconds:.2f} s"
 
     def context_warning(self, context: int | None, max_tokens: int) -> str | None:
@@ -65,7 +65,7 @@ class PromptNeeds:
 
 def stored_run(cfg: RunConfig):
     """The run `regen generate` would open with this config, if it exists and holds a prompt set; else None."""
-    from ..store.resume import choose_run
+    from ..store.resume import choose_run, committed_nothing, identity_drift
 
     try:
         chosen = choose_run(cfg, new_run=False, refresh_prompts=False)
@@ -74,6 +74,8 @@ def stored_run(cfg: RunConfig):
     run = chosen.run_dir
     if not run.exists() or not run.prompt_set_versions():
         return None
+    if committed_nothing(run) and identity_drift(cfg, run, refresh_prompts=False):
+        return None  # it takes this config, and reads its prompt set again from the sources (run.py open_run)
     return run
 
 
