@@ -1,0 +1,63 @@
+"""The smaller points of issue 30's walk, each where it is cheapest to prove."""
+from __future__ import annotations
+
+import orjson
+
+from pipeline.prompts.prompt_set import build_prompt_set
+from pipeline.prompts.sources import SourceSpec
+
+
+def test_fields_not_carried_count_the_selected_records_only(tmp_path):
+    """`fields not carried` counted every record read; a limit of 2 of 5 (and a duplicate) count 2."""
+    data = tmp_path / "r.jsonl"
+    rows = [{"id": f"r{i}", "extra": "x", "messages": [{"role": "user", "content": f"q{i}", "weight": 1}]}
+            for i in range(5)] + [{"id": "dup", "extra": "x", "messages": [{"role": "user", "content": "q0"}]}]
+    data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    spec = SourceSpec(name="s", kind="jsonl", path=str(data), format="openai", id_field="id")
+    whole = build_prompt_set([(spec, None)]).reports[0]
+    assert whole.selected == 5 and whole.uncarried == {"record.extra": 5, "message.weight": 5}
+    limited = build_prompt_set([(spec, 2)]).reports[0]
+    assert limited.selected == 2 and limited.uncarried == {"record.extra": 2, "message.weight": 2}
+
+
+def test_the_docs_state_the_test_suites_time_as_measured():
+    """`make test` takes 20-22 minutes here and in CI; the README said about 15."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for page in (root / "README.md", root / "docs" / "getting-started.md"):
+        text = " ".join(page.read_text().split())
+        assert "20 to 22 minutes here and in CI" in text and "about 15 minutes" not in text, page
+
+
+def test_a_refresh_and_the_engines_check_build_no_python_set_of_a_set_or_a_ledger(tmp_path, monkeypatch):
+    """`fleet._unrecorded` read the whole ledger into Python sets; a refresh diffed two sets of every prompt id. Both
+    are Arrow (or a listing) now: the set-building paths raise here, and the answers are still right."""
+    import pyarrow as pa
+
+    from pipeline.dispatch.fleet import _unrecorded
+    from pipeline.store.prompt_reader import PromptSetReader
+    from pipeline.store.rundir import RunDir
+    from pipeline.store.storage import Location
+
+    def built_a_set(*_):
+        raise AssertionError("a Python set of the whole ledger")
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    monkeypatch.setattr(RunDir, "ids_in", built_a_set)
+    monkeypatch.setattr(RunDir, "unit_ids", built_a_set)
+    assert not _unrecorded(run, {})
+    run.write_part(run.data, pa.table({"prompt_id": ["a"]}))
+    assert _unrecorded(run, {}) and not _unrecorded(run, {"engines": []})
+
+    def version(name: str, ids: list[str]) -> PromptSetReader:
+        path = tmp_path / f"{name}.parquet"
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"prompt_id": ids}), str(path), row_group_size=2)
+        return PromptSetReader(Location.at(str(path)))
+
+    assert not hasattr(PromptSetReader, "ids")
+    old, new = version("old", ["c", "a", "b", "d", "e"]), version("new", ["a", "x", "e", "y", "z"])
+    assert new.refreshed_from(old) == (3, 3, ["b", "c", "d"])
