@@ -28,7 +28,7 @@ from .store.promptset import (StagedPromptSet, check_schema_takes_parts, check_s
                               stage_prompt_set)
 from .store.committer import Committer
 from .store.goodput import Goodput, summary_line
-from .store.progress import duration
+from .store.progress import duration, held_out, records_of
 from .store.status import counts_line
 from .store.resume import (ChosenRun, choose_run, committed_nothing, prompt_set_unrecorded, rebind, records_of_older,
                            with_prompt_advice)
@@ -345,29 +345,24 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     run_progress.close()
     run_progress.write(state)
     log.info("%s", summary_line(run_progress.goodput_total().as_dict()))
+    held = held_out(run_progress.extra)
     session = (f"this session {run_progress.done} records, {run_progress.failed} failures in "
-               f"{duration(run_progress.elapsed())}")
+               f"{duration(run_progress.elapsed())}{held}")
     if state == "interrupted":
-        log.warning("run ended (exit %d): interrupted: %d new records committed; %s; rerun to resume %s",
-                    EXIT_INTERRUPTED, run_progress.done, counts_line(run_dir), run_dir.path)
+        log.warning("run ended (exit %d): interrupted: %d new records committed; %s; rerun to resume %s%s",
+                    EXIT_INTERRUPTED, run_progress.done, counts_line(run_dir), run_dir.path, held)
         return EXIT_INTERRUPTED
     log.info("run ended (exit 0): run %s is complete: %s, %d failures (%d late duplicates dropped); %s",
-             run_dir.path, records_of(cfg, run_dir, run_progress.already_done + run_progress.done),
+             run_dir.path, records_of(cfg.mode, cfg.samples_per_prompt, run_dir, run_progress.already_done + run_progress.done),
              run_progress.failed_before + run_progress.failed, committer.dropped_duplicates, session)
     return 0
-
-
-def records_of(cfg: RunConfig, run_dir: RunDir, units: int) -> str:
-    """all_turns stores a record per regenerated turn: `N records (M prompts)`, as the card says it."""
-    what = "prompts" if cfg.samples_per_prompt == 1 else "samples"
-    return f"{run_dir.record_rows()} records ({units} {what})" if cfg.mode == "all_turns" else f"{units} records"
 
 
 def report_complete(run_dir: RunDir, progress, cfg: RunConfig) -> int:
     progress.close()
     progress.write_keeping_last_session("complete")
     log.info("run ended (exit 0): run %s is complete: %s, %d failures, nothing pending", run_dir.path,
-             records_of(cfg, run_dir, progress.already_done), progress.failed_before)
+             records_of(cfg.mode, cfg.samples_per_prompt, run_dir, progress.already_done), progress.failed_before)
     return 0
 
 

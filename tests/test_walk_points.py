@@ -61,3 +61,46 @@ def test_a_refresh_and_the_engines_check_build_no_python_set_of_a_set_or_a_ledge
     assert not hasattr(PromptSetReader, "ids")
     old, new = version("old", ["c", "a", "b", "d", "e"]), version("new", ["a", "x", "e", "y", "z"])
     assert new.refreshed_from(old) == (3, 3, ["b", "c", "d"])
+
+
+class _SlowToStart:
+    """An endpoint worker whose first answer takes `delay_s` (a loaded cluster: the actor runs, slowly)."""
+
+    def __init__(self, worker, delay_s: float):
+        self.worker, self.delay_s, self.first = worker, delay_s, True
+
+    async def exchange(self, work, wait_s):
+        if self.first:
+            import asyncio
+
+            self.first = False
+            await asyncio.sleep(self.delay_s)  # the scenario itself: the actor answers late
+        return await self.worker.exchange(work, wait_s)
+
+    async def close(self):
+        await self.worker.close()
+
+
+def test_an_actor_slow_to_answer_is_starting_not_down_and_not_called_unplaceable(monkeypatch, caplog):
+    """A short dead_fleet_deadline_s stopped a healthy run whose only actor answered late; the `Ray cannot place it`
+    warning fired for an actor that runs and is only slow."""
+    import logging
+
+    from pipeline.dispatch import dispatcher
+    from pipeline.dispatch.actors import client_settings, local_worker_factory
+    from pipeline.emulator import start_emulator
+    from tests.local_dispatch import make_cfg, run_local, work_item
+
+    monkeypatch.setattr(dispatcher, "ACTOR_START_WARN_S", 0.3)
+    server = start_emulator(preset="kimi")
+    try:
+        cfg = make_cfg([{"url": server.url}], dead_fleet_deadline_s=0.5)
+        plain = local_worker_factory(cfg, client_settings(cfg), cfg.api_key, backoff_initial_s=0.05)
+        factory = lambda e, start_open: _SlowToStart(plain(e, start_open), 1.5)  # noqa: E731
+        with caplog.at_level(logging.WARNING, logger="regen.dispatch"):
+            run = run_local(cfg, [work_item(f"p{i}", f"hello {i}", cfg) for i in range(3)], factory=factory)
+    finally:
+        server.stop()
+    assert sorted(run.kinds()) == ["p0", "p1", "p2"] and all(k == ["done"] for k in run.kinds().values())
+    warned = [r.getMessage() for r in caplog.records if "has not answered" in r.getMessage()]
+    assert warned and "runs but has not answered" in warned[0] and "cannot place" not in " ".join(warned)
