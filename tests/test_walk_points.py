@@ -104,3 +104,44 @@ def test_an_actor_slow_to_answer_is_starting_not_down_and_not_called_unplaceable
     assert sorted(run.kinds()) == ["p0", "p1", "p2"] and all(k == ["done"] for k in run.kinds().values())
     warned = [r.getMessage() for r in caplog.records if "has not answered" in r.getMessage()]
     assert warned and "runs but has not answered" in warned[0] and "cannot place" not in " ".join(warned)
+
+
+DRIVER = """
+import sys
+from pipeline.dispatch.cluster import init_ray
+init_ray(None)
+print("up", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_an_embedded_cluster_does_not_outlive_its_sigkilled_driver(tmp_path):
+    """Ray's DashboardAgent and RuntimeEnvAgent outlived a SIGKILLed driver by about a minute (they wait 60 s on the
+    dead GCS); the cluster regen started is gone within a few seconds of its driver."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pipeline.dispatch.reaper import _alive, descendants
+    from tests.helpers import wait_for
+
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                              cwd=str(tmp_path))
+    try:
+        assert driver.stdout.readline() == b"up\n"
+        cluster = [(pid, start) for pid, start in descendants(driver.pid)
+                   if not open(f"/proc/{pid}/cmdline", "rb").read().startswith(
+                       sys.executable.encode() + b"\x00-m\x00pipeline.dispatch.reaper")]
+        names = b" ".join(open(f"/proc/{pid}/cmdline", "rb").read() for pid, _ in cluster)
+        assert b"ray::DashboardAgent" in names and b"ray::RuntimeEnvAgent" in names
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        killed = time.monotonic()
+        wait_for(lambda: not any(_alive(pid, start) for pid, start in cluster), 30, 0.1, "the cluster's end")
+        assert time.monotonic() - killed < 10
+    finally:
+        if driver.poll() is None:
+            driver.kill()
