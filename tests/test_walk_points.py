@@ -145,3 +145,20 @@ def test_an_embedded_cluster_does_not_outlive_its_sigkilled_driver(tmp_path):
     finally:
         if driver.poll() is None:
             driver.kill()
+
+
+def test_make_generate_installs_what_the_configs_local_fleet_needs():
+    """`make generate CONFIG=configs/local_vllm.yaml` on a fresh clone stopped with "no python at ...": it now runs
+    `make vllm` first, as `make bench` does (shown here with make -n: nothing is installed)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pipeline.tools.fleet_needs import needs
+
+    root = Path(__file__).resolve().parent.parent
+    assert needs(str(root / "configs" / "local_vllm.yaml")) == ["vllm"]
+    assert needs(str(root / "configs" / "local.yaml")) == []
+    dry = subprocess.run(["make", "-n", "generate", "CONFIG=configs/local_vllm.yaml",
+                          f"VENV={Path(sys.executable).parent.parent}"], cwd=root, capture_output=True, text=True)
+    assert "configs/local_vllm.yaml's local fleet needs: make vllm" in dry.stdout, dry.stdout + dry.stderr
