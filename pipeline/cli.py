@@ -53,9 +53,10 @@ def _card(args: argparse.Namespace) -> int:
 
 
 def _preflight(args: argparse.Namespace) -> int:
+    from .dispatch.prompt_needs import prompt_needs
     from .endpoints.preflight import run_preflight_command
 
-    return run_preflight_command(args.config)
+    return run_preflight_command(args.config, prompt_needs)
 
 
 def _serve_local(args: argparse.Namespace) -> int:

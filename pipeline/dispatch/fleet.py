@@ -188,7 +188,7 @@ def _unrecorded(run_dir: RunDir, manifest: dict) -> bool:
     session of today's regen records the engines at its preflight, before any record)."""
     if "engines" in manifest:
         return False
-    return bool(run_dir.committed_ids() or run_dir.failed_ids())
+    return bool(run_dir.parts(run_dir.data) or run_dir.parts(run_dir.failures))  # a listing: no ledger read
 
 
 def pin_weight_version(run_dir: RunDir, reports) -> str | None:

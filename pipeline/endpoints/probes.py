@@ -49,6 +49,9 @@ class EndpointReport:
     weight_version: str | None = None
     context: int | None = None  # tokens: /v1/models max_model_len, else /get_server_info context_length
     reasoning_parser: str | None = None  # meaningful only when `sglang` is True
+    # SGLang's --tool-call-parser ("none": launched without one); else what the tool probe found ("took tools",
+    # "refused tools") for a prompt set with tools; None: unknown
+    tool_call_parser: str | None = None
     sglang_version: str | None = None
     sglang: bool | None = None  # True: SGLang info endpoints answer; False: 404 (e.g. llama.cpp); None: unknown
     speculative_algorithm: str | None = None
@@ -321,9 +324,11 @@ async def _tool_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
     except EndpointDown:
         return  # the chat probe reports a server that does not answer
     if status == 200:
+        report.tool_call_parser = report.tool_call_parser or "took tools"
         return
     error = classify(status, _error_message(answer, f"HTTP {status}"), client.label, engine=client.engine)
     if not isinstance(error, (Retryable, EndpointDown)):
+        report.tool_call_parser = "refused tools"
         found.other.append(tool_refusal(report.engine, f"a tiny request with tools was refused: {status} "
                                                        f"{_error_message(answer, '')}"))
 
