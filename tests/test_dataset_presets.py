@@ -334,7 +334,9 @@ def test_a_run_mixing_every_preset_generates_and_exports_each_prompt_once(tmp_pa
     assert status["image_prompts"] == {"total": 6, "done": 6, "pending": 0, "failed": 0}
     speculators = tmp_path / "speculators.jsonl"
     assert run_regen("export", str(run), "--format", "speculators", "--out", str(speculators)).returncode == 0
-    assert len(speculators.read_text().splitlines()) == len(rows)
+    # text records are pre-tokenized rows; image records go to a file of their own (<out>.images.jsonl)
+    text_rows = [r for r in rows if not any(m.get("parts") for m in r["messages"])]
+    assert len(speculators.read_text().splitlines()) == len(text_rows) == len(rows) - 6
     # SpecForge's conversations cannot hold tool turns, and a thinking target cut at 16 tokens has no content yet:
     # the export names each record it leaves out
     specforge = run_regen("export", str(run), "--format", "specforge", "--keep-truncated", "--out",
