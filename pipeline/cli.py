@@ -53,9 +53,10 @@ def _card(args: argparse.Namespace) -> int:
 
 
 def _preflight(args: argparse.Namespace) -> int:
+    from .dispatch.prompt_needs import prompt_needs
     from .endpoints.preflight import run_preflight_command
 
-    return run_preflight_command(args.config)
+    return run_preflight_command(args.config, prompt_needs)
 
 
 def _serve_local(args: argparse.Namespace) -> int:
@@ -135,9 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "unreachable hub is skipped too, after a 3 s connect)")
     validate.set_defaults(func=_validate)
 
-    from .export.jsonl import add_export_arguments, run_export
+    from .export.command import add_export_arguments, run_export
 
-    export = sub.add_parser("export", help="training files from a run (SpecForge, speculators)",
+    export = sub.add_parser("export", help="training files from a run (SpecForge, speculators, TorchSpec)",
                             description="Write a run's committed records in a training library's format, atomically.")
     add_export_arguments(export)
     export.set_defaults(func=run_export)

@@ -28,12 +28,13 @@ from .store.promptset import (StagedPromptSet, check_schema_takes_parts, check_s
                               stage_prompt_set)
 from .store.committer import Committer
 from .store.goodput import Goodput, summary_line
-from .store.progress import duration
+from .store.progress import duration, held_out, records_of
 from .store.status import counts_line
 from .store.resume import (ChosenRun, choose_run, committed_nothing, prompt_set_unrecorded, rebind, records_of_older,
                            with_prompt_advice)
 from .store.rundir import RunDir, RunLock, now_utc, successor_run_dir
 from .dispatch.fleet import EarlyProbe, FleetDrift, check_fleet_first, fleet_preflight
+from .dispatch.needs import has_images
 from .store.prompt_reader import PendingScan, PromptSetReader
 from .store.records import RecordBuilder
 from .dispatch.session import run_dispatch, session_start
@@ -64,7 +65,8 @@ def has_tools(prompts: PromptSetReader) -> bool:
 def build_prompts(cfg: RunConfig) -> PromptSet:
     """The whole prompt set in memory (regen simulate); a run streams it through stage_prompt_set."""
     specs = list(source_specs(cfg).values())
-    check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path(), cfg.served_chat_template())
+    check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path(), cfg.served_chat_template(),
+                              cfg.images.tokens_per_image)
     return build_prompt_set(specs, mode=cfg.mode, seed=cfg.selection_seed, length_check=check, images=cfg.images,
                             fetch=image_fetcher(cfg.images))
 
@@ -105,11 +107,10 @@ def materialise(cfg: RunConfig, run_dir: RunDir, refresh: bool,
                             "source_files": staged.files, "prompt_report": report,
                             "prompt_set_version": version})
     if existing is not None:
-        old, new = existing.ids(), prompts.ids()
-        vanished = old - new
+        added, vanished, first = prompts.refreshed_from(existing)
         log.warning("prompt set refreshed: %d added, %d vanished from the sources (their records are kept)",
-                    len(new - old), len(vanished))
-        for pid in sorted(vanished)[:20]:
+                    added, vanished)
+        for pid in first:
             log.info("vanished prompt %s", pid)
     return prompts
 
@@ -267,15 +268,15 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     Arrow reads files), the fleet's probes (EarlyProbe: they wait on the endpoints) and, with the session, the
     first endpoint actors (they wait on Ray). The probes start early unless the run starts local servers (only once
     it knows it has work) or its status says it is complete."""
-    tools = has_tools(prompts)
+    tools, images = has_tools(prompts), has_images(prompts)
     scanning = Background(lambda: pending_scan(cfg, opts, run_dir, prompts), "regen-ledger")
     probe = None
     try:
         if cfg.local_fleet is None and (run_dir.read_status() or {}).get("state") != "complete":
-            probe = EarlyProbe(cfg, opts.start_with_passing, tools)
+            probe = EarlyProbe(cfg, opts.start_with_passing, tools, images)
         with session_start(cfg, run_dir, stop) as (early, metrics):
             return dispatch_started(cfg, opts, run_dir, manifest, prompts, stop, lock, early, metrics, tools,
-                                    scanning.result, probe)
+                                    scanning.result, probe, images)
     finally:
         if probe is not None:
             probe.cancel()  # nothing pending, or the run stopped: the probes' answers are not needed
@@ -300,7 +301,7 @@ def pending_scan(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts
 
 def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any],
                      prompts: PromptSetReader, stop: StopFlag, lock: RunLock | None, early, metrics, tools: bool,
-                     scanned: Callable[[], PendingScan], probe: EarlyProbe | None) -> int:
+                     scanned: Callable[[], PendingScan], probe: EarlyProbe | None, images: bool = False) -> int:
     from .endpoints.localfleet import local_fleet
     from .store.progress import Progress, image_counts
 
@@ -319,11 +320,11 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
 
     # --new-run also looks at the weights a complete run is pinned to: other weights make a successor
     if not pending and not (opts.new_run and manifest.get("weight_version") is not None):
-        return report_complete(run_dir, progress())
+        return report_complete(run_dir, progress(), cfg)
     with local_fleet(cfg.local_fleet, run_dir.local_logs()):
-        fleet = fleet_preflight(cfg, run_dir, opts.start_with_passing, tools=tools, probed=probe)
+        fleet = fleet_preflight(cfg, run_dir, opts.start_with_passing, tools=tools, probed=probe, images=images)
         if not pending:
-            return report_complete(run_dir, progress())
+            return report_complete(run_dir, progress(), cfg)
         what = "prompts" if samples == 1 else f"samples ({samples} per prompt)"
         log.info("%d %s pending of %d (%d done, %d failed)", len(pending), what, scan.total, scan.done, scan.failed)
         run_progress = progress()
@@ -345,23 +346,24 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     run_progress.write(state)
     log.info("%s", summary_line(run_progress.goodput_total().as_dict()))
     builder.tool_notes.log_to(log)
+    held = held_out(run_progress.extra)
     session = (f"this session {run_progress.done} records, {run_progress.failed} failures in "
-               f"{duration(run_progress.elapsed())}")
+               f"{duration(run_progress.elapsed())}{held}")
     if state == "interrupted":
-        log.warning("run ended (exit %d): interrupted: %d new records committed; %s; rerun to resume %s",
-                    EXIT_INTERRUPTED, run_progress.done, counts_line(run_dir), run_dir.path)
+        log.warning("run ended (exit %d): interrupted: %d new records committed; %s; rerun to resume %s%s",
+                    EXIT_INTERRUPTED, run_progress.done, counts_line(run_dir), run_dir.path, held)
         return EXIT_INTERRUPTED
-    log.info("run ended (exit 0): run %s is complete: %d records, %d failures (%d late duplicates dropped); %s",
-             run_dir.path, run_progress.already_done + run_progress.done, run_progress.failed_before
-             + run_progress.failed, committer.dropped_duplicates, session)
+    log.info("run ended (exit 0): run %s is complete: %s, %d failures (%d late duplicates dropped); %s",
+             run_dir.path, records_of(cfg.mode, cfg.samples_per_prompt, run_dir, run_progress.already_done + run_progress.done),
+             run_progress.failed_before + run_progress.failed, committer.dropped_duplicates, session)
     return 0
 
 
-def report_complete(run_dir: RunDir, progress) -> int:
+def report_complete(run_dir: RunDir, progress, cfg: RunConfig) -> int:
     progress.close()
     progress.write_keeping_last_session("complete")
-    log.info("run ended (exit 0): run %s is complete: %d records, %d failures, nothing pending", run_dir.path,
-             progress.already_done, progress.failed_before)
+    log.info("run ended (exit 0): run %s is complete: %s, %d failures, nothing pending", run_dir.path,
+             records_of(cfg.mode, cfg.samples_per_prompt, run_dir, progress.already_done), progress.failed_before)
     return 0
 
 

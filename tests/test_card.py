@@ -87,3 +87,31 @@ def test_card_of_an_empty_run_and_the_cli(tmp_path, capsys):
     assert "README.md" in capsys.readouterr().err
     with pytest.raises(NotARunDirectory):
         card.write_card(tmp_path / "nothing")
+
+
+def test_card_of_an_image_run_shows_images_per_prompt_their_sizes_and_prompt_tokens_apart(tmp_path):
+    from tests.image_records import last_turn_run
+
+    run, images = last_turn_run(tmp_path / "run", tmp_path / "photos")
+    text = Path(card.write_card(run.path)).read_text()
+    assert "4 prompts with images (4 records, 5 image parts sent, 3 distinct images)" in text
+    assert "| 1 | 3 |" in text and "| 2 | 1 |" in text  # three prompts with one image, one with two
+    sizes = [(p["width"], p["height"], p["bytes"]) for p in images.values()]
+    widths = sorted(w for w, _, _ in sizes)
+    assert f"| image width (pixels) | 3 | {sum(widths) / 3:.1f} | {widths[1]:.1f} |" in text
+    assert f"| image file (bytes) | 3 | {sum(b for *_, b in sizes) / 3:.1f} |" in text
+    # image records' prompt tokens (6 + 9 image tokens in the stand-in ids) beside the text records', not subtracted
+    assert "| prompt tokens, image records | 4 | 13.8 |" in text and "| prompt tokens, text records | 2 | 8.0 |" in text
+    assert "not as a difference" in text
+    assert "- `t-img` (source `vision`, source id `coco-123`):" in text
+    assert "  - prompt: [image 24x16] What is in this image?" in text
+
+
+def test_card_examples_without_a_source_id_on_their_records_take_it_from_the_prompt_set(tmp_path):
+    run = known_run(tmp_path / "run")
+    prompts = pa.Table.from_pylist([{"prompt_id": "a", "source": "chat", "source_ref": "conv-7", "messages": USER}],
+                                   schema=schema.PROMPTS)
+    RunDir(run).write_prompt_set(prompts, pa.Table.from_pylist([], schema=schema.REJECTS))
+    text = Path(card.write_card(run)).read_text()
+    assert "- `a` (source `chat`, source id `conv-7`):\n  - prompt: q\n  - reply: one two three" in text
+    assert "- `b` (source `chat`):" in text and "## Images" not in text

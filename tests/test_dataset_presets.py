@@ -34,9 +34,11 @@ SAMPLE = {"sharegpt": "sharegpt_vicuna.json", "ultrachat": "ultrachat_200k.jsonl
           "nemotron_chat": "nemotron_chat.jsonl", "gsm8k": "gsm8k.jsonl",
           "hermes_function_calling": "hermes_function_calling.json"}
 # the image presets: their samples (tests/data/presets/images/ holds their pictures) are read by
-# tests/test_image_datasets.py, and their runs need the image stages
+# tests/test_image_datasets.py; the mixed run below sends them to the emulator (its kimi preset takes images)
 IMAGE_PRESETS = {"llava_instruct_150k": "llava_instruct_150k.json", "sharegpt4v": "sharegpt4v.json",
                  "allava_4v": "allava_4v.json"}
+IMAGE_ROOTS = {"llava_instruct_150k": DATA / "images" / "coco" / "train2017", "sharegpt4v": DATA / "images",
+               "allava_4v": DATA / "images"}  # their folder layouts (tests/test_image_datasets.py)
 # the presets whose hub files are Parquet (the others are JSON or JSON Lines), and where the split's files are
 PARQUET_ON_HUB = {"ultrachat": "data/train_sft-*.parquet", "magpie_llama31_pro_300k": "data/train-*.parquet",
                   "magpie_qwen25_pro_1m": "data/train-*.parquet", "open_perfectblend": "data/train-*.parquet",
@@ -302,10 +304,13 @@ def test_a_run_mixing_every_preset_generates_and_exports_each_prompt_once(tmp_pa
     from tests.helpers import run_regen, write_config
 
     specs = []
-    for name in sorted(SAMPLE):
+    for name in sorted({**SAMPLE, **IMAGE_PRESETS}):  # the image presets too: the emulator's kimi preset takes images
         doc = yaml.safe_load((SOURCES / f"{name}.yaml").read_text())
+        local = {"path": str(DATA / {**SAMPLE, **IMAGE_PRESETS}[name])}
+        if name in IMAGE_PRESETS:
+            local["image_root"] = str(IMAGE_ROOTS[name])
         specs.append(tmp_path / f"{name}.yaml")
-        specs[-1].write_text(yaml.safe_dump({**doc, "path": str(DATA / SAMPLE[name])}))
+        specs[-1].write_text(yaml.safe_dump({**doc, **local}))
     endpoints = [{"url": s.url, "concurrency": 4, "name": f"emu-{i}"} for i, s in enumerate(emulator_fleet)]
     config = write_config(tmp_path, endpoints, specs, model="moonshotai/Kimi-K2.5",
                           sampling={"temperature": 0.0, "max_tokens": 16})
@@ -313,8 +318,11 @@ def test_a_run_mixing_every_preset_generates_and_exports_each_prompt_once(tmp_pa
     assert result.returncode == 0, result.stderr
     run = tmp_path / "out" / "t"
     rows = [r for p in sorted((run / "data").glob("part-*.parquet")) for r in pq.read_table(p).to_pylist()]
+    # the image presets' samples (tests/test_image_datasets.py): 3, 2 and 2 prompts, one picture of each of llava and
+    # sharegpt4v missing; sharegpt4v's COCO question is llava's (same text, same picture): one prompt, llava's
     per_source = {name: len(expected) for name, (expected, _, _) in EXPECTED.items()}
-    assert {name: sum(r["source"] == name for r in rows) for name in SAMPLE} == per_source
+    per_source.update(llava_instruct_150k=3, sharegpt4v=1, allava_4v=2)
+    assert {name: sum(r["source"] == name for r in rows) for name in per_source} == per_source
     assert len({r["prompt_id"] for r in rows}) == len(rows) == sum(per_source.values())
     hermes = [r for r in rows if r["source"] == "hermes_function_calling"]
     assert all(json.loads(r["tools"]) for r in hermes), "the Hermes prompts were sent with their tools"
@@ -322,9 +330,13 @@ def test_a_run_mixing_every_preset_generates_and_exports_each_prompt_once(tmp_pa
     reports = {s["name"]: s for s in status["sources"]}
     assert reports["nemotron_chat"]["uncarried"]["record.system_prompt"] == 2
     assert status["done"] == len(rows) and reports["sharegpt"]["rejected_by_reason"] == {"empty_conversation": 1}
+    assert (reports["sharegpt4v"]["rejected_by_reason"], reports["sharegpt4v"]["duplicates"]) == ({"image_missing": 1}, 1)
+    assert status["image_prompts"] == {"total": 6, "done": 6, "pending": 0, "failed": 0}
     speculators = tmp_path / "speculators.jsonl"
     assert run_regen("export", str(run), "--format", "speculators", "--out", str(speculators)).returncode == 0
-    assert len(speculators.read_text().splitlines()) == len(rows)
+    # text records are pre-tokenized rows; image records go to a file of their own (<out>.images.jsonl)
+    text_rows = [r for r in rows if not any(m.get("parts") for m in r["messages"])]
+    assert len(speculators.read_text().splitlines()) == len(text_rows) == len(rows) - 6
     # SpecForge's conversations cannot hold tool turns, and a thinking target cut at 16 tokens has no content yet:
     # the export names each record it leaves out
     specforge = run_regen("export", str(run), "--format", "specforge", "--keep-truncated", "--out",

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from pipeline.core.errors import StorageError
-from pipeline.export import jsonl as export, formats
+from pipeline.export import command, jsonl as export, formats
 from pipeline.export.formats import validate_specforge_row
 from pipeline.export.jsonl import NotARunDirectory, export_run
 from pipeline.store import schema
@@ -131,7 +131,7 @@ def test_token_export_masks_exactly_the_generated_tokens(tmp_path, mode):
     by_id = {formats.turn_id(r["prompt_id"], r["turn_index"]): r for r in records}
     for row in rows:
         source = by_id[row["id"]]
-        assert set(row) == {"id", "input_ids", "loss_mask"}
+        assert set(row) == {"id", "input_ids", "loss_mask", "source_ref"} and row["source_ref"] is None
         assert len(row["input_ids"]) == len(row["loss_mask"]) and set(row["loss_mask"]) <= {0, 1}
         trained = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m == 1]
         assert trained == source["output_token_ids"]
@@ -273,7 +273,7 @@ def test_an_error_mid_export_leaves_the_previous_output_and_no_temporary_file(tm
             raise RuntimeError("boom")
         return formats.specforge_per_turn_row(record)
 
-    monkeypatch.setattr(export.formats, "specforge_per_turn_row", failing)
+    monkeypatch.setattr(formats, "specforge_per_turn_row", failing)
     with pytest.raises(RuntimeError):
         export_run(run, "specforge", out_dir / "sf.jsonl")
     assert sorted(p.name for p in out_dir.iterdir()) == ["sf.jsonl"]
@@ -289,10 +289,10 @@ def test_not_a_run_directory(tmp_path):
 def test_cli_arguments_and_summary(tmp_path, capsys):
     run = make_run(tmp_path / "run", "last_turn", [last_turn_records()])
     parser = argparse.ArgumentParser()
-    export.add_export_arguments(parser)
+    command.add_export_arguments(parser)
     args = parser.parse_args([str(run), "--format", "specforge", "--out", str(tmp_path / "c.jsonl"),
                               "--source", "chat", "--source", "code", "--drop-truncated"])
-    assert export.run_export(args) == 0
+    assert command.run_export(args) == 0
     err = capsys.readouterr().err
     assert "rows written" in err and "data.train_only_last_turn: true" in err
     assert len(read_jsonl(tmp_path / "c.jsonl")) == 5  # every record is from chat or code

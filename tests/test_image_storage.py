@@ -258,13 +258,14 @@ def test_a_sigkill_in_the_middle_of_the_image_copy_resumes_with_every_image_whol
     assert temps, "the killed copy left its temporary file at the top of images/"
     assert [t.name for t in run.cleanup_temp() if "/images/" in t.path] == temps
     before = stored_images(run)
-    assert len(before) == 5 and all(sha(data) == name for name, data in before.items())
+    # the 6th publish kills the process; another of the 8 copying threads may publish one more in that instant
+    assert len(before) in (5, 6) and all(sha(data) == name for name, data in before.items())
 
     files = local_images(tmp_path / "src", range(8))  # the same images, read again by the rerun
     every = [picture(s) for s in range(8)] + [picture(s) for s in range(20, 26)]
     again = stage([image_prompt("q", [part_of(data) for data in every])], files, every[8:])
     again.commit(run)
-    assert (again.images.copied, again.images.present) == (9, 5)
+    assert (again.images.copied, again.images.present) == (14 - len(before), len(before))
     after = stored_images(run)
     assert len(after) == 14 and all(sha(data) == name for name, data in after.items())
     assert [v.name for v in run.prompt_set_versions()] == ["prompts-000001.parquet"]

@@ -185,3 +185,25 @@ def test_a_vllm_capture_server_gets_both_flags_and_only_the_connector_folder_on_
     assert "--kv-transfer-config" not in localfleet.vllm_command(plain, 18500, 3)
     with pytest.raises(ValueError, match="need engine: vllm"):
         LocalFleet(hidden_states_dir=str(tmp_path / "hs"))
+
+
+def test_a_vision_language_vllm_server_and_an_emulator_fleet_get_their_launch_arguments(tmp_path):
+    """configs/local_vlm.yaml's fields become vLLM's flags (paths resolved against the config's folder, `~` expanded);
+    configs/local_images.yaml's fleet runs the emulator's preset with a lifeline; each field only with its engine."""
+    from pipeline.core.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "local_vlm.yaml")
+    assert cfg.local_fleet.model_path == str(Path.home() / ".cache/regen/models/tiny-kimi-k25")
+    fleet = LocalFleet(engine="vllm", attention_backend="CPU_MLA", allowed_local_media_path=str(tmp_path),
+                       extra_args=["--enable-scale-out"])
+    cmd = localfleet.vllm_command(fleet, 18500, 3)
+    assert cmd[cmd.index("--attention-backend"):] == ["--attention-backend", "CPU_MLA", "--allowed-local-media-path",
+                                                     str(tmp_path), "--enable-scale-out"]
+    emulator = LocalFleet(engine="emulator", emulator_preset="plain", model_alias="m", slots=3)
+    cmd = localfleet.emulator_command(emulator, 18500, 7)
+    assert cmd[1:3] == ["-m", "pipeline.emulator"] and cmd[cmd.index("--preset") + 1] == "plain"
+    assert cmd[cmd.index("--lifeline-fd") + 1] == "7" and cmd[cmd.index("--capacity") + 1] == "3"
+    for wrong in ({"attention_backend": "CPU_MLA"}, {"extra_args": ["--x"]},
+                  {"engine": "vllm", "emulator_preset": "plain"}):
+        with pytest.raises(ValueError, match="need"):
+            LocalFleet(**wrong)

@@ -56,6 +56,9 @@ def test_all_turns_history_is_the_targets_own_replies_and_exports(tmp_path, ray_
     result = run_regen("generate", "--config", str(config))
     assert result.returncode == 0, result.stderr
     run = tmp_path / "out" / "t"
+    # the end line counts records as the card does: one per regenerated turn, the prompts beside (issue 30)
+    last = (run / "logs" / "regen.log").read_text().splitlines()[-1]
+    assert "is complete: 36 records (12 prompts), 0 failures" in last, last
     rows = rows_of(run)
     by_prompt = collections.defaultdict(list)
     for row in rows:

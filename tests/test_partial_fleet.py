@@ -91,3 +91,20 @@ def test_start_with_passing_runs_without_the_refused_server_until_it_is_fixed(tm
     assert final["state"] == "complete" and final["held_out"] == []
     assert {label: e["in_flight"] for label, e in final["endpoints"].items()} == {"emu-0": 0, "emu-1": 0, "emu-2": 0}
     assert final["endpoints"]["emu-2"]["state"] != "refused"
+
+
+def test_the_end_line_names_a_server_refused_throughout(tmp_path, ray_cluster):
+    """--start-with-passing, and the refused server is never fixed: the session's end line says so (issue 30)."""
+    servers = [start_emulator(preset="kimi"), start_emulator(preset="kimi", context_length=SHORT_CONTEXT)]
+    try:
+        write_prompts(tmp_path / "p.jsonl", 6)
+        endpoints = [{"url": s.url, "concurrency": 2, "name": f"emu-{i}"} for i, s in enumerate(servers)]
+        config = write_config(tmp_path, endpoints, [write_source(tmp_path, tmp_path / "p.jsonl")], model=MODEL,
+                              sampling={"temperature": 0.0, "max_tokens": 8})
+        result = run_regen("generate", "--config", str(config), "--start-with-passing")
+    finally:
+        for server in servers:
+            server.stop()
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = (tmp_path / "out" / "t" / "logs" / "regen.log").read_text().splitlines()[-1]
+    assert "is complete: 6 records" in last and "emu-1 refused by the preflight throughout (held out: no work)" in last

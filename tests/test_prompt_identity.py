@@ -91,7 +91,8 @@ def test_a_truncated_file_stops_before_anything_runs_and_salvage_runs_what_is_co
     result = run_regen("generate", "--config", str(config))
     assert result.returncode == 2 and not (tmp_path / "out" / "t").exists()
     offset = text.index(b',{"id":"r7"')
-    assert f"the last complete record (#6) ends at byte {offset:,}" in result.stderr
+    assert f"its 7 complete records end at byte {offset:,}" in result.stderr  # one count: not "#6" beside "7"
+    assert "keep the 7 complete records" in result.stderr and "#" not in result.stderr
     spec.write_text(spec.read_text() + "salvage: true\n")
     run, prompts = start(config)
     assert prompts.num_rows == 7

@@ -28,8 +28,10 @@ from pipeline.endpoints.client import ClientSettings, EndpointClient, classify
 from pipeline.endpoints.engines import SGLangAdapter
 from pipeline.endpoints.probes import check_endpoint
 from pipeline.tools.bench_endpoints import one_request
+from tests.conformance.sglang_image_checks import drive_images
 from tests.conformance.sglang_source import as_pattern, render, server_arg_fields, templates_with
 from tests.conformance.sglang_tool_checks import CASES as TOOL_CASES, TEXTS as TOOL_TEXTS, drive_tools
+from tests.image_helpers import data_url, image_chat, image_part, png
 from tests.helpers import prompt_source, run_regen, write_config
 
 VERSIONS = ("0.5.14", "0.5.17", "0.5.18", "0.5.23")
@@ -100,6 +102,7 @@ def version(request, tmp_path_factory):
     try:
         reports = asyncio.run(drive_regen(server.url))
         asyncio.run(drive_tools(server.url, request.param, MODEL))
+        drive_images(server.url, request.param)
         out = tmp / "results.json"
         done = subprocess.run(
             [sys.executable, "-m", "tests.conformance.sglang_checks", "--root", str(root), "--bodies", str(log),
@@ -199,6 +202,34 @@ def test_short_run_stores_the_exact_ids_or_is_refused(version, tmp_path):
     assert manifest["generation"]["explicit_sampling"] == {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
+# --- image prompts (tests/conformance/sglang_image_checks.py) ------------------------------------------------------
+def test_image_requests_parse_with_the_version_models(version):
+    """A run's image requests are declared by the version's ChatCompletionRequest and their answers parse (the
+    requests and responses checks above include them); image_url variants (content_hash, detail, shapes) are
+    accepted or refused by the emulator exactly as by the version's own models."""
+    bodies = [json.loads(line).get("body") or {} for line in version.log.read_text().splitlines()]
+    assert sum("image_url" in json.dumps(b.get("messages")) for b in bodies) >= 3
+    _check(version, "image_parts", 12)
+
+
+def test_kimi_placeholder_count_is_the_wheels(version):
+    """Kimi-K2.5's placeholder count for an image size is the wheel's navit_resize_config, in the pure rule and in
+    an image request's prompt_token_ids (its media_placeholder_token_id, expanded in one run)."""
+    _check(version, "image_tokens", 16)
+
+
+def test_image_loading_answers_as_the_wheel(version):
+    """Every image URL form is read as the version's own loaders read it (the same size, or the same error) and a
+    failure is answered with the status and text that version's wrapping makes of it."""
+    _check(version, "image_loads", 15)
+
+
+def test_model_info_fields_are_the_wheels(version):
+    """/model_info has the version's keys; has_image_understanding is true for Kimi-K2.5 as its ModelConfig
+    decides (a multimodal architecture with a vision_config); no audio."""
+    _check(version, "model_info", 2)
+
+
 # --- the error texts, read out of the wheels ---------------------------------------------------------------------
 CONTEXT = "context overflow"
 EVERY = "every request to this endpoint would be refused"
@@ -237,7 +268,9 @@ def test_every_sglang_marker_of_the_classifier_is_in_a_wheel():
 
 
 def test_emulator_messages_are_the_wheel_texts(version):
-    """The emulator's 400s are the version's own texts, and its total-token check is `>` (one more is 400)."""
+    """The emulator's 400s are the version's own texts, and its total-token check is `>` (one more is 400). The
+    emulator without a preset is a text-only model: an image part is refused with the version's text (0.5.17+),
+    or ignored as 0.5.14, which has no such check, ignores it."""
     tight = start_emulator(sglang_version=version.name, context_length=64)
     try:
         def post(path: str, body: dict) -> tuple[int, dict]:
@@ -258,11 +291,19 @@ def test_emulator_messages_are_the_wheel_texts(version):
             (("/v1/chat/completions", {"messages": MESSAGES * 20, "max_tokens": 1}), TM,
              "is longer than the model's context length"),
         ]
+        if version.name != "0.5.14":
+            cases.append((("/v1/chat/completions", image_chat(image_part(data_url(png(8, 8))), "Hi", max_tokens=4)),
+                          CHAT, "Model only supports text input"))
         for (path, body), file, phrase in cases:
             status, answer = post(path, body)
             message = answer.get("message") or answer["error"]["message"]
             templates = templates_with(version.root, (file,), phrase)
             assert status == 400 and any(as_pattern(t).match(message) for t in templates), (message, templates)
+        if version.name == "0.5.14":
+            assert not templates_with(version.root, (CHAT,), "Model only supports text input")
+            status, answer = post("/v1/chat/completions", image_chat(image_part("data:,"), "Hi", max_tokens=4))
+            assert status == 200 and answer["usage"]["prompt_tokens"] == expected_chat(
+                image_chat("Hi", max_tokens=4), make_config())["prompt_tokens"]  # the image is not read: dropped
     finally:
         tight.stop()
 

@@ -166,8 +166,8 @@ def test_records_of_a_tool_conversation_one_row_per_generation_with_calls_seeds_
     assert "conversation_end" not in rows[0] and rows[1]["conversation_end"].startswith("answered: step 1")
     # what was sent, in the records' message form: the call as JSON text, the result under the target's id
     assert rows[1]["messages"][2:] == [
-        {"role": "assistant", "content": "", "parts": None, "tool_calls": rows[0]["tool_calls"],
-         "tool_call_id": None, "name": None},
+        {"role": "assistant", "content": "", "parts": None, "tool_calls": rows[0]["tool_calls"], "tool_call_id": None,
+         "name": None},
         {"role": "tool", "content": "18C, clear", "parts": None, "tool_calls": None,
          "tool_call_id": "functions.get_weather:0", "name": "get_weather"}]
 

@@ -181,6 +181,32 @@ def test_bench_endpoints_reads_vllm_metrics(tmp_path, vllm_fleet):
     assert "speculative" not in result.stdout, "no spec-decode counters without --speculative-config"
 
 
+def test_an_images_run_is_refused_on_the_text_only_model(vllm_fleet):
+    """No vLLM route says whether the model takes images: the preflight's tiny image probe gets SmolLM2's own
+    refusal (400 "... is not a multimodal model") and names the fix; a text prompt set is not asked."""
+    import asyncio
+
+    from pipeline.core.config import RunConfig
+    from pipeline.endpoints.probes import check_endpoint
+
+    client = tool_client(vllm_fleet)
+    cfg = RunConfig.model_validate({"run_name": "t", "model": "SmolLM2-135M-Instruct", "sources": [{"spec": "u.yaml"}],
+                                    "endpoints": [{"url": client.url}], "sampling": {"max_tokens": 8},
+                                    "min_prompt_tokens": 16})
+
+    async def reports():
+        try:
+            return await check_endpoint(client, cfg, images=True), await check_endpoint(client, cfg)
+        finally:
+            await client.close()
+
+    images, text = asyncio.run(reports())
+    [problem] = images.problems
+    assert "400 SmolLM2-135M-Instruct is not a multimodal model" in problem and "vision-language model" in problem
+    assert images.images is False and images.reachable
+    assert text.ok and text.images is None
+
+
 # --- tool calls: the fleet serves configs/templates/smollm2_tools.jinja with --tool-call-parser hermes -------------
 # strict: vLLM pins the arguments to the schema (its structural tag, VLLM_ENFORCE_STRICT_TOOL_CALLING); the enum makes
 # the forced call's arguments one of two known values. vLLM renders a tool as its FunctionDefinition dumps it

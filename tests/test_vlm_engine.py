@@ -12,6 +12,7 @@ import base64
 import http.server
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -75,8 +76,7 @@ def vlm(tmp_path_factory):
     """The server (one core, float32, eager, CPU_MLA: the AMX MLA kernel takes bf16 only) with file:// URLs
     allowed under one temp folder holding chelsea.png; the processor's counts, computed while it starts."""
     from pipeline.core.config import LocalFleet
-    from pipeline.endpoints.localfleet import (START_TIMEOUT_S, LocalFleetProcesses, refuse_port_in_use,
-                                               vllm_command, vllm_environment, vllm_python, wait_healthy)
+    from pipeline.endpoints.localfleet import LocalFleetProcesses, vllm_python
 
     model, photos = tiny_vlm_dir(), photo_dir()
     if not vllm_python().exists() or not (model / ".complete").exists() or \
@@ -85,28 +85,19 @@ def vlm(tmp_path_factory):
     media = tmp_path_factory.mktemp("vlm-media")
     shutil.copy(photos / "chelsea.png", media)
     fleet = LocalFleet(engine="vllm", servers=1, base_port=free_port(), slots=2, ctx_per_slot=4096, threads=1,
-                       model_path=str(model), model_alias=ALIAS)
-    port, url = fleet.base_port, fleet.endpoints()[0].url
+                       model_path=str(model), model_alias=ALIAS, attention_backend="CPU_MLA",
+                       allowed_local_media_path=str(media),
+                       extra_args=["--enable-scale-out"])  # vLLM 0.32 answers /v1/chat/completions/render 403 without it
+    url = fleet.endpoints()[0].url
     processes = LocalFleetProcesses(fleet, tmp_path_factory.mktemp("vlm-logs"))
-    log = processes.log_path(port)
-    refuse_port_in_use(port)
+    log = processes.log_path(fleet.base_port)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     counter = subprocess.Popen([str(vllm_python()), "-c", COUNT_SCRIPT, str(model), *(str(photos / n) for n in PHOTOS)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     started = time.monotonic()
-    read_end, write_end = os.pipe()
-    processes.lifelines.append(write_end)
     try:
-        try:
-            with open(log, "ab") as server_log:
-                extra = ["--attention-backend", "CPU_MLA", "--allowed-local-media-path", str(media)]
-                processes.processes.append(subprocess.Popen(
-                    vllm_command(fleet, port, read_end) + extra, stdout=server_log, stderr=subprocess.STDOUT,
-                    env=vllm_environment(fleet, 0), start_new_session=True, pass_fds=(read_end,)))
-        finally:
-            os.close(read_end)
-        wait_healthy(url, START_TIMEOUT_S["vllm"], processes.processes[0], log)
+        processes.start()  # the fleet's own launch: the typed fields give --attention-backend and the media path
         ready_s = time.monotonic() - started
         out, err = counter.communicate(timeout=300)
         assert counter.returncode == 0, err[-3000:]
@@ -210,7 +201,8 @@ def regen_class(status: int, body: dict) -> str:
 
 
 def test_file_urls_only_under_the_allowed_local_media_path(vlm):
-    """Inside the folder: the same ids as the photo sent as data. Outside it: 400. A missing file inside: 500 (an
+    """Inside the folder: the same ids as the photo sent as data. Outside it: 400, on which regen stops using the
+    endpoint (ContractError: every file:// image of the run would be refused). A missing file inside: 500 (an
     internal error to vLLM), which regen retries. (A server without the flag answers any file:// URL with 500
     "Cannot load local files without `--allowed-local-media-path`.": seen by hand, not started here.)"""
     status, by_file = post(vlm, [ASK, image((vlm.media / "chelsea.png").as_uri())])
@@ -223,7 +215,7 @@ def test_file_urls_only_under_the_allowed_local_media_path(vlm):
                                   "BadRequestError", 400))
     missing = post(vlm, [ASK, image((vlm.media / "absent.png").as_uri())])
     assert missing == (500, error("[Errno 2] No such file or directory: '<path>'", "InternalServerError", 500))
-    assert (regen_class(*outside), regen_class(*missing)) == ("TerminalForPrompt", "Retryable")
+    assert (regen_class(*outside), regen_class(*missing)) == ("ContractError", "Retryable")
 
 
 class NotFound(http.server.BaseHTTPRequestHandler):
@@ -261,3 +253,88 @@ def test_models_and_version(vlm):
         (ALIAS, "vllm", str(vlm.model), 4096), model
     with urllib.request.urlopen(f"{vlm.url}/version", timeout=30) as response:
         assert json.load(response) == {"version": "0.32.0"}
+
+
+def test_regen_generate_commits_image_records_holding_the_processors_count_of_media_pads(vlm, tokenizer, tmp_path,
+                                                                                        ray_cluster):
+    """The real command on this server: an OpenAI-messages source of the photos (by path, beside a text prompt) is
+    regenerated, and each record's prompt ids are the server's, as the processor expands them. Its `speculators`
+    export holds no image row: random weights never stop, every answer is cut at max_tokens, and that export drops
+    cut image conversations (speculators renders them, with an end of turn after the reply; --keep-truncated is
+    specforge's and torchspec's), while a cut text record stays a pre-tokenized row.
+    speculators' own preprocessing of image rows with this server as its render endpoint: the next test."""
+    import hashlib
+
+    import orjson
+    import pyarrow.parquet as pq
+
+    from pipeline.export.jsonl import images_path
+    from tests.helpers import run_regen, write_config
+
+    asks = {name: [{"type": "image_url", "image_url": {"url": str(vlm.photos / name)}}, ASK] for name in PHOTOS}
+    records = [{"messages": [{"role": "user", "content": content}]} for content in asks.values()]
+    records.append({"messages": [{"role": "user", "content": [ASK]}]})  # text parts only: a text prompt
+    (tmp_path / "photos.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    spec = tmp_path / "photos.yaml"  # the photos are outside the data file's folder: image_root says where
+    spec.write_text(json.dumps({"name": "photos", "kind": "jsonl", "path": str(tmp_path / "photos.jsonl"),
+                                "format": "openai", "image_root": str(vlm.photos)}))
+    config = write_config(tmp_path, [{"url": vlm.url, "name": "tiny-vlm", "concurrency": 2}], [spec], model=ALIAS,
+                          return_token_ids=True, output_dir=str(vlm.media / "regen-out"))
+    result = run_regen("generate", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "selected 3" in result.stderr, result.stderr
+    run = vlm.media / "regen-out" / "t"
+    rows = [r for p in sorted((run / "data").glob("part-*.parquet")) for r in pq.read_table(p).to_pylist()]
+    assert len(rows) == len({r["prompt_id"] for r in rows}) == len(records)
+    by_image = {}
+    names = {hashlib.sha256((vlm.photos / name).read_bytes()).hexdigest(): name for name in PHOTOS}
+    for row in rows:
+        [message] = row["messages"]
+        shas = [p["sha256"] for p in message["parts"] if p["type"] == "image"]
+        by_image[names[shas[0]] if shas else None] = row["prompt_token_ids"]
+    assert set(by_image) == {*PHOTOS, None}
+    for name in PHOTOS:
+        assert by_image[name].count(vlm.pad) == vlm.counts[name], name
+        assert by_image[name] == expected_ids(tokenizer, vlm.counts[name]), name
+    assert by_image[None] == expected_ids(tokenizer, None)
+
+    out = tmp_path / "speculators.jsonl"
+    exported = run_regen("export", str(run), "--format", "speculators", "--out", str(out))
+    assert exported.returncode == 0, exported.stderr
+    assert all(r["finish_reason"] == "length" for r in rows)
+    # the text record stays a pre-tokenized row (its last position masked out); the cut image conversations go
+    assert re.search(r"dropped: truncated\s+2$", exported.stderr, re.M), exported.stderr
+    assert not images_path(out).exists() and len(out.read_text().splitlines()) == 1
+
+
+def test_speculators_prepares_the_image_rows_of_the_export_with_this_server_as_its_render_endpoint(vlm, tokenizer):
+    """The `speculators` export of an image run (tests/image_records.py), its image rows through speculators' own
+    `_preprocess_batch` (tests/trainlib_checks.py) with this server as `--render-endpoint`: vLLM reads each image
+    from the run's folder (under --allowed-local-media-path) and expands it, and speculators trains the reply."""
+    import hashlib
+
+    from pipeline.core.images import image_part
+    from pipeline.export.jsonl import export_run, images_path
+    from tests.image_records import image_record, user, write_run
+    from tests.trainlib import run_checks
+
+    data = (vlm.photos / "chelsea.png").read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    run_path = vlm.media / "speculators-run"  # the run inside the folder the server may read
+    (run_path / "images" / sha[:2]).mkdir(parents=True)
+    (run_path / "images" / sha[:2] / sha).write_bytes(data)
+    cat = image_part(sha, "image/png", 451, 300, len(data))
+    records = [image_record("v-img", 0, [user(cat, "What is in this picture?")], "A cat on a table.",
+                            source_ref="coco-1"),
+               image_record("v-text", 0, [user("Say hello")], "Hello.", source="chat")]
+    run = write_run(run_path, "last_turn", [records])
+    out = vlm.media / "spec.jsonl"
+    assert export_run(run.path, "speculators", out).image_rows == 1
+    got = run_checks({"check": "speculators_image_rows", "render_endpoint": vlm.url,
+                      "exports": [{"rows": str(out), "images": str(images_path(out))}]})["exports"][0]
+    assert len(got["images"]["rows"]) == 1, got["log"]
+    ids, mask = got["images"]["rows"][0]["input_ids"], got["images"]["rows"][0]["loss_mask"]
+    assert ids.count(vlm.pad) == vlm.counts["chelsea.png"], "vLLM read the run's file and expanded the image"
+    trained = tokenizer.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert "A cat on a table." in trained and not any(mask[:ids.index(vlm.pad) + 1]), trained
+    assert len(got["rows"]["rows"]) == 1  # the text record: its pre-tokenized row, passed through

@@ -3,6 +3,7 @@ Only the libraries' own entry points are called; what they return is saved with 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import warnings
@@ -22,6 +23,11 @@ def specforge_rows(task):
                                  cache_dir=None, cache_key=None, num_proc=1)
     return {"rows": [{"input_ids": list(map(int, t["payload"]["input_ids"])),
                       "loss_mask": list(map(int, t["payload"]["loss_mask"]))} for t in tasks]}
+
+
+def specforge_rows_many(task):
+    """specforge_rows on several files at once, in one interpreter."""
+    return {"results": [specforge_rows(one) for one in task["tasks"]]}
 
 
 def speculators_prepare(task):
@@ -108,8 +114,93 @@ def specforge_configs(task):
     return {"results": [specforge_config(one) for one in task["configs"]]}
 
 
+def speculators_image_rows(task):
+    """speculators' own preprocessing on `speculators` exports of image runs: `load_raw_dataset` on both files,
+    then `_preprocess_batch` (multimodal) on each. The image conversations need a render endpoint; here a stand-in
+    for vLLM's `/v1/chat/completions/render` on 127.0.0.1 renders what it is sent as bytes (`<|role|>text<|end|>`,
+    an image as its URL), records each image URL, and reads each file:// image (as vLLM would); the render
+    boundaries and the loss masks are speculators' own."""
+    import hashlib
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import unquote, urlparse
+
+    from speculators.data_generation.preprocessing import _preprocess_batch, load_raw_dataset
+
+    seen = []
+
+    def render(messages, generation):
+        out = ""
+        for m in messages:
+            content = m["content"]
+            if not isinstance(content, str):
+                pieces = []
+                for part in content:
+                    if part["type"] == "image_url":
+                        url = part["image_url"]["url"]
+                        data = Path(unquote(urlparse(url).path)).read_bytes() if url.startswith("file://") else b""
+                        seen.append({"url": url, "sha256": hashlib.sha256(data).hexdigest() if data else None})
+                        pieces.append(f"[{url}]")
+                    else:
+                        pieces.append(part["text"])
+                content = "".join(pieces)
+            out += f"<|{m['role']}|>{content}<|end|>"
+        return list((out + ("<|assistant|>" if generation else "")).encode())
+
+    class Render(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            answer = json.dumps({"token_ids": render(body["messages"], body["add_generation_prompt"])}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Render)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # a real vLLM server of the target where the task names one (its ids are token ids, not bytes)
+    endpoint = task.get("render_endpoint") or f"http://127.0.0.1:{server.server_address[1]}"
+    results = []
+    for export in task["exports"]:  # one interpreter for all: importing speculators takes seconds
+        seen.clear()
+        results.append(_speculators_image_export(export, endpoint, seen, load_raw_dataset, _preprocess_batch,
+                                                 stand_in="render_endpoint" not in task))
+    server.shutdown()
+    return {"exports": results}
+
+
+class _Kept(logging.Handler):
+    """The warnings and errors speculators logs (a conversation it could not render is logged and skipped)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage()[:500])
+
+
+def _speculators_image_export(task, endpoint, seen, load_raw_dataset, _preprocess_batch, stand_in=True):
+    kept = _Kept()
+    logging.getLogger("speculators").addHandler(kept)
+    out = {"log": kept.lines}
+    for name in ("rows", "images"):
+        ds, _ = load_raw_dataset(task[name])
+        batch = _preprocess_batch(ds[:], True, endpoint, 4096)
+        rows = [{"input_ids": list(map(int, ids)), "loss_mask": list(map(int, mask))}
+                for ids, mask in zip(batch["input_ids"], batch["loss_mask"])]
+        if name == "images" and stand_in:  # the stand-in's ids are bytes: what each row trains, as text
+            rows = [{"trained": bytes(i for i, m in zip(r["input_ids"], r["loss_mask"]) if m).decode()} for r in rows]
+        out[name] = {"columns": ds.column_names, "n_in": len(ds), "rows": rows, "messages": batch.get("messages")}
+    return {**out, "image_urls": list(seen)}
+
+
 CHECKS = {f.__name__: f for f in (specforge_rows, speculators_prepare, specforge_offline, speculators_hidden,
-                                  specforge_config, specforge_configs)}
+                                  specforge_config, specforge_configs, speculators_image_rows, specforge_rows_many)}
 
 if __name__ == "__main__":
     job = json.loads(sys.argv[1])

@@ -16,7 +16,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from .cases import Ctx, Result

@@ -16,6 +16,8 @@ process id), the emulators, the regen runs.
   sources     materialise a 1 GB JSON array of ShareGPT rows with limit 88,000: MB/s on one core, peak RSS
   images      read 100K LLaVA-shaped image records over a folder of COCO-sized JPEGs: MB/s on one core, peak RSS
   capture     `regen capture` on SmolLM2-135M (CPU) vs its forward pass alone; hidden bytes vs the ideal bf16
+  image_requests  what a 1 MB image adds to a request on the worker's path (read, sha256, base64, JSON, send), and per
+              all_turns step
   scale       on demand only (--only scale, --n N): N multi-turn prompts end to end through 16 endpoints, peak
               driver RSS, resume at 90% done (command to first request), 0 lost / 0 doubled (docs/scale.md)
 """
@@ -42,6 +44,7 @@ from .cases import (
     stragglers,
 )
 from .capture import capture_needs, capture_throughput
+from .image_requests import image_request_cost
 from .env import REPO
 from .scale import memory, production, resume
 from .scale_run import scale
@@ -81,7 +84,8 @@ def simulator_accuracy(ctx: Ctx) -> Result:
 BENCHES = {"overhead": overhead, "saturation": saturation, "stragglers": stragglers, "resume": resume,
            "memory": memory, "emulator": emulator_capacity,
            "simulator": simulator_accuracy, "production": production, "sources": materialise_json,
-           "images": materialise_images, "capture": capture_throughput, "scale": scale}
+           "images": materialise_images, "capture": capture_throughput, "image_requests": image_request_cost,
+           "scale": scale}
 ON_DEMAND = {"scale"}  # tens of minutes: run only when named in --only
 # What a case needs beyond the benchmarks' own (a reason string when this environment lacks it): the case is
 # skipped with that line instead of failing the whole command after the others have run.

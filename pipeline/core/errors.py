@@ -90,6 +90,12 @@ class TerminalForPrompt(RequestError):
     """This prompt can never succeed (context overflow, invalid request): one failure row, no retry."""
 
 
+class ImageUnsendable(TerminalForPrompt):
+    """An image of the prompt is not the one the prompt set recorded, found when the endpoint worker reads it to send
+    it: its bytes have another sha256, or they are gone. The prompt is never sent (it is not the prompt the set
+    names); its failure row names the image and where it was read. Not the endpoint's fault."""
+
+
 class EndpointFatal(RequestError):
     """The endpoint itself is wrong (model missing, wrong model, wrong hidden width): it leaves the fleet."""
 

@@ -1,7 +1,8 @@
 """Where the paths of a run config point: relative ones resolve against the config file's folder, so the same
 config gives the same run from any working directory (docs/resume-and-drift.md, "Paths").
 
-`sources[].spec`, `output_dir` (unless a URI), `endpoints_file` and `local_fleet.chat_template` are resolved when the config is loaded;
+`sources[].spec`, `output_dir` (unless a URI), `endpoints_file` and `local_fleet`'s `chat_template`, `model_path`
+and `allowed_local_media_path` are resolved when the config is loaded (`~` expands);
 `tokenizer` is resolved when it is loaded (the run identity records it as written). A source spec's own `path:`
 resolves against the spec's folder (prompts/sources.py).
 """
@@ -15,6 +16,7 @@ from .errors import ConfigError
 
 PATH_RULE = "relative paths in a run config resolve against the config file's folder"
 EXPLICIT_PATH_PREFIXES = ("./", "../", "/", "~")  # a tokenizer written so is a path, never a hub id
+FLEET_PATHS = ("chat_template", "model_path", "allowed_local_media_path")  # local_fleet's paths
 
 
 def resolve_against(base: Path | None, written: str) -> str:
@@ -44,8 +46,9 @@ def resolve_config_paths(raw: dict[str, Any], config_file: Path) -> dict[str, An
     if isinstance(raw.get("endpoints_file"), str):
         raw["endpoints_file"] = resolve_against(base, raw["endpoints_file"])
     fleet = raw.get("local_fleet")
-    if isinstance(fleet, dict) and isinstance(fleet.get("chat_template"), str):
-        raw["local_fleet"] = {**fleet, "chat_template": resolve_against(base, fleet["chat_template"])}
+    if isinstance(fleet, dict):
+        raw["local_fleet"] = {**fleet, **{key: resolve_against(base, fleet[key]) for key in FLEET_PATHS
+                                          if isinstance(fleet.get(key), str)}}
     if isinstance(raw.get("sources"), list):
         raw["sources"] = [{**ref, "spec": resolve_against(base, ref["spec"])}
                           if isinstance(ref, dict) and isinstance(ref.get("spec"), str) else ref

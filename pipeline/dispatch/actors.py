@@ -23,7 +23,7 @@ ACTOR_NAMESPACE = "regen"
 
 def client_settings(cfg: RunConfig, weight_version: str | None = None,
                     engines: dict | None = None, run_engines: list[dict] | None = None,
-                    tools: bool = False) -> ClientSettings:
+                    tools: bool = False, images: bool = False) -> ClientSettings:
     """`engines`: each endpoint's engine adapter by label, as the preflight identified it; `run_engines`: the
     run's engines ([{"engine", "version"}], run.json), which a readmitted endpoint must run."""
     return ClientSettings(
@@ -42,6 +42,7 @@ def client_settings(cfg: RunConfig, weight_version: str | None = None,
         run_engines=tuple((e["engine"], e.get("version")) for e in run_engines or [] if e.get("engine")),
         tool_choice=cfg.tool_choice,
         needs_tool_calls=tools,
+        needs_images=images,
     )
 
 
@@ -92,9 +93,10 @@ def start_actor(cfg: RunConfig, e: Endpoint, n: int) -> ray.actor.ActorHandle:
 
 
 def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None],
-                       early: Any = None):
+                       early: Any = None, run_uri: str | None = None):
     """`early`: the actors started before the preflight (startup.EarlyActors); an endpoint's first actor is its
-    early one when there is one.
+    early one when there is one. `run_uri`: the run directory (local path or object-store URI), where the actors
+    read the run's copied images (every node reaches it, as capture's actors reach RUN/capture).
 
     Actors are spread round-robin over the cluster's live nodes (Ray's SPREAD leaves zero-CPU actors on
     one node); an endpoint may pin its actor instead through Ray resources (e.g. `{"node:10.0.0.7": 0.01}`,
@@ -110,6 +112,7 @@ def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callab
             e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
             cfg.circuit_failures, readmission=cfg, start_open=start_open,
             tool_reasoning_history=cfg.tool_reasoning_history, tool_result_match=cfg.tool_result_match,
+            run_uri=run_uri, images_send_as=cfg.images.send_as,
         )
         return handle
 
@@ -118,12 +121,14 @@ def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callab
 
 def local_worker_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callable[[Endpoint], str | None],
                          **worker_options) -> Callable[[Endpoint, bool], EndpointWorker]:
-    """EndpointWorkers in this process (for LocalTransport), built with the arguments the Ray actors get."""
+    """EndpointWorkers in this process (for LocalTransport), built with the arguments the Ray actors get (`run_uri`
+    among `worker_options`)."""
 
     def factory(e: Endpoint, start_open: bool) -> EndpointWorker:
         return EndpointWorker(e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
                               cfg.circuit_failures, readmission=cfg, start_open=start_open,
                               tool_reasoning_history=cfg.tool_reasoning_history,
-                              tool_result_match=cfg.tool_result_match, **worker_options)
+                              tool_result_match=cfg.tool_result_match, images_send_as=cfg.images.send_as,
+                              **worker_options)
 
     return factory

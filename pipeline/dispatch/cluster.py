@@ -45,6 +45,9 @@ def init_ray(address: str | None) -> None:
     try:
         if not ray.is_initialized():
             ray.init(include_dashboard=False, logging_level=logging.WARNING)
+            from .reaper import watch
+
+            watch()  # its agents would outlive a SIGKILLed driver by a minute (reaper.py)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = was
         if saved is None:

@@ -21,7 +21,7 @@ from ..core.errors import RunFatal
 from ..core.work import DONE, DROPPED, RETRY, RETURNED, TERMINAL, Exchange, Outcome, WorkItem
 from .isolation import Isolation
 from .routing import Router
-from .slot import Slot, can_isolate
+from .slot import Slot, can_isolate, starting, warn_unanswered
 from .startup import StartGate
 from .story import log_change
 from .transport import ActorLost, RayTransport, Transport
@@ -32,6 +32,7 @@ log = logging.getLogger("regen.dispatch")
 
 ActorFactory = Callable[[Endpoint, bool], Any]
 ACTOR_START_WARN_S = 60.0
+
 RESTART_BACKOFF_S, RESTART_BACKOFF_MAX_S = 0.5, 30.0
 
 
@@ -385,12 +386,8 @@ class Dispatcher:
             if (not slot.answered and slot.handle is not None and now - slot.created_at > ACTOR_START_WARN_S
                     and not slot.warned_unplaced):
                 slot.warned_unplaced = True
-                pins = {k: v for k, v in (("resources", slot.endpoint.ray_resources),
-                                          ("labels", slot.endpoint.ray_labels)) if v}
-                log.warning("endpoint %s: its actor has not started after %.0f s; Ray cannot place it%s",
-                            slot.label, now - slot.created_at,
-                            f" (does a live node have {pins}?)" if pins else " (is the cluster out of CPUs?)")
-        down = [s.down_since for s in self.slots.values()]
+                warn_unanswered(slot, now, getattr(self.transport, "placed", lambda _h: None)(slot.handle))
+        down = [None if starting(slot, now) else slot.down_since for slot in self.slots.values()]
         if all(t is not None for t in down):
             down_for = now - max(down)
             if down_for > self.cfg.dead_fleet_deadline_s:

@@ -45,6 +45,7 @@ class FleetFacts:
     tools: bool = False  # the prompt set has tools: a readmitted endpoint must return tool_calls too
     # the endpoints the preflight judged: one listed since (the endpoints file) joins through its own preflight
     probed: frozenset[str] | None = None
+    images: bool = False  # the prompt set has images: a readmitted endpoint must take them too
 
 
 class EarlyProbe:
@@ -53,13 +54,13 @@ class EarlyProbe:
     preflight decides and records (run.json's pins) is done by `fleet_preflight` once the run knows it has work, and
     a run with nothing pending cancels the probes (`cancel`) and never reads them."""
 
-    def __init__(self, cfg: RunConfig, start_with_passing: bool, tools: bool):
+    def __init__(self, cfg: RunConfig, start_with_passing: bool, tools: bool, images: bool = False):
         from ..endpoints.preflight import preflight_async
 
         self.loop = asyncio.new_event_loop()
         api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
         self.probing = preflight_async(cfg, api_keys, announce=False, start_with_passing=start_with_passing,
-                                       tools=tools)
+                                       tools=tools, images=images)
         self.task: asyncio.Task | None = None
         self.done = threading.Event()
         self.reports: list | None = None
@@ -93,17 +94,18 @@ class EarlyProbe:
 
 
 def fleet_preflight(cfg: RunConfig, run_dir: RunDir, start_with_passing: bool = False,
-                    tools: bool = False, probed: EarlyProbe | None = None) -> FleetFacts:
+                    tools: bool = False, probed: EarlyProbe | None = None, images: bool = False) -> FleetFacts:
     """Probe the fleet before any prompt; pin the run to the weight version it reports (or check it) and
     record whether it is deterministic. `start_with_passing`: endpoints refused for problems of their own are
     held out (FleetFacts.refused) instead of refusing the run; only the passing ones decide the pins. `tools`: the
-    prompt set has tools (the fleet must return tool_calls). `probed`: the probes, started early (EarlyProbe)."""
+    prompt set has tools (the fleet must return tool_calls), `images` images (the fleet must take them). `probed`:
+    the probes, started early (EarlyProbe)."""
     from ..endpoints.preflight import announce_reports, preflight
 
     api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
     try:
         if probed is None:
-            reports = preflight(cfg, api_keys, start_with_passing=start_with_passing, tools=tools)
+            reports = preflight(cfg, api_keys, start_with_passing=start_with_passing, tools=tools, images=images)
         else:
             reports = probed()
             announce_reports(reports, cfg, start_with_passing)
@@ -118,7 +120,7 @@ def fleet_preflight(cfg: RunConfig, run_dir: RunDir, start_with_passing: bool = 
     return FleetFacts(weight_version, {r.label: r.engine for r in reports if r.engine is not None},
                       {r.label for r in reports if not r.reachable}, [e for e in engines if e.get("engine")],
                       {r.label: "; ".join(r.problems) for r in reports if r.problems},
-                      tools, frozenset(r.label for r in reports))
+                      tools, frozenset(r.label for r in reports), images)
 
 
 def log_verdicts(reports, fleet_problems: list[str]) -> None:
@@ -186,7 +188,7 @@ def _unrecorded(run_dir: RunDir, manifest: dict) -> bool:
     session of today's regen records the engines at its preflight, before any record)."""
     if "engines" in manifest:
         return False
-    return bool(run_dir.committed_ids() or run_dir.failed_ids())
+    return bool(run_dir.parts(run_dir.data) or run_dir.parts(run_dir.failures))  # a listing: no ledger read
 
 
 def pin_weight_version(run_dir: RunDir, reports) -> str | None:

@@ -29,8 +29,11 @@ def run_dispatch(cfg: Any, run_dir: RunDir, builder: RecordBuilder, pending: lis
                  progress, stop: Any, fleet: FleetFacts, early: EarlyActors | None = None, metrics=None) -> str:
     """`early`: the actors the session started before the preflight; `metrics`: the opt-in /metrics, bound by the
     caller before Ray starts (a port already taken stops the run at once, no actor started)."""
+    from .images import check_send_as
     from .metrics import serve_metrics
 
+    if fleet.images:
+        check_send_as(cfg.images.send_as, cfg.images.store, run_dir.path.uri)
     stop.graceful = True  # from here a signal ends the dispatch and the buffer is committed
     bound = metrics is None and cfg.metrics is not None  # not bound by session_start (no pending work expected)
     if bound:
@@ -135,8 +138,8 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
     dispatcher = Dispatcher(cfg, pending, on_outcome, on_tick,
                             lambda: stop() or bool(gate_stopped),
                             make_actor_factory(cfg, client_settings(cfg, fleet.weight_version, fleet.engines,
-                                                                    fleet.run_engines, fleet.tools), cfg.api_key,
-                                               early),
+                                                                    fleet.run_engines, fleet.tools, fleet.images),
+                                               cfg.api_key, early, run_dir.path.uri),
                             fleet_watch=EndpointsFileWatch(cfg) if cfg.endpoints_file else None,
                             unreachable=fleet.unreachable, refused=fleet.refused,
                             load=logged_first(builder.work_items),

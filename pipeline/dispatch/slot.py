@@ -1,12 +1,15 @@
 """The driver's view of one endpoint actor: what it holds, its state, and when it went down or must restart."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.config import Endpoint
 from ..core.work import WorkItem
+
+log = logging.getLogger("regen.dispatch")
 
 
 @dataclass
@@ -42,3 +45,31 @@ def can_isolate(slot: Slot, queued: int) -> bool:
     # request that succeeds closes a circuit, so with only suspects left, waiting for a healthy endpoint
     # would hang the run; while other work is queued, a suspect that crashes it would only starve that work.
     return slot.state == "healthy" or (slot.state == "probing" and not queued)
+
+
+# A first actor of an endpoint that has not answered yet is starting, not down (a loaded cluster starts actors
+# slowly): it counts toward dead_fleet_deadline_s only once it has been starting this long.
+ACTOR_START_GRACE_S = 300.0
+
+
+def starting(slot: Slot, now: float) -> bool:
+    """Its actor was asked for and has not answered yet, within the grace; not a replacement of a lost actor (an
+    actor that dies on every start is down)."""
+    return (slot.handle is not None and not slot.answered and slot.losses == 0
+            and now - slot.created_at < ACTOR_START_GRACE_S)
+
+
+def warn_unanswered(slot: Slot, now: float, placed: bool | None) -> None:
+    """An actor slow to answer: Ray cannot place it (said only when Ray says so), or it runs and is slow."""
+    waited = now - slot.created_at
+    if placed:
+        log.warning("endpoint %s: its actor runs but has not answered after %.0f s (a loaded machine?); it gets work "
+                    "once it answers", slot.label, waited)
+        return
+    pins = {k: v for k, v in (("resources", slot.endpoint.ray_resources), ("labels", slot.endpoint.ray_labels)) if v}
+    why = f" (does a live node have {pins}?)" if pins else " (is the cluster out of CPUs?)"
+    if placed is False:
+        log.warning("endpoint %s: its actor has not started after %.0f s; Ray cannot place it%s", slot.label, waited, why)
+    else:
+        log.warning("endpoint %s: its actor has not answered after %.0f s: Ray may not be able to place it%s, or the "
+                    "machine is loaded", slot.label, waited, why)

@@ -31,6 +31,8 @@ class Transport(Protocol):
 
     def kill(self, handle: Any) -> None: ...
 
+    def placed(self, handle: Any) -> bool | None: ...
+
 
 class RayTransport:
     def call(self, handle: Any, work: list[WorkItem], wait_s: float) -> Any:
@@ -66,6 +68,19 @@ class RayTransport:
         except (RayError, ValueError) as exc:  # already gone
             log.debug("ray.kill: %s", exc)
 
+    def placed(self, handle: Any) -> bool | None:
+        """Whether Ray placed the actor (its GCS entry ALIVE: it runs, maybe slowly); False while it waits for a node
+        (PENDING_CREATION, DEPENDENCIES_UNREADY); None: unknown. A GCS read, asked only for a slow actor."""
+        try:
+            from ray._private import state
+
+            entry = state.actors(actor_id=handle._actor_id.hex())  # the GCS; no dashboard needed
+        except Exception as exc:  # noqa: BLE001 - a private API: not knowing is an answer
+            log.debug("actor state: %s", exc)
+            return None
+        where = (entry or {}).get("State")
+        return True if where == "ALIVE" else False if where in ("PENDING_CREATION", "DEPENDENCIES_UNREADY") else None
+
 
 class LocalTransport:
     """EndpointWorkers (the handles) on one event loop in a daemon thread of this process."""
@@ -94,6 +109,9 @@ class LocalTransport:
 
     def kill(self, handle: Any) -> None:
         self.closing.append(asyncio.run_coroutine_threadsafe(handle.close(), self.loop))
+
+    def placed(self, handle: Any) -> bool | None:
+        return True  # in this process: it runs
 
     def close(self) -> None:
         """Wait for the killed workers to close, cancel what still runs (outstanding exchanges), stop the loop."""

@@ -25,6 +25,7 @@ from ..core.work import (
 )
 from ..endpoints.client import ClientSettings, EndpointClient, unexpected
 from ..prompts.conversation import DEFAULT_REASONING_HISTORY, DEFAULT_RESULT_MATCH, AllTurns, normalised
+from .images import ConversationImages
 
 # Error class -> outcome kind, most specific first.
 OUTCOME_OF: tuple[tuple[type[RequestError], str], ...] = (
@@ -69,9 +70,13 @@ class EndpointWorker:
         start_open: bool = False,
         tool_reasoning_history: str = DEFAULT_REASONING_HISTORY,
         tool_result_match: str = DEFAULT_RESULT_MATCH,
+        run_uri: str | None = None,
+        images_send_as: str = "data_url",
     ):
         self.label, self.concurrency, self.mode = label, concurrency, mode
         self.tool_reasoning_history, self.tool_result_match = tool_reasoning_history, tool_result_match
+        # images: read from the run directory (or their own path) when sent, as images.send_as says (images.py)
+        self.run_uri, self.images_send_as = run_uri, images_send_as
         self.client = EndpointClient(url, label, settings, api_key)
         self.attempts_per_endpoint = attempts_per_endpoint
         self.circuit_failures = circuit_failures
@@ -171,6 +176,8 @@ class EndpointWorker:
         try:
             messages = [normalised(m) for m in orjson.loads(item.messages_json)]  # as sent: tool fields only if set
             tools = orjson.loads(item.tools_json) if item.tools_json is not None else None
+            images = ConversationImages(self.run_uri, self.images_send_as, self.client.engine, self.label,
+                                        node=self.node)
             if self.mode == "all_turns":
                 # Each generation is one step (a tool-calling step included); the whole conversation is one outcome,
                 # so a kill mid-conversation redoes all of it.
@@ -178,14 +185,16 @@ class EndpointWorker:
                 while (history := conversation.next_history()) is not None:
                     k = conversation.generations
                     seed = None if item.seed is None else item.seed + k
-                    completion, used = await self._request(item.prompt_id, k, history, seed, tools)
+                    completion, used = await self._request(item.prompt_id, k, self._sendable(images, history), seed,
+                                                           tools)
                     failed += used - 1
                     completions.append(completion)
                     conversation.add(completion)
                 conversation_end = conversation.end
             else:
                 turn = sum(m["role"] == "assistant" for m in messages)
-                completion, used = await self._request(item.prompt_id, turn, messages, item.seed, tools)
+                completion, used = await self._request(item.prompt_id, turn, self._sendable(images, messages),
+                                                       item.seed, tools)
                 failed += used - 1
                 completions.append(completion)
         except _Failed as failure:
@@ -199,6 +208,16 @@ class EndpointWorker:
             self.state = "healthy"
         return Outcome(item.prompt_id, DONE, self.label, failed + 1, completions=completions,
                        conversation_end=conversation_end)
+
+    @staticmethod
+    def _sendable(images: ConversationImages, messages: list[dict]) -> list[dict]:
+        """The messages as the request carries them, images read and checked (images.py): an image that changed or
+        is gone fails the prompt unsent (one attempt), one that cannot be read now is retried, and a run directory
+        this node does not see takes the endpoint's actor out (no attempt of the prompt's)."""
+        try:
+            return images.messages(messages)
+        except RequestError as error:
+            raise _Failed(error, 0 if isinstance(error, EndpointFatal) else 1) from None
 
     @staticmethod
     def _discarding(outcome: Outcome, completions: list[Completion]) -> Outcome:
@@ -294,7 +313,8 @@ class EndpointWorker:
             return True
         from ..endpoints.preflight import check_endpoint, engine_refusal, fleet_problems
 
-        report = await check_endpoint(self.client, self.readmission, tools=self.client.settings.needs_tool_calls)
+        report = await check_endpoint(self.client, self.readmission, tools=self.client.settings.needs_tool_calls,
+                                      images=self.client.settings.needs_images)
         expected = self.client.settings.expected_weight_version
         problems = report.problems + fleet_problems([report], self.readmission)
         if expected is not None and report.weight_version not in (None, expected):

@@ -27,10 +27,12 @@ RATE_FIELDS = ("fault_500", "fault_503", "fault_429", "fault_400", "fault_hang",
                "fault_weight_switch")
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Kimi-K2.5 as launched in production: kimi_k2 reasoning and tool parsers.
-    "kimi": {"reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2"},
+    # Kimi-K2.5 as launched in production: kimi_k2 reasoning and tool parsers; it reads images (image_url parts).
+    "kimi": {"reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2", "image_understanding": True},
     # ... with an EAGLE-3 draft (speculative decoding: accept length in meta_info and /metrics).
-    "kimi-eagle3": {"reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2", "speculative_algorithm": "EAGLE3"},
+    "kimi-eagle3": {"reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2", "speculative_algorithm": "EAGLE3",
+                    "image_understanding": True},
+    # A text-only model: a media part is refused (0.5.17+) or ignored (0.5.14).
     "plain": {},
 }
 
@@ -51,6 +53,7 @@ class EmulatorConfig:
     reasoning_parser: str | None = None           # "kimi_k2" splits reasoning at </think>
     tool_call_parser: str | None = None           # "kimi_k2" cuts Kimi's calls out of content into tool_calls
     tp_size: int = 8
+    image_understanding: bool = False             # a vision model (Kimi-K2.5's processor); else text-only
     # --- features ----------------------------------------------------------------------------
     speculative_algorithm: str | None = None      # "EAGLE3", "EAGLE", ...
     enable_deterministic_inference: bool = False  # without it SGLang ignores seed / sampling_seed
@@ -178,6 +181,8 @@ _OPTIONS: list[tuple[str, Any, str]] = [
     ("tool_call_parser", str, "tool-call parser (kimi_k2 returns Kimi's calls in tool_calls; other names and none "
                               "leave them in content, as SGLang does)"),
     ("tp_size", int, "tensor parallel size (reported only)"),
+    ("image_understanding", bool, "read image_url parts as SGLang's Kimi-K2.5 processor does (the kimi presets); "
+                                  "without it the model is text-only"),
     ("speculative_algorithm", str, "speculative algorithm (EAGLE3, EAGLE, ...)"),
     ("enable_deterministic_inference", bool, "report --enable-deterministic-inference (seeds then reproduce)"),
     ("speculative_num_steps", int, "draft steps (spec_accept_rate = (accept_length-1)/steps)"),
@@ -225,13 +230,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="SGLang-faithful emulated server (deterministic answers, fault injection).",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="option bundle: kimi (kimi_k2 parsers), kimi-eagle3 (+ an EAGLE3 draft), plain")
+                   help="option bundle: kimi (kimi_k2 parsers, images), kimi-eagle3 (+ an EAGLE3 draft), plain "
+                        "(text-only)")
     for name, typ, help_ in _OPTIONS:
         flag = "--" + name.replace("_", "-")
         if typ is bool:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
             p.add_argument(flag, dest=name, type=typ, default=None, help=help_)
+    # Not a setting of the emulated server: how it is run (regen's local fleet, `engine: emulator`).
+    p.add_argument("--lifeline-fd", type=int, default=None,
+                   help="stop when this pipe reaches end of file (the local fleet's driver exited)")
     # SGLang spellings accepted as aliases.
     p.add_argument("--model", dest="model_path", type=str, default=None, help=argparse.SUPPRESS)
     p.add_argument("--tp", dest="tp_size", type=int, default=None, help=argparse.SUPPRESS)

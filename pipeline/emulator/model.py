@@ -14,11 +14,13 @@ import random
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import orjson
 
 from .kimi_parser import parse_answer
+from .media import MEDIA_SPECIAL, SeenImage, has_parts, image_marker, keyed_pads, mention, pads_of
+from .media_load import prepare_media
 from .tools import (KIMI_PARSERS, TOOL_SPECIAL, active_tools, history_calls, json_array_text, kimi_call_text,
                     plan_calls, render_calls, render_tools, result_header, text_pieces)
 
@@ -26,7 +28,7 @@ VOCAB_SIZE = 163840
 N_PLAIN = 163584                      # ids below this are plain words; the top 256 are special tokens
 SPECIAL = {
     "<|im_end|>": 163586, "<|im_user|>": 163587, "<|im_assistant|>": 163588, "<|im_system|>": 163594,
-    "<|im_middle|>": 163601, "<think>": 163606, "</think>": 163607, **TOOL_SPECIAL,
+    "<|im_middle|>": 163601, "<think>": 163606, "</think>": 163607, **TOOL_SPECIAL, **MEDIA_SPECIAL,
 }
 EOS_ID = SPECIAL["<|im_end|>"]
 THINK_END_ID = SPECIAL["</think>"]
@@ -92,7 +94,9 @@ def encode(text: str) -> list[int]:
     return out
 
 
-def _content_text(content: Any) -> str:
+def _content_text(content: Any, pads: Iterator[int] | None = None) -> str:
+    """A message's text; with `pads` (the placeholder count of each image, in order) an image part is Kimi's
+    media marker, without it an image part is dropped (a text-only template). Other media parts are dropped."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -102,19 +106,24 @@ def _content_text(content: Any) -> str:
         for p in content:
             if isinstance(p, dict) and p.get("type") == "text":
                 parts.append(str(p.get("text", "")))
+            elif isinstance(p, dict) and p.get("type") == "image_url" and pads is not None:
+                parts.append(image_marker(next(pads)))
             elif isinstance(p, str):
                 parts.append(p)
         return "\n".join(parts)
     raise ValueError("message content must be a string or a list of content parts")
 
 
-def render_chat(messages: list[dict], thinking: bool = True, tools: list[dict] | None = None) -> str:
+def render_chat(messages: list[dict], thinking: bool = True, tools: list[dict] | None = None,
+                images: list[SeenImage] | None = None) -> str:
     """Kimi-like chat template; the generation prompt ends with <think> (thinking) or <think></think>. Tools,
-    calls and results as tools.py renders them (only where present: a tool-free chat renders as it always did)."""
+    calls and results as tools.py renders them (only where present: a tool-free chat renders as it always did).
+    `images`: the decoded image of each image part, in order (their placeholders expanded); None drops them."""
     out = [render_tools(tools)] if tools else []
+    pads = pads_of(images)
     for m in messages:
         role = m.get("role")
-        text = _content_text(m.get("content"))
+        text = _content_text(m.get("content"), pads)
         if role == "tool":
             text = result_header(m) + text
         elif role == "assistant" and m.get("tool_calls"):
@@ -143,6 +152,8 @@ class Generation:
     thinking: bool
     # A Kimi tool-call parser reads the answer: (calls in the history, whether calls are numbered per answer)
     tool_parsing: tuple[int, bool] | None = None
+    # What the prefix cache keys on when it is not prompt_ids: an image's pads replaced by its pad value
+    cache_ids: list[int] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -182,7 +193,7 @@ class Generation:
     def cut(self, n: int, finish: str) -> "Generation":
         """The first n tokens with another finish (used for aborts)."""
         return Generation(self.prompt_ids, self.output_ids[:n], self.pieces[:n], self.n_reason, finish,
-                          self.thinking, self.tool_parsing)
+                          self.thinking, self.tool_parsing, self.cache_ids)
 
     def answering(self, pieces: list[str], limit: int | None) -> "Generation":
         """This generation with its answer replaced by `pieces` (then EOS), cut at `limit` tokens. A reasoning cut
@@ -195,7 +206,8 @@ class Generation:
         finish = "stop"
         if limit is not None and len(ids) > limit:
             ids, texts, finish = ids[:limit], texts[:limit], "length"
-        return Generation(self.prompt_ids, ids, texts, self.n_reason, finish, self.thinking, self.tool_parsing)
+        return Generation(self.prompt_ids, ids, texts, self.n_reason, finish, self.thinking, self.tool_parsing,
+                          self.cache_ids)
 
 
 def _seed(prompt_key: bytes, temperature: float, seed: Any) -> int:
@@ -270,13 +282,17 @@ def chat_max_tokens(req: dict) -> int | None:
 
 
 def chat_generation(req: dict, context_length: int, default_budget: int = 512, tool_parser: str | None = None,
-                    local_call_index: bool = True) -> tuple[str, Generation]:
+                    local_call_index: bool = True, images: list[SeenImage] | None = None) -> tuple[str, Generation]:
     """Render + generate for a (validated) chat request. Returns (prompt_text, generation). `tool_parser`: the
-    server's --tool-call-parser; `local_call_index`: its Kimi parser numbers an answer's calls from 0 (0.5.17+)."""
+    server's --tool-call-parser; `local_call_index`: its Kimi parser numbers an answer's calls from 0 (0.5.17+).
+    `images`: the images the server decoded, in order (the answer names them); None: image parts are dropped."""
     thinking = thinking_enabled(req)
     tools = active_tools(req)
-    prompt_text = render_chat(req["messages"], thinking, tools)
+    prompt_text = render_chat(req["messages"], thinking, tools, images)
     prompt_ids = encode(prompt_text)
+    prompt_key = prompt_text.encode()
+    if images:
+        prompt_key += "".join(im.sha256 for im in images).encode()
     max_tokens = chat_max_tokens(req)
     budget = None
     if max_tokens is None:
@@ -285,8 +301,10 @@ def chat_generation(req: dict, context_length: int, default_budget: int = 512, t
     plan = plan_calls(req, tools)
     if plan:  # the reasoning before a call is short enough to leave the call room (a quarter of the budget)
         budget = max(1, min(budget or max_tokens, max_tokens // 4))
-    gen = generate(prompt_text.encode(), prompt_ids, max_tokens, float(req.get("temperature") or 0.0),
+    gen = generate(prompt_key, prompt_ids, max_tokens, float(req.get("temperature") or 0.0),
                    req.get("seed"), thinking, bool(req.get("ignore_eos")), budget)
+    if images:
+        gen = _seeing(gen, images, max_tokens)
     if plan:
         history = history_calls(req["messages"])
         kimi = tool_parser in KIMI_PARSERS
@@ -295,6 +313,17 @@ def chat_generation(req: dict, context_length: int, default_budget: int = 512, t
         gen = gen.answering(text_pieces(text), max_tokens)
         gen.tool_parsing = (history, local_call_index) if kimi else None
     return prompt_text, gen
+
+
+def _seeing(gen: Generation, images: list[SeenImage], limit: int) -> Generation:
+    """The answer starts by naming the images (media.mention); the prefix cache sees each image's own pads."""
+    head = gen.n_reason + 1 if gen.thinking else 0
+    answer = [p for p in gen.pieces[head:] if p]
+    if answer:
+        answer[0] = " " + answer[0]
+    gen = gen.answering(text_pieces(mention(images)) + answer, limit)
+    gen.cache_ids = keyed_pads(gen.prompt_ids, images)
+    return gen
 
 
 def chat_answer(gen: Generation, parser: bool) -> tuple[str, str | None, list[dict] | None, str, int | None]:
@@ -321,8 +350,11 @@ def expected_chat(request_json: dict, cfg: Any = None) -> dict:
     prompt_tokens, completion_tokens (plus reasoning_tokens and the token ids)."""
     from .config import EmulatorConfig
     cfg = cfg or EmulatorConfig()
+    images = None
+    if has_parts(request_json["messages"]):  # image parts: read and decoded as the server does (or refused)
+        images = prepare_media(request_json["messages"], cfg.behaviour, cfg.image_understanding)
     _, gen = chat_generation(request_json, cfg.context_length, cfg.default_max_tokens, cfg.tool_call_parser,
-                             cfg.behaviour.kimi_local_call_index)
+                             cfg.behaviour.kimi_local_call_index, images)
     parser = cfg.thinking_parser
     content, reasoning, tool_calls, finish, matched_stop = chat_answer(gen, parser)
     return {

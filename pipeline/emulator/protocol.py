@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from .errors import RequestInvalid
 from .model import ROLE_TOKENS, VOCAB_SIZE, Generation, chat_answer
 from .kimi_parser import stream_answer
 
@@ -19,26 +20,17 @@ ERR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "TooManyRequests
              500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
-class RequestInvalid(Exception):
-    """A request the server refuses before generating: status + SGLang's message. `bare`: the body is
-    {"error": "<message>"} (0.5.23's /generate contract gate)."""
-
-    def __init__(self, message: str, status: int = 400, bare: bool = False):
-        super().__init__(message)
-        self.message, self.status, self.bare = message, status, bare
-
-
 def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj, option=_NUMPY), status=status, content_type=JSON)
 
 
-def openai_error_body(status: int, message: str) -> dict:
-    return {"object": "error", "message": message, "type": ERR_TYPES.get(status, "BadRequestError"),
+def openai_error_body(status: int, message: str, err_type: str | None = None) -> dict:
+    return {"object": "error", "message": message, "type": err_type or ERR_TYPES.get(status, "BadRequestError"),
             "param": None, "code": status}
 
 
-def openai_error(status: int, message: str) -> web.Response:
-    return json_response(openai_error_body(status, message), status)
+def openai_error(status: int, message: str, err_type: str | None = None) -> web.Response:
+    return json_response(openai_error_body(status, message, err_type), status)
 
 
 def native_error(status: int, message: str) -> web.Response:

@@ -11,6 +11,8 @@ import orjson
 from aiohttp import web
 
 from .versions import contract_error
+from .media import has_parts
+from .media_load import prepare_media
 from .model import THINK_START_ID, Generation, chat_generation, chat_max_tokens, generate, \
     generate_prompt, native_finish
 from .protocol import (RequestInvalid, chat_body, chat_usage, check_context, chunk_bytes, json_response,
@@ -62,20 +64,25 @@ def _refuse(st: ServerState, route: str, body: dict, error: RequestInvalid, resp
     st.log_request(route, rid, body, f"error:{error.status}", message=error.message)
     if error.bare:
         return json_response({"error": error.message}, error.status)
+    if error.err_type:
+        return openai_error(error.status, error.message, error.err_type)
     return respond(error.status, error.message)
 
 
-def _prepare_chat(st: ServerState, body: dict) -> Generation:
+async def _prepare_chat(st: ServerState, body: dict) -> Generation:
     cfg = st.cfg
     validate_chat(body, cfg.behaviour.return_token_ids)
+    images = None
+    if has_parts(body["messages"]):  # media parts: checked, refused or read and decoded (off the event loop)
+        images = await asyncio.to_thread(prepare_media, body["messages"], cfg.behaviour, cfg.image_understanding)
     # No model-name check: SGLang's chat route echoes request.model (only /v1/models/{m} answers 404).
     _, gen = chat_generation(body, cfg.context_length, cfg.default_max_tokens, cfg.tool_call_parser,
-                             cfg.behaviour.kimi_local_call_index)
+                             cfg.behaviour.kimi_local_call_index, images)
     check_context(gen.prompt_tokens, chat_max_tokens(body), cfg.context_length)
     return gen
 
 
-def _prepare_generate(st: ServerState, body: dict) -> Generation:
+async def _prepare_generate(st: ServerState, body: dict) -> Generation:
     cfg = st.cfg
     if cfg.behaviour.generate_contract and isinstance(body.get("sampling_params"), dict):
         error = contract_error(body["sampling_params"])
@@ -102,7 +109,7 @@ async def _serve(request: web.Request, route: str, prepare, respond_error) -> we
     try:
         try:
             body = parse_json(await request.read())
-            gen = prepare(st, body)
+            gen = await prepare(st, body)
             rid = _admit(st, body)
         except RequestInvalid as e:
             return _refuse(st, route, body, e, respond_error)
@@ -151,7 +158,8 @@ async def _run(request: web.Request, st: ServerState, job: Job) -> web.StreamRes
         try:
             plen = gen.prompt_tokens
             if not cfg.disable_radix_cache:
-                hashes = PrefixCache.prefix_hashes(gen.prompt_ids + gen.output_ids[:-1])
+                prompt = gen.prompt_ids if gen.cache_ids is None else gen.cache_ids
+                hashes = PrefixCache.prefix_hashes(prompt + gen.output_ids[:-1])
                 job.cached = min(st.cache.match(hashes[:plen]), plen - 1)
                 st.cache.insert(hashes)     # prompt + output, as SGLang caches a finished request
             if job.fault == "abort":

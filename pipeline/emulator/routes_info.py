@@ -38,21 +38,23 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 async def get_model_info(request: web.Request) -> web.Response:
+    """http_server.py:model_info of the version. has_image_understanding is ModelConfig's
+    is_image_understandable_model: a multimodal model with a vision_config (Kimi-K2.5's); no audio."""
     cfg = request.app[STATE_KEY].cfg
-    named = {"served_model_name": cfg.served_model_name, "reasoning_parser": cfg.reasoning_parser} \
-        if cfg.behaviour.model_info_names_parser else {}
-    return json_response({
-        **named,
-        "model_path": cfg.model_path,
-        "tokenizer_path": cfg.model_path,
-        "is_generation": True,
-        "preferred_sampling_params": None,
-        "weight_version": cfg.weight_version,
-        "has_image_understanding": False,
-        "has_audio_understanding": False,
-        "model_type": "kimi_k25",
-        "architectures": ["KimiK25ForConditionalGeneration"],
-    })
+    behaviour = cfg.behaviour
+    info = {"model_path": cfg.model_path}
+    if behaviour.model_info_names_parser:
+        info["served_model_name"] = cfg.served_model_name
+    info.update({"tokenizer_path": cfg.model_path, "is_generation": True, "preferred_sampling_params": None,
+                 "weight_version": cfg.weight_version})
+    if behaviour.model_info_names_parser:
+        info.update({"load_format": "auto", "reasoning_parser": cfg.reasoning_parser,
+                     "tool_call_parser": cfg.tool_call_parser})
+    if behaviour.model_info_disaggregation:
+        info["disaggregation_mode"] = "null"
+    info.update({"has_image_understanding": cfg.image_understanding, "has_audio_understanding": False,
+                 "model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"]})
+    return json_response(info)
 
 
 async def get_server_info(request: web.Request) -> web.Response:

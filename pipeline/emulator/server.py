@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -52,8 +53,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-async def serve(cfg: EmulatorConfig, ready_message: bool = True) -> None:
-    """Run until SIGTERM/SIGINT."""
+async def serve(cfg: EmulatorConfig, ready_message: bool = True, lifeline_fd: int | None = None) -> None:
+    """Run until SIGTERM/SIGINT, or until the other end of `lifeline_fd` closes (a local fleet's driver exited,
+    SIGKILL included: the kernel closes its end)."""
     if cfg.port == 0:
         cfg.port = free_port(cfg.host)
     app = build_app(cfg)
@@ -71,10 +73,24 @@ async def serve(cfg: EmulatorConfig, ready_message: bool = True) -> None:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
+    if lifeline_fd is not None:
+        loop.add_reader(lifeline_fd, _on_lifeline, lifeline_fd, stop)
     try:
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def _on_lifeline(fd: int, stop: asyncio.Event) -> None:
+    """The driver never writes: readable means end of file (b""), or a closed pipe."""
+    try:
+        data = os.read(fd, 64)
+    except OSError:
+        data = b""
+    if not data:
+        print("emulator: the driver is gone; stopping", file=sys.stderr, flush=True)
+        asyncio.get_running_loop().remove_reader(fd)
+        stop.set()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     # Connection resets are part of the fault model; keep aiohttp quiet about them.
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     try:
-        asyncio.run(serve(cfg))
+        asyncio.run(serve(cfg, lifeline_fd=args.lifeline_fd))
     except KeyboardInterrupt:
         pass
     except OSError as e:

@@ -48,7 +48,7 @@ class Behaviour:
 
     @property
     def model_info_names_parser(self) -> bool:
-        """/model_info reports served_model_name and reasoning_parser."""
+        """/model_info reports served_model_name, load_format, reasoning_parser and tool_call_parser."""
         return self._from(0, 5, 18)
 
     @property
@@ -69,6 +69,71 @@ class Behaviour:
     def generate_contract(self) -> bool:
         """/generate refuses unknown sampling_params fields with 400 {"error": "<text>"}."""
         return self._from(0, 5, 23)
+
+    # --- media (the image prompts; media.py and media_load.py) -------------------------------------------------
+    @property
+    def content_hash(self) -> bool:
+        """image_url.content_hash is declared and validated (ChatCompletionMessageContentImageURL); before
+        0.5.18 it is an unknown key, ignored."""
+        return self._from(0, 5, 18)
+
+    @property
+    def media_refusal(self) -> bool:
+        """A text-only model answers a media part 400 (OpenAIServingChat._validate_media_content); 0.5.14 lets
+        it through and ignores it."""
+        return self._from(0, 5, 17)
+
+    @property
+    def model_info_disaggregation(self) -> bool:
+        return self._from(0, 5, 23)
+
+    @property
+    def part_types(self) -> frozenset[str]:
+        """The content-part `type`s ChatCompletionMessageContentPart admits."""
+        types = {"text", "image_url", "video_url", "audio_url", "tool_reference"}
+        if self._from(0, 5, 17):
+            types |= {"thinking", "reasoning"}
+        if self._from(0, 5, 23):
+            types.add("input_audio")
+        return frozenset(types)
+
+    @property
+    def image_data_fields(self) -> tuple[str, ...]:
+        """utils.common.ImageData's fields, in order (its repr is in the loaders' error texts)."""
+        fields = ("url", "detail", "max_dynamic_patch", "preprocess_kwargs")
+        if self._from(0, 5, 18):
+            fields += ("content_hash",)
+        if self._from(0, 5, 23):
+            fields += ("max_long_side_pixel",)
+        return fields
+
+    @property
+    def media_client_errors(self) -> bool:
+        """_load_single_item turns CLIENT_MEDIA_EXCEPTIONS (ValueError, UnidentifiedImageError, requests'
+        RequestException) into ValueError, and fast_load_mm_data keeps a ValueError one: 400. In 0.5.14
+        fast_load_mm_data makes every loading error a RuntimeError: 500."""
+        return self._from(0, 5, 17)
+
+    @property
+    def media_snapshot_first(self) -> bool:
+        """Kimi's _load_single_item (kimi_common.KimiGridMMDataMixin) reads the bytes with snapshot_media
+        before the base loader's try: a fetch or file error is not wrapped in 'Error while loading data'."""
+        return self._from(0, 5, 23)
+
+    @property
+    def detail_default(self) -> bool:
+        """image_url.detail "default" is read as "auto" (a before-validator)."""
+        return self._from(0, 5, 23)
+
+    @property
+    def decode_error_text(self) -> bool:
+        """_load_image turns Pillow's failure into ValueError('Could not decode image: ...') (a client error)."""
+        return self._from(0, 5, 23)
+
+    @property
+    def media_download_policy(self) -> bool:
+        """download_remote_media: redirects followed by hand (at most 5), at most 64 MiB."""
+        return self._from(0, 5, 18)
 
 def behaviour(sglang_version: str) -> Behaviour:
     return Behaviour(version_tuple(sglang_version))

@@ -144,6 +144,8 @@ class ClientSettings:
     tool_choice: str = "auto"
     # The run's prompt set has tools: an endpoint readmitted (or joining) must return tool_calls (the preflight's).
     needs_tool_calls: bool = False
+    # The run's prompt set has images: an endpoint readmitted (or joining) must take them (the preflight's).
+    needs_images: bool = False
 
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty)

@@ -57,12 +57,16 @@ def read_sglang_info(report: Any, model_info: dict | None, server_info: dict | N
         report.weight_version = model_info.get("weight_version") or report.weight_version
         if "reasoning_parser" in model_info:
             report.reasoning_parser = model_info.get("reasoning_parser")
+        if isinstance(model_info.get("has_image_understanding"), bool):  # every checked version (http_server.py)
+            report.images = model_info["has_image_understanding"]
     if server_info is None:
         return None
     info = server_info
     report.sglang_version = str(info["version"]) if info.get("version") is not None else None
     report.speculative_algorithm = info.get("speculative_algorithm")
     report.reasoning_parser = info.get("reasoning_parser", report.reasoning_parser)
+    if "tool_call_parser" in info:
+        report.tool_call_parser = info["tool_call_parser"] or "none"
     report.model_path = report.model_path or info.get("model_path") or None
     report.weight_version = report.weight_version or info.get("weight_version") or None
     if report.context is None and isinstance(info.get("context_length"), int):

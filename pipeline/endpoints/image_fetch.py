@@ -62,7 +62,7 @@ def _fetch_once(url: str, timeout_s: float, max_bytes: int) -> bytes:
         with _OPENER.open(request, timeout=timeout_s) as response:
             data = bytearray()
             while len(data) <= max_bytes:
-                chunk = response.read(min(CHUNK, max_bytes + 1 - len(data)))
+                chunk = response.read1(min(CHUNK, max_bytes + 1 - len(data)))  # what has come: a drip meets the deadline
                 if not chunk:
                     break
                 data += chunk

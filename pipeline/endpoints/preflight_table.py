@@ -1,15 +1,20 @@
 """The table `regen preflight` prints: one line per endpoint, then each problem and warning in words.
 
-    endpoint         status       model                 weights  context  parser   server
-    127.0.0.1:30001  ok           moonshotai/Kimi-K2.5  default  262144   kimi_k2  sglang 0.5.23
-    127.0.0.1:30002  REFUSED      moonshotai/Kimi-K2.5  default  262144   none     sglang 0.5.23
-    127.0.0.1:30003  unreachable  -                     -        -        -        -
+    endpoint         status       model                 weights  context  reasoning  tool calls  server         images
+    127.0.0.1:30001  ok           moonshotai/Kimi-K2.5  default  262144   kimi_k2    kimi_k2     sglang 0.5.23  yes
+    127.0.0.1:30002  REFUSED      moonshotai/Kimi-K2.5  default  262144   none       kimi_k2     sglang 0.5.23  yes
+    127.0.0.1:30003  unreachable  -                     -        -        -          -           -              -
       127.0.0.1:30002: thinking is requested (chat_template_kwargs thinking: true) but the server splits no
         reasoning out: ... Launch the server with --reasoning-parser kimi_k2
       127.0.0.1:30003: unreachable (warning; it gets work once it answers): no answer (/v1/models: ...)
 
 The server column names the engine and version the preflight identified (sglang, vllm, llamacpp; `not SGLang`
-for an unidentified one), and `n/a` marks where the SGLang-only checks were skipped.
+for an unidentified one), and `n/a` marks where the SGLang-only checks were skipped. The images column says whether
+the endpoint takes image parts: SGLang's /model_info says it, llama.cpp never does, and any other server is asked
+only for a prompt set with images (the tiny image probe); `?` where nothing was asked. `reasoning` and `tool calls`
+are the server's reasoning and tool-call parsers (SGLang reports both; `none`: launched without one); on another
+engine the tool-call column says what the tiny tool probe found (`took tools`, `refused tools`), asked only for a
+prompt set with tools.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ if TYPE_CHECKING:
     from ..core.config import RunConfig
     from .probes import EndpointReport
 
-HEADER = ("endpoint", "status", "model", "weights", "context", "parser", "server")
+HEADER = ("endpoint", "status", "model", "weights", "context", "reasoning", "tool calls", "server", "images")
 
 
 def _model(r: "EndpointReport", cfg: "RunConfig") -> str:
@@ -37,13 +42,17 @@ def _row(r: "EndpointReport", cfg: "RunConfig") -> tuple[str, ...]:
         return (r.label, r.status) + ("-",) * (len(HEADER) - 2)
     not_sglang = r.sglang is False
     parser = "n/a" if not_sglang else ((r.reasoning_parser or "none") if r.sglang else "?")
+    tool_parser = r.tool_call_parser or "?"
     if r.engine is not None and r.engine.engine != "openai":
         server = r.engine.describe()
     else:
         server = "not SGLang" if not_sglang else ("sglang" if r.sglang else "?")
     weights = r.weight_version or ("n/a" if not_sglang else "?")
+    takes = r.images if r.images is not None else (False if r.engine is not None and r.engine.takes_images is False
+                                                    else None)
+    images = "?" if takes is None else ("yes" if takes else "no")
     return (r.label, r.status, _model(r, cfg), weights,
-            str(r.context) if r.context is not None else "?", parser, server)
+            str(r.context) if r.context is not None else "?", parser, tool_parser, server, images)
 
 
 def render_table(reports: list["EndpointReport"], cfg: "RunConfig", fleet_problems: list[str] = ()) -> str:

@@ -8,7 +8,8 @@ circuit breaker, so that a recovered endpoint passes the full preflight before i
      version checks are its: output ids, seeds;
   2. one tiny chat generation with the run's chat_template_kwargs: generation works (a /health 200 can lie),
      and when thinking is requested the reasoning is split out (a reasoning parser is running); a run that
-     streams and stores token ids also gets one tiny streamed generation.
+     streams and stores token ids also gets one tiny streamed generation; a prompt set with images, on a server
+     that does not say whether it takes them, a tiny image probe (image_probe.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .client import EndpointClient, _error_message, classify
 from ..core.errors import EndpointDown, RequestError, Retryable
 from .engines import OpenAIAdapter, SGLangAdapter, engine_for, identity_path, owners
 from .identity import INFO_TIMEOUT_S, get_info, info_path, read_sglang_info
+from .image_probe import known_verdict, probe_images
 
 PROBE_TIMEOUT_S = 30.0  # each tiny generation (8 chat tokens)
 CHAT_PROBE_TOKENS = 8
@@ -47,12 +49,16 @@ class EndpointReport:
     weight_version: str | None = None
     context: int | None = None  # tokens: /v1/models max_model_len, else /get_server_info context_length
     reasoning_parser: str | None = None  # meaningful only when `sglang` is True
+    # SGLang's --tool-call-parser ("none": launched without one); else what the tool probe found ("took tools",
+    # "refused tools") for a prompt set with tools; None: unknown
+    tool_call_parser: str | None = None
     sglang_version: str | None = None
     sglang: bool | None = None  # True: SGLang info endpoints answer; False: 404 (e.g. llama.cpp); None: unknown
     speculative_algorithm: str | None = None
     engine: OpenAIAdapter | None = None  # the adapter the client uses for this endpoint
     deterministic: bool | None = None  # --enable-deterministic-inference (server_info); None: unknown
     preferred_sampling: Any = None  # /model_info preferred_sampling_params: server-side defaults
+    images: bool | None = None  # takes image parts (SGLang's has_image_understanding, the image probe); None: unknown
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     down_reason: str = ""  # why it is unreachable
@@ -94,9 +100,11 @@ class _Findings:
 
 
 async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout_s: float = INFO_TIMEOUT_S,
-                         probe_timeout_s: float = PROBE_TIMEOUT_S, tools: bool = False) -> EndpointReport:
+                         probe_timeout_s: float = PROBE_TIMEOUT_S, tools: bool = False,
+                         images: bool = False) -> EndpointReport:
     """Every check of one endpoint. Never raises for the endpoint's faults: they are in the report.
     `tools`: the prompt set has prompts with tools, so the endpoint must return the target's calls in tool_calls.
+    `images`: the prompt set has prompts with images, so the endpoint must take image parts.
 
     `report.ok` says whether the endpoint may get work; `report.reachable` False means it did not answer
     (or did not generate) and may come back; `report.problems` non-empty means it is misconfigured."""
@@ -214,6 +222,8 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
             probes.append(_tool_probe(client, cfg, report, found, probe_timeout_s))
     if wants_output_ids(cfg) and cfg.stream:  # the ids on the run's own transport
         probes.append(_stream_ids_probe(client, cfg, report, found, probe_timeout_s))
+    if images:
+        probes.append(_images_check(client, cfg, report, found, probe_timeout_s))
     await asyncio.gather(*probes)
     report.reachable = not report.down_reason
     report.problems += _describe(found)
@@ -314,11 +324,24 @@ async def _tool_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
     except EndpointDown:
         return  # the chat probe reports a server that does not answer
     if status == 200:
+        report.tool_call_parser = report.tool_call_parser or "took tools"
         return
     error = classify(status, _error_message(answer, f"HTTP {status}"), client.label, engine=client.engine)
     if not isinstance(error, (Retryable, EndpointDown)):
+        report.tool_call_parser = "refused tools"
         found.other.append(tool_refusal(report.engine, f"a tiny request with tools was refused: {status} "
                                                        f"{_error_message(answer, '')}"))
+
+
+async def _images_check(client: EndpointClient, cfg: RunConfig, report: EndpointReport, found: _Findings,
+                        timeout_s: float) -> None:
+    """A prompt set with images: what the engine or the server says, else the tiny image probe."""
+    verdict = known_verdict(report.engine, report.images) or await probe_images(client, cfg, probe_rid, timeout_s)
+    report.images = verdict.takes if verdict.takes is not None else report.images
+    if verdict.problem:
+        found.other.append(verdict.problem)
+    elif verdict.down:
+        report.down_reason = report.down_reason or verdict.down
 
 
 def wants_output_ids(cfg: RunConfig) -> bool:

@@ -20,18 +20,22 @@ from ..core.errors import RegenError
 from ..core.identity import samples_per_prompt
 from ..core.work import record_unit
 from ..prompts.report import report_table
+from ..store.capture_ledger import has_part_messages
 from ..store.goodput import ESTIMATED, KEPT, PURPOSES, THROWN_AWAY, Goodput
 from ..store.rundir import RunDir
 from ..store.storage import Location
 from ..store.tool_counts import ToolCounts, tool_counts
+from .card_images import EXAMPLES, ImageContents, example_lines, image_lines
 from .diversity import diversity_lines, sample_diversity
-from .jsonl import read_run_manifest
+from .writer import SourceRefs, read_run_manifest
 
 CARD_DIR = "card"
 DATA_GLOB = "data/part-*.parquet"  # part-* rather than *: never a temporary file of a running writer
 CARD_COLUMNS = ["prompt_id", "sample_index", "source", "finish_reason", "flags", "prompt_tokens", "completion_tokens",
                 "reasoning_tokens", "reasoning_content", "endpoint", "model", "weight_version", "config_fingerprint"]
 GOODPUT_COLUMNS = ["content", "tool_calls", "turn_index"]  # what store/goodput.py reads beyond CARD_COLUMNS
+# records schema 6: the source's own id (the examples), and the messages where they hold content parts (images)
+OPTIONAL_COLUMNS = ["source_ref"]
 
 
 class MissingDependency(RegenError):
@@ -75,8 +79,10 @@ class RunContents:
     reasoning_tokens: list[int] = field(default_factory=list)  # where the server reported them
     reasoning_words: list[int] = field(default_factory=list)  # fallback: records without reasoning_tokens
     goodput: Goodput = field(default_factory=Goodput)  # the committed records' tokens by purpose
+    images: ImageContents = field(default_factory=ImageContents)  # image figures and the examples
 
     def add(self, row: dict[str, Any]) -> None:
+        self.images.add(row)
         self.records += 1
         self.prompts.add(row["prompt_id"])
         self.units.add(record_unit(row))  # sample 0's unit id is its prompt id (the same string)
@@ -103,11 +109,28 @@ def gather(run_dir: RunDir, whole_conversations: bool = False) -> RunContents:
     contents = RunContents()
     for part in RunDir.parts(run_dir.data):
         present = set(part.parquet_schema().names)
-        rows = part.read_parquet(columns=[c for c in CARD_COLUMNS + GOODPUT_COLUMNS if c in present]).to_pylist()
+        parts_column = ["messages"] if has_part_messages(part.parquet_schema()) else []
+        rows = part.read_parquet(columns=[c for c in CARD_COLUMNS + GOODPUT_COLUMNS + OPTIONAL_COLUMNS
+                                          if c in present] + parts_column).to_pylist()
+        if not parts_column and len(contents.images.examples) < EXAMPLES and rows:  # text only: the first messages
+            batch = next(part.parquet_file().iter_batches(batch_size=EXAMPLES, columns=["messages"]))
+            for row, messages in zip(rows, batch.column(0).to_pylist()):
+                row["messages"] = messages
         for row in rows:
             contents.add(row)
         contents.goodput.add_records(rows, whole_conversations)  # a part holds every turn of its prompts
+    _examples_source_refs(run_dir, contents.images)
     return contents
+
+
+def _examples_source_refs(run_dir: RunDir, images: ImageContents) -> None:
+    """The examples' source ids from the prompt set, for a run whose records predate the `source_ref` column."""
+    shown = images.examples + ([images.image_example] if images.image_example else [])
+    missing = {e["prompt_id"] for e in shown if e["source_ref"] is None}
+    if missing:
+        refs = SourceRefs(run_dir, only=missing)
+        for example in shown:
+            example["source_ref"] = example["source_ref"] or refs.of(example["prompt_id"])
 
 
 def failure_and_reject_counts(run_dir: RunDir, committed: set[str]) -> tuple[int, Counter, int, Counter]:
@@ -135,8 +158,8 @@ def _count_table(header: str, counts: Counter, total: int) -> list[str]:
     return lines
 
 
-def _stats_table(rows: list[tuple[str, LengthStats | None]]) -> list[str]:
-    lines = ["| length | count | mean | p50 | p95 | max |", "|---|---:|---:|---:|---:|---:|"]
+def _stats_table(rows: list[tuple[str, LengthStats | None]], header: str = "length") -> list[str]:
+    lines = [f"| {header} | count | mean | p50 | p95 | max |", "|---|---:|---:|---:|---:|---:|"]
     for label, stats in rows:
         if stats is None:
             lines.append(f"| {label} | 0 | - | - | - | - |")
@@ -229,6 +252,7 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         *diversity_lines(sample_diversity(run_dir, k, len(contents.prompts))),
         "## Sources", "", *_count_table("source", contents.by_source, contents.records), "",
         *_prompt_sources(manifest),
+        *example_lines(contents.images),
         "## Finish reasons", "", *_count_table("finish_reason", contents.finish_reasons, contents.records), "",
         "## Quality flags", "",
         f"{contents.flagged_records} of {contents.records} records carry at least one flag "
@@ -242,6 +266,7 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         "them, else a whitespace word count of `reasoning_content`, listed separately.", "",
         f"![completion length]({CARD_DIR}/completion_length.png)",
         f"![reasoning length]({CARD_DIR}/reasoning_length.png)", "",
+        *image_lines(contents.images, _stats_table, LengthStats.of),
         "## Endpoints", "", *_count_table("endpoint", contents.by_endpoint, contents.records), "",
         "## Failures and rejects", "",
         f"- terminal failures ({'prompts' if k == 1 else 'samples'} without a record): {failed}"
@@ -254,7 +279,8 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         "```python", "import datasets", "",
         f'ds = datasets.load_dataset("parquet", data_files="{run_dir.path}/{DATA_GLOB}", split="train")',
         "```", "",
-        "Training files: `regen export RUN_DIR --format specforge|specforge-tokens|speculators --out FILE`.", "",
+        "Training files: `regen export RUN_DIR --format specforge|specforge-tokens|speculators|torchspec --out FILE`.",
+        "",
     ]
     return "\n".join(lines)
 
@@ -302,7 +328,8 @@ def _capture_lines(run_dir: RunDir) -> list[str]:
             f"- capture ({cap['route']}, fingerprint `{cap['fingerprint']}`): {cap['state']}, {cap['captured']} of "
             f"{cap['capturable']} samples captured ({cap['tokens']} tokens), {cap['failed_prompts']} prompts failed "
             f"in its last pass{_named(cap['failed_prompt_ids'])}; {cap['refused_no_token_ids']} records refused "
-            "without token ids",
+            "without token ids" + (f", {cap['refused_images']} image prompts refused (no capture route sends "
+                                   "images)" if cap.get("refused_images") else ""),
             f"- states per token, in order: {layers}",
             "- exports: `regen export RUN --format specforge-offline|speculators-hidden --out DIR`", ""]
 

@@ -99,6 +99,7 @@ def specforge_per_turn_row(record: Record, reasoning_of: Callable[[int], str | N
         "conversations": history(record, reasoning_of, reasoning_history) + [reply_message(record)],
         **tools_field(record),
         "source_id": record["prompt_id"],
+        "source_ref": record.get("source_ref"),  # the source's own id of the prompt (null: none known)
         "assistant_turn_index": record["turn_index"],
     }
 
@@ -205,7 +206,7 @@ def tokens_and_mask(record: Record) -> tuple[list[int], list[int]]:
 def specforge_tokens_row(record: Record) -> dict[str, Any]:
     input_ids, loss_mask = tokens_and_mask(record)
     return {"id": turn_id(conversation_id(record), record["turn_index"]), "input_ids": input_ids,
-            "loss_mask": loss_mask}
+            "loss_mask": loss_mask, "source_ref": record.get("source_ref")}
 
 
 def speculators_row(record: Record, sampling_params: Mapping[str, Any]) -> dict[str, Any]:
@@ -214,6 +215,7 @@ def speculators_row(record: Record, sampling_params: Mapping[str, Any]) -> dict[
         # speculators' primary_id names a conversation (its resume keys on it): each sample is one of its own
         "id": speculators_id(conversation_id(record), record["turn_index"]),
         "primary_id": conversation_id(record),
+        "source_ref": record.get("source_ref"),
         "input_ids": input_ids,
         "loss_mask": loss_mask,
         "text": record["content"] or "",

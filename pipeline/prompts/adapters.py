@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.errors import ConfigError
 from .image_records import image_fields, record_images, with_images
 from .records import InvalidRecord, RejectCode, Tally
+from .schema_dialect import checked_tools, looks_like_tools
 from .tool_calls import drop_arrow_nulls, normalise_tools
 from .toolformats import CALL_ROLES, RESULT_ROLES, expand, hermes_tools, is_hermes, role_of
 
@@ -44,14 +45,18 @@ def to_conversation(spec: "SourceSpec", data: Any, tally: Tally) -> tuple[list[d
     if not isinstance(data, dict):
         raise _invalid("not_object", f"the record is a JSON {json_type(data)}, not an object")
     field = spec.conversation_field
+    if "." in field and field not in data:  # a path into objects and lists (`question.0`)
+        data = at_path(data, field)
     if spec.format in ("sharegpt", "openai"):
-        messages, tools = _conversation(data, field, spec.format, tally, arrow=spec.kind in ARROW_KINDS)
+        messages, tools = _conversation(data, field, spec.format, tally, arrow=spec.kind in ARROW_KINDS,
+                                        tools_keys=tools_keys(spec))
     elif spec.format == "alpaca":
         messages, tools = _alpaca(data, field), []
     elif spec.format == "prompt":
         messages, tools = _prompt(data, field), []
     elif spec.format == "input_output":
-        messages, tools = _input_output(data, field, tally, arrow=spec.kind in ARROW_KINDS)
+        messages, tools = _input_output(data, field, tally, arrow=spec.kind in ARROW_KINDS,
+                                        tools_keys=tools_keys(spec))
     elif spec.format == "question_answer":
         messages, tools = _question_answer(data, field), []
     else:
@@ -59,22 +64,45 @@ def to_conversation(spec: "SourceSpec", data: Any, tally: Tally) -> tuple[list[d
     images = record_images(spec, data)
     if images is not None:
         messages = with_images(messages, images[0], images[1], tally)
+    if tools:
+        tools = checked_tools(tools, spec.schema_dialect, tally)
     carried = carried_keys(spec)
     for key in data:
         if key not in carried and not _empty(data[key]):
             tally.uncarry(f"record.{key}")
+            if looks_like_tools(data[key]):  # only for a field not carried: a few checks, then usually out
+                tally.tool_like[key] = tally.tool_like.get(key, 0) + 1
     return messages, tools
+
+
+def at_path(data: dict, path: str) -> dict:
+    """The record with its dotted `path` (`question.0`: key `question`, then item 0 of its list) read into the key
+    `path` itself, where every step exists; else the record as it is (the field is then missing)."""
+    value: Any = data
+    for step in path.split("."):
+        if isinstance(value, dict) and step in value:
+            value = value[step]
+        elif isinstance(value, (list, tuple)) and step.isdigit() and int(step) < len(value):
+            value = value[int(step)]
+        else:
+            return data
+    return {**data, path: value}
+
+
+def tools_keys(spec: "SourceSpec") -> tuple[str, ...]:
+    return TOOLS_KEYS + ((spec.tools_field,) if spec.tools_field and spec.tools_field not in TOOLS_KEYS else ())
 
 
 @functools.lru_cache(maxsize=64)
 def carried_keys(spec: "SourceSpec") -> frozenset[str]:
     """The top-level keys of a record that the spec's format reads (the others are counted, never dropped
     silently)."""
-    keys = {spec.conversation_field} | ({spec.id_field} if spec.id_field else set()) | set(image_fields(spec))
+    keys = ({spec.conversation_field, spec.conversation_field.split(".")[0]} | set(spec.ignore_fields)
+            | ({spec.id_field} if spec.id_field else set()) | set(image_fields(spec)))
     if spec.format in ("sharegpt", "openai"):
-        return frozenset(keys | set(TOOLS_KEYS))
+        return frozenset(keys | set(tools_keys(spec)))
     if spec.format == "input_output":
-        return frozenset(keys | set(TOOLS_KEYS) | {OUTPUT_KEY})
+        return frozenset(keys | set(tools_keys(spec)) | {OUTPUT_KEY})
     if spec.format == "question_answer":
         return frozenset(keys | {ANSWER_KEY})
     if spec.format == "alpaca":
@@ -93,8 +121,8 @@ def source_ref(spec: "SourceSpec", data: Any) -> str | None:
     return str(data[spec.id_field])
 
 
-def _conversation(data: dict, field: str, fmt: str, tally: Tally,
-                  arrow: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _conversation(data: dict, field: str, fmt: str, tally: Tally, arrow: bool = False,
+                  tools_keys: tuple[str, ...] = TOOLS_KEYS) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     if field not in data or data[field] is None:
         raise _invalid("missing_field", f"the record has no conversation field {field!r}")
     conv = data[field]
@@ -125,7 +153,7 @@ def _conversation(data: dict, field: str, fmt: str, tally: Tally,
             message["tool_calls"] = drop_arrow_nulls(message["tool_calls"], tally)
         out.append(message)
     tools: list[dict[str, Any]] = []
-    for key in TOOLS_KEYS:
+    for key in tools_keys:
         if data.get(key) is not None:
             value = drop_arrow_nulls(data[key], tally) if arrow else data[key]
             tools += normalise_tools(value, f"the {key!r} field", tally)
@@ -186,11 +214,11 @@ def _alpaca(data: dict, field: str) -> list[dict[str, Any]]:
     return msgs
 
 
-def _input_output(data: dict, field: str, tally: Tally,
-                  arrow: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _input_output(data: dict, field: str, tally: Tally, arrow: bool = False,
+                  tools_keys: tuple[str, ...] = TOOLS_KEYS) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """`input`: the conversation so far as `role`/`content` messages; `output`: the assistant's reply to it (as
     speculators' `_normalize_nemotron` joins them)."""
-    messages, tools = _conversation(data, field, "openai", tally, arrow)
+    messages, tools = _conversation(data, field, "openai", tally, arrow, tools_keys)
     reply = _reply(data, OUTPUT_KEY)
     return (messages + [reply] if reply else messages), tools
 

@@ -25,8 +25,10 @@ class TruncatedSource(SourceError):
 
     def __init__(self, source: str, file: str, cut: "Cut"):
         self.file, self.cut = file, cut
-        where = (f"the last complete record (#{cut.records_kept - 1}) ends at byte {cut.offset:,}"
-                 if cut.records_kept else "it holds no complete record")
+        # one count in both halves of the message: records 1 to N are complete (no zero-based index beside it)
+        where = ((f"its {cut.records_kept:,} complete records end" if cut.records_kept != 1 else
+                  "its 1 complete record ends") + f" at byte {cut.offset:,}" if cut.records_kept else
+                 "it holds no complete record")
         super().__init__(source, f"{file} {cut.problem} at byte {cut.error_at:,} of {cut.size:,}: {where}",
                          f"nothing was run. Fix the file, or add `salvage: true` to the source spec to keep the "
                          f"{cut.records_kept:,} complete records and {cut.what_is_dropped}")

@@ -5,10 +5,13 @@ A list content is read part by part:
 - an image -> `{"type": "image_ref", "ref": <the reference as the source wrote it>}`, read later by images.py:
   `{"type": "image_url", "image_url": {"url"}}` or `image_url` as a bare string (OpenAI, TorchSpec), `{"type":
   "image", "image" | "path" | "url" | "image_url" | "base64": ...}` (TorchSpec, speculators, transformers' chat
-  templates), `{"type": "input_image", "image_url"}` (the Responses API; SGLang takes it too). An image part that
-  holds nothing (`{"type": "image"}`, as TRL's datasets write them beside an `images` column) is a placeholder
+  templates), `{"type": "input_image", "image_url"}` (the Responses API). Each is sent as an `image_url` part, the
+  one form every supported SGLang version's request model takes (its pydantic models refuse `image`,
+  `input_image` and a bare-string `image_url`). An image part that holds nothing (`{"type": "image"}`, as TRL's datasets write them beside an `images` column) is a placeholder
   (`ref` None) that the record's images field fills (image_records.py);
-- an image part already read (`sha256` and `media_type`: the normalised form, core/images.py) is kept as it is;
+- an image part in regen's own stored form (`sha256`, `media_type`, `path`: core/images.py) is read from its
+  `path` like any other (never taken on the record's word: its bytes are hashed, checked and kept under
+  `image_root`); its other keys are counted as not carried, and one without `path` is a placeholder;
 - video, audio and file parts, and any other type: the record is rejected under the kind's own code, the reason
   naming the type. They are never sent as text.
 Keys of a part that regen does not send (an image's `detail`, ...) are counted by name (`part.KEY`,
@@ -62,8 +65,8 @@ def read_parts(content: list | tuple, i: int, tally: Tally) -> list[dict[str, An
                                     f"message {i}: text part {k} holds a {type(text).__name__}, not a string")
             _count_extra(part, ("type", "text"), "part", tally)
             out.append({"type": "text", "text": text or ""})
-        elif kind == IMAGE_REF or (kind == "image" and "sha256" in part and "media_type" in part):
-            out.append(part)
+        elif kind == IMAGE_REF:  # read already (image_records.py), or a source's own: a reference, checked later
+            out.append(part if "ref" in part else image_ref(None))
         elif kind in IMAGE_TYPES:
             out.append(image_ref(_reference(part, kind, tally)))
         elif kind in UNCARRIED_TYPES:

@@ -18,7 +18,8 @@ from .presets import Preset, recognise
 from .prompt_set import image_folder, normalise_record
 from .errors import NoValidPrompts, SourceError, TruncatedSource
 from .records import InvalidRecord, RawRecord, Reject, Tally
-from .report import SourceReport
+from .report import SourceReport, uncarried_tools_line
+from .schema_dialect import SCHEMA_KINDS
 from .sources import BOM, ReadStats, SourceSpec, read_file, read_records, resolve_files
 
 PROBE_RECORDS = 20
@@ -41,6 +42,8 @@ class Probe:
     # a file cut short without `salvage: true`: read to its end, as `regen generate` refuses it
     truncated: TruncatedSource | None = None
     census: ImageCensus = field(default_factory=ImageCensus)  # distinct images, formats, image rejects
+    tool_like: Counter = field(default_factory=Counter)  # fields not carried that look like tool schemas -> records
+    schemas: Counter = field(default_factory=Counter)  # tool schemas not JSON Schema (schema_dialect.py), by kind
 
     def lines(self) -> list[str]:
         seen = "; ".join(f"{name}: {what}" for name, what in self.containers.items()) or "nothing"
@@ -117,6 +120,8 @@ class _Checker:
                         probe.census.add(resolved)
                 if probe is not None:
                     probe.images.update(tally.images)
+                    probe.tool_like.update(tally.tool_like)
+                    probe.schemas.update({k: n for k, n in tally.tools.items() if k in SCHEMA_KINDS})
                 return True
             except InvalidRecord as exc:
                 code, reason = exc.code.value, exc.reason_of(rec.origin)
@@ -159,8 +164,19 @@ def _check(probe: Probe) -> None:
         fmt, key = probe.looks_like
         if (fmt, key) != (spec.format, spec.conversation_field):
             probe.warnings.append(f"{said}; the records look like {fmt} under {key!r}")
-    if probe.keys and spec.conversation_field not in probe.keys:
+    if probe.keys and spec.conversation_field.split(".")[0] not in probe.keys:
         probe.warnings.append(f"no record has the field {spec.conversation_field!r} (set `field`)")
+    for key, n in sorted(probe.tool_like.items()):
+        probe.warnings.append(uncarried_tools_line(spec.name, key, n) + "; regen generate refuses the source until "
+                              "one is said")
+    if probe.schemas:
+        counted = ", ".join(f"{kind} {n}" for kind, n in sorted(probe.schemas.items()))
+        mapped = probe.schemas.get("schemas_mapped_from_bfcl")
+        probe.warnings.append(f"tool schemas that are not JSON Schema: {counted} (tools of the first records). " + (
+            "`schema_dialect: bfcl` maps them as BFCL does" if mapped else
+            "They are sent as given: SGLang rewrites known type aliases (`dict`, `float`) and refuses a schema "
+            "still invalid (a 400 for each prompt); `schema_dialect: bfcl` maps BFCL's dialect "
+            "(docs/sources-tool-calls.md)"))
     for file, kind in _json_files(spec):
         if _ends_whole(file, kind, spec):
             continue

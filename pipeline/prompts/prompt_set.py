@@ -41,6 +41,8 @@ class Prompt:
     source_ref: str | None = None
     tools: tuple[dict[str, Any], ...] | None = None  # the OpenAI `tools` list the prompt is sent with; None: none
     reference_tool_calls: str | None = None  # the calls of that final step (canonical JSON), when it made any
+    # what its record did not carry (Tally.uncarried, .tool_like as ("tools:KEY", n)): counted once it is selected
+    uncarried: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
 
 class PromptSink(Protocol):
@@ -101,13 +103,30 @@ def _raw_text(data: Any) -> str:
 
 def _encode(p: Prompt) -> bytes:
     return orjson.dumps([p.prompt_id, p.source, p.messages, p.reference, p.origin, p.source_ref, p.tools,
-                         p.reference_tool_calls])
+                         p.reference_tool_calls, p.uncarried])
 
 
 def _decode(blob: bytes) -> Prompt:
-    pid, source, messages, reference, origin, ref, tools, calls = orjson.loads(blob)
+    pid, source, messages, reference, origin, ref, tools, calls, uncarried = orjson.loads(blob)
     return Prompt(pid, source, tuple(messages), reference, origin, ref, None if tools is None else tuple(tools),
-                  calls)
+                  calls, tuple((name, n) for name, n in uncarried))
+
+
+TOOL_LIKE = "tools:"  # Prompt.uncarried: a field not carried that looks like tool schemas
+
+
+def _uncarried(tally: Tally) -> tuple[tuple[str, int], ...]:
+    """What the record did not carry, taken out of its tally: counted when the prompt is selected (`_selected`)."""
+    out = tuple(tally.uncarried.items()) + tuple((TOOL_LIKE + key, n) for key, n in tally.tool_like.items())
+    tally.uncarried, tally.tool_like = {}, {}
+    return out
+
+
+def _selected(report: SourceReport, prompt: Prompt) -> None:
+    for name, n in prompt.uncarried:
+        target, key = ((report.uncarried_tools, name[len(TOOL_LIKE):]) if name.startswith(TOOL_LIKE)
+                       else (report.uncarried, name))
+        target[key] = target.get(key, 0) + n
 
 
 # (messages, tools) -> None; raises InvalidRecord(TOO_LONG)
@@ -148,6 +167,7 @@ def build_into(sink: PromptSink, sources: list[tuple[SourceSpec, int | None]], m
             held.add(prompt.prompt_id)
             sink.add_prompt(prompt)
             report.selected += 1
+            _selected(report, prompt)
 
         def offer(prompt: Prompt) -> None:
             if prompt.prompt_id in held:  # an earlier source's: the limit counts only what this one adds
@@ -199,6 +219,7 @@ def _read_source(spec: SourceSpec, mode: str, report: SourceReport, sink: Prompt
             sink.add_reject(Reject(spec.name, rec.origin, reason, _raw_text(rec.data), e.code.value))
             continue
         report.valid += 1
+        uncarried = _uncarried(tally) if tally.uncarried or tally.tool_like else ()
         report.count(tally)
         pid = prompt_id(norm.messages, mode, norm.tools)
         if pid in seen:
@@ -206,7 +227,7 @@ def _read_source(spec: SourceSpec, mode: str, report: SourceReport, sink: Prompt
             continue
         seen.add(pid)
         keep(Prompt(pid, spec.name, norm.messages, norm.reference, rec.origin, source_ref(spec, rec.data),
-                    norm.tools, norm.reference_tool_calls))
+                    norm.tools, norm.reference_tool_calls, uncarried))
     report.rejected = report.read - report.valid
     report.nul_removed += stats.nul_bytes_removed
     report.containers = dict(stats.containers)

@@ -92,6 +92,8 @@ class Tally:
     uncarried: dict[str, int] = field(default_factory=dict)
     tools: dict[str, int] = field(default_factory=dict)
     images: dict[str, int] = field(default_factory=dict)
+    # top-level fields not carried that look like tool schemas (schema_dialect.py looks_like_tools), by name
+    tool_like: dict[str, int] = field(default_factory=dict)
 
     def drop(self, kind: str, n: int = 1) -> None:
         self.dropped[kind] = self.dropped.get(kind, 0) + n

@@ -38,6 +38,9 @@ class SourceReport:
     # from_dataset_bytes, images_at_markers, images_placed_before_text) and messages_with_parts (content lists,
     # text-only ones too); their rejects are in rejected_by_reason
     image_counts: dict[str, int] = field(default_factory=dict)
+    # fields not carried that look like tool schemas (a list of objects with `name` and `parameters`) -> records:
+    # validate warns, generate refuses (name it `tools_field`, or `ignore_fields`)
+    uncarried_tools: dict[str, int] = field(default_factory=dict)
 
     def reject(self, code: str, reason: str) -> None:
         self.rejected_by_reason[code] = self.rejected_by_reason.get(code, 0) + 1
@@ -45,13 +48,13 @@ class SourceReport:
 
     def count(self, tally: "Tally") -> None:
         """What normalising one kept record counted."""
-        if not (tally.dropped or tally.changed or tally.uncarried or tally.tools or tally.images):
+        if not (tally.dropped or tally.changed or tally.uncarried or tally.tools or tally.images or tally.tool_like):
             return
         dropped = dict(tally.dropped)
         self.nul_removed += dropped.pop("nul", 0)
         for target, counts in ((self.dropped_turns, dropped), (self.changed, tally.changed),
-                               (self.uncarried, tally.uncarried),
-                               (self.tool_counts, tally.tools), (self.image_counts, tally.images)):
+                               (self.uncarried, tally.uncarried), (self.tool_counts, tally.tools),
+                               (self.image_counts, tally.images), (self.uncarried_tools, tally.tool_like)):
             for kind, n in counts.items():
                 target[kind] = target.get(kind, 0) + n
 
@@ -85,6 +88,8 @@ def report_lines(reports: list[dict[str, Any]], indent: str = "  ") -> list[str]
                 + (f"; images: {_counts(r.image_counts)}" if r.image_counts else "")
                 + (f"; fields not carried: {_counts(r.uncarried)}" if r.uncarried else ""))
         lines.append(line)
+        for key, n in sorted(r.uncarried_tools.items()):
+            lines.append(f"{indent}  {uncarried_tools_line(r.name, key, n)}")
         for cut in r.cuts:
             lines.append(f"{indent}  salvaged {cut['file']}: {cut['problem']}; kept {cut['records_kept']:,} "
                          f"records up to byte {cut['offset']:,}, " + (
@@ -118,3 +123,11 @@ def report_table(reports: list[dict[str, Any]]) -> list[str]:
                          + ("nothing of a record lost | | | |" if cut.get("unclosed") else
                             f"{cut['bytes_dropped']} bytes dropped | | | |"))
     return lines
+
+
+def uncarried_tools_line(source: str, key: str, records: int) -> str:
+    """A field of tool schemas that the run would not send."""
+    return (f"the field {key!r} of {records:,} records looks like tool schemas (a list of objects with `name` and "
+            f"`parameters`) and is not carried: the run would send these prompts without those tools. Name it "
+            f"`tools_field: {key}` in the source spec of {source!r} to send them, or `ignore_fields: [{key}]` to run "
+            "without them")

@@ -38,6 +38,9 @@ class SourceSpec:
     spec_file: Path | None = None  # relative paths resolve against its directory (else the working directory)
     image_root: str | None = None  # the folder local images resolve against and must lie in (None: image_folder)
     image_field: str | None = None  # the record's images field (None: `image`, then `images`)
+    tools_field: str | None = None  # the record's tools column (a list, or a JSON string of one), beside `tools`
+    ignore_fields: tuple[str, ...] = ()  # top-level keys known not to shape the prompt: not counted, not checked
+    schema_dialect: str | None = None  # the tools' schema dialect to map from (schema_dialect.py: "bfcl")
 
     @property
     def base_dir(self) -> Path:
@@ -74,7 +77,8 @@ class SourceSpec:
 
 
 # The types a key accepts as YAML gives them (bool is never an int here: `limit: true` is a typo).
-_TYPES: dict[str, tuple[type, ...]] = {"limit": (int,), "salvage": (bool,), "data_files": (str, list)}
+_TYPES: dict[str, tuple[type, ...]] = {"limit": (int,), "salvage": (bool,), "data_files": (str, list),
+                                       "ignore_fields": (str, list)}
 
 
 class SourceSpecFile(BaseModel):
@@ -99,7 +103,9 @@ class SourceSpecFile(BaseModel):
     subset: str | None = Field(None, description="kind hf: the dataset's configuration (subset) name.")
     field: str | None = Field(None, description="The record's conversation field (default by format: "
                                                 "`conversations`, `messages`, `instruction`, `prompt`, `input`, "
-                                                "`question`).")
+                                                "`question`). A dotted path reads into objects and lists: "
+                                                "`question.0` is the first item of the list `question` (BFCL's "
+                                                "first turn: docs/sources-tool-calls.md).")
     id_field: str | None = Field(None, description="A field holding the record's own id, kept on each record as its "
                                                    "`source_ref` (for tracing only: it is not the prompt id).")
     limit: int | None = Field(None, ge=1, description="Keep at most this many prompts of the source: of those earlier "
@@ -125,6 +131,21 @@ class SourceSpecFile(BaseModel):
                                                       "`datasets` Image value), placed at the `<image>` markers of "
                                                       "the user turns, else before the first user text. Default: "
                                                       "`image`, then `images`.")
+
+    tools_field: str | None = Field(None, description="sharegpt, openai, input_output: the record's field holding "
+                                                      "its tool schemas (a list, or a JSON string of one; bare "
+                                                      "`{name, parameters}` objects are wrapped as OpenAI tools), "
+                                                      "read beside `tools` and `functions`: BFCL's `function`.")
+    ignore_fields: str | list[str] | None = Field(None, description="Top-level fields of a record known not to "
+                                                                    "shape the prompt: not counted as `fields not "
+                                                                    "carried`, and not refused when they look like "
+                                                                    "tool schemas (say so for a column of schemas "
+                                                                    "the run should not send).")
+    schema_dialect: Literal["bfcl"] | None = Field(None, description="Map the tools' schemas from this dialect to "
+                                                                      "JSON Schema (`bfcl`: BFCL's own mapping; each "
+                                                                      "mapped schema is counted). Without it schemas "
+                                                                      "are sent as given, and what is not JSON "
+                                                                      "Schema is counted.")
 
     @model_validator(mode="before")
     @classmethod
@@ -153,7 +174,18 @@ class SourceSpecFile(BaseModel):
                 raise ConfigError(f"{spec_file}: key {key!r} applies only to kind {' or '.join(kinds)}")
         if doc.get("limit") is not None and doc["limit"] < 1:
             raise ConfigError(f"{spec_file}: key 'limit' must be at least 1, got {doc['limit']}")
-        for key in ("split", "field", "id_field", "subset", "records_field", "image_root", "image_field"):
+        if doc.get("schema_dialect") is not None and doc["schema_dialect"] not in ("bfcl",):
+            raise ConfigError(f"{spec_file}: key 'schema_dialect' must be bfcl, got {doc['schema_dialect']!r}")
+        for key in ("tools_field", "schema_dialect"):
+            if doc.get(key) is not None and doc["format"] not in ("sharegpt", "openai", "input_output"):
+                raise ConfigError(f"{spec_file}: key {key!r} applies only to formats sharegpt, openai and "
+                                  "input_output (the formats with tools)")
+        ignored = doc.get("ignore_fields") or ()
+        ignored = (ignored,) if isinstance(ignored, str) else tuple(ignored)
+        if not all(isinstance(f, str) and f for f in ignored):
+            raise ConfigError(f"{spec_file}: key 'ignore_fields' must be a field name or a list of them")
+        for key in ("split", "field", "id_field", "subset", "records_field", "image_root", "image_field",
+                    "tools_field"):
             if doc.get(key) == "":
                 raise ConfigError(f"{spec_file}: key {key!r} must not be empty")
         data_files = doc.get("data_files") or ()
@@ -169,7 +201,9 @@ class SourceSpecFile(BaseModel):
             subset=self.subset, field=self.field, id_field=self.id_field, limit=self.limit,
             records_field=self.records_field, salvage=self.salvage,
             data_files=(data_files,) if isinstance(data_files, str) else tuple(data_files), spec_file=spec_file,
-            image_root=self.image_root, image_field=self.image_field)
+            image_root=self.image_root, image_field=self.image_field, tools_field=self.tools_field,
+            ignore_fields=(self.ignore_fields,) if isinstance(self.ignore_fields, str) else tuple(
+                self.ignore_fields or ()), schema_dialect=self.schema_dialect)
 
 
 def load_source_spec(path: str | Path) -> SourceSpec:

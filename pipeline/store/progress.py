@@ -252,3 +252,16 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def records_of(mode: str, samples_per_prompt: int, run_dir: Any, units: int) -> str:
+    """The end line's count: all_turns stores a record per regenerated turn, `N records (M prompts)` as the card
+    says it; else `N records`."""
+    what = "prompts" if samples_per_prompt == 1 else "samples"
+    return f"{run_dir.record_rows()} records ({units} {what})" if mode == "all_turns" else f"{units} records"
+
+
+def held_out(extra: dict) -> str:
+    """The end line's word on endpoints the preflight refused and that never passed it (--start-with-passing)."""
+    held = extra.get("held_out")
+    return f"; {', '.join(held)} refused by the preflight throughout (held out: no work)" if held else ""

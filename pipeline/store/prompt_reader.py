@@ -184,11 +184,20 @@ class PromptSetReader:
                 return True
         return False
 
-    def ids(self) -> set[str]:
-        ids: set[str] = set()
-        for _, table in self.scan(["prompt_id"]):
-            ids.update(table.column(0).to_pylist())
-        return ids
+    def id_array(self) -> pa.Array:
+        """The prompt ids, in file order, as one Arrow array (a few bytes a prompt; no Python object per prompt)."""
+        chunks = [table.column(0).combine_chunks() for _, table in self.scan(["prompt_id"])]
+        return pa.concat_arrays(chunks) if chunks else pa.array([], pa.string())
+
+    def refreshed_from(self, older: "PromptSetReader") -> tuple[int, int, list[str]]:
+        """Against an older version of the set: (prompts added, prompts vanished, the first 20 vanished ids, sorted),
+        computed in Arrow."""
+        old, new = older.id_array(), self.id_array()
+        new = new.cast(old.type) if new.type != old.type else new
+        vanished = old.filter(pc.invert(pc.is_in(old, value_set=new)))
+        added = len(new) - pc.sum(pc.is_in(new, value_set=old)).as_py() if len(new) else 0
+        first = pc.take(vanished, pc.array_sort_indices(vanished)[:20]).to_pylist() if len(vanished) else []
+        return int(added), len(vanished), first
 
     # --- the pending set ----------------------------------------------------------------------------
     def pending(self, committed: Units, failed: Units, skip_failed: bool, affinity_chars: int,

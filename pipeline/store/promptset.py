@@ -26,6 +26,7 @@ from ..core.work import affinity_key
 from ..prompts.errors import SourceError
 from ..prompts.fileid import FilesCheck, compare_files, file_identity
 from ..prompts.prompt_set import BuildResult, Prompt, Reject, build_into
+from ..prompts.report import uncarried_tools_line
 from ..prompts.sources import SourceSpec, load_source_spec
 from ..prompts.tool_calls import as_written_json, has_tool_fields, message_from_row, message_row
 from ..prompts.tokens import load_length_check
@@ -202,15 +203,25 @@ def stage_prompt_set(cfg: RunConfig, fetch: ImageFetch | None = None) -> StagedP
     staged = StagedPromptSet(cfg.prefix_affinity_chars, cfg.images.store)
     try:
         staged.files = file_identity({key: spec for key, (spec, _) in specs.items()})
-        check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path(), cfg.served_chat_template())
+        check = load_length_check(cfg.max_prompt_tokens, cfg.tokenizer_path(), cfg.served_chat_template(),
+                                  cfg.images.tokens_per_image)
         staged.result = build_into(staged, list(specs.values()), mode=cfg.mode, seed=cfg.selection_seed,
                                    length_check=check, images=cfg.images, fetch=fetch)
         _check_every_listed_file_was_read(specs, staged)
+        refuse_uncarried_tools(staged.result.reports)
         staged.close()
     except BaseException:
         staged.discard()
         raise
     return staged
+
+
+def refuse_uncarried_tools(reports: list) -> None:
+    """A source with a field of tool schemas the run would not send (prompts/schema_dialect.py looks_like_tools) is
+    refused: the run would be tool-free without a word. `tools_field` or `ignore_fields` in its spec says which."""
+    for report in reports:
+        for key, n in sorted(report.uncarried_tools.items()):
+            raise SourceError(report.name, uncarried_tools_line(report.name, key, n), "nothing was written to the run")
 
 
 def _check_every_listed_file_was_read(specs: dict[str, tuple[SourceSpec, int | None]],

@@ -158,6 +158,11 @@ class RunDir:
     def parts(folder: Location) -> list[Location]:
         return sorted(p for p in folder.iterdir() if PART_RE.match(p.name))
 
+    def record_rows(self) -> int:
+        """The records committed (rows of the data parts, from their footers): with all_turns one per regenerated
+        turn, so more than the units."""
+        return sum(part.parquet_file().metadata.num_rows for part in self.parts(self.data))
+
     def next_part(self, folder: Location) -> Location:
         """The name the next part of `folder` gets (one committer per folder)."""
         existing = self.parts(folder)

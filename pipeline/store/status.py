@@ -130,7 +130,8 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
         print(f"  capture ({cap['route']}, {cap['fingerprint']}): {cap['state']}; {cap['captured']} of "
               f"{cap['capturable']} samples captured ({cap['tokens']} tokens); {cap['failed_prompts']} prompts "
               f"failed; records refused: {cap['refused_no_token_ids']} without token ids, "
-              f"{cap['refused_count_mismatch']} whose ids disagree with their counts")
+              f"{cap['refused_count_mismatch']} whose ids disagree with their counts, "
+              f"{cap.get('refused_images', 0)} image prompts (no route captures images)")
         if cap["failed_prompt_ids"]:
             print(f"  capture failed prompts (tried again by the next run): {', '.join(cap['failed_prompt_ids'][:10])}"
                   + (" ..." if len(cap["failed_prompt_ids"]) > 10 else ""))

@@ -1,6 +1,7 @@
 """`regen simulate CONFIG --endpoints N --tok-s X`: a dry run of the real pipeline before a two-day run.
 
-It builds the config's real prompt set, takes a content-ranked sample, and runs the real `regen generate`
+It builds the config's real prompt set, takes a content-ranked sample (each prompt with its tools, as the run
+sends it: the emulator answers a prompt with tools with calls, as the target does), and runs the real `regen generate`
 (same sampling, mode, thinking, flush settings) against N emulated SGLang endpoints decoding at X tok/s per
 request, time-compressed by `--speedup`. From the sample it predicts the full run's wall time, tokens and
 disk, and it has checked the config end to end (sources, templates, dispatch, commits) on the way.
@@ -31,31 +32,48 @@ from ..run import build_prompts
 @dataclass
 class Prediction:
     prompts: int
-    sample: int
+    sample: int  # samples (units) the simulated run committed: sampled prompts x samples_per_prompt
     sample_wall_s: float  # simulated, compressed time
     wall_s: float
     completion_tokens: int
     disk_bytes: int
+    samples_per_prompt: int = 1
+    with_tools: int = 0  # of the sampled prompts, those sent with tools
 
     def table(self) -> str:
+        k = self.samples_per_prompt
+        prompts = -(-self.sample // k)  # the sampled prompts (a prompt's k samples are one prompt)
+        what = (f"sampled {prompts} of {self.prompts} prompts" if k == 1 else
+                f"sampled {prompts} of {self.prompts} prompts ({self.sample} samples, {k} per prompt)")
+        if self.with_tools:
+            what += f", {self.with_tools} of them sent with their tools"
         return "\n".join([
-            f"sampled {self.sample} of {self.prompts} prompts; the sample ran in {self.sample_wall_s:.1f}s",
+            f"{what}; the sample ran in {self.sample_wall_s:.1f}s",
             f"predicted wall time   {self.wall_s / 3600:.2f} h ({self.wall_s:.0f} s)",
             f"predicted tokens      {self.completion_tokens:,} completion tokens",
             f"predicted disk        {self.disk_bytes / 1e9:.2f} GB",
         ])
 
 
-def write_sample(cfg_path: str, sample: int, work: Path) -> tuple[Path, int, object]:
-    """The config's prompt set (sources read for real), a content-ranked sample of it as a JSONL source."""
+def sample_row(prompt) -> dict:
+    """A prompt as the run sends it: its messages and, where it has them, its tools (the tool path is simulated)."""
+    row: dict = {"messages": list(prompt.messages)}
+    if prompt.tools:
+        row["tools"] = list(prompt.tools)
+    return row
+
+
+def write_sample(cfg_path: str, sample: int, work: Path) -> tuple[Path, int, object, int]:
+    """The config's prompt set (sources read for real), a content-ranked sample of it as a JSONL source; returns
+    the spec, the set's prompt count, the config and how many sampled prompts have tools."""
     cfg = load_config(cfg_path)
     prompt_set = build_prompts(cfg)
     prompts = sorted(prompt_set.prompts, key=lambda p: p.prompt_id)[:sample]  # prompt_ids are hashes: a fair sample
     data = work / "sample.jsonl"
-    data.write_bytes(b"".join(orjson.dumps({"messages": list(p.messages)}) + b"\n" for p in prompts))
+    data.write_bytes(b"".join(orjson.dumps(sample_row(p)) + b"\n" for p in prompts))
     spec = work / "sample.yaml"
     spec.write_text(yaml.safe_dump({"name": "sample", "kind": "jsonl", "path": str(data), "format": "openai"}))
-    return spec, len(prompt_set.prompts), cfg
+    return spec, len(prompt_set.prompts), cfg, sum(1 for p in prompts if p.tools)
 
 
 def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, speedup: float = 20.0,
@@ -64,7 +82,7 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
 
     with tempfile.TemporaryDirectory(prefix="regen-simulate-") as tmp:
         work = Path(tmp)
-        spec, total, cfg = write_sample(cfg_path, sample, work)
+        spec, total, cfg, with_tools = write_sample(cfg_path, sample, work)
         per_endpoint = concurrency or (cfg.all_endpoints()[0].concurrency if cfg.all_endpoints() else 64)
         servers = [start_emulator(preset="kimi", served_model_name=cfg.model, tok_per_s=tok_s * speedup,
                                   capacity=per_endpoint) for _ in range(endpoints)]
@@ -108,7 +126,8 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
     generating_real = max(sum(request_s) * scale / slots, max(request_s, default=0.0))
     disk_total = disk * scale
     return Prediction(prompts=total, sample=done, sample_wall_s=elapsed, wall_s=startup + generating_real,
-                      completion_tokens=int(mean_tokens * stretch * units), disk_bytes=int(disk_total))
+                      completion_tokens=int(mean_tokens * stretch * units), disk_bytes=int(disk_total),
+                      samples_per_prompt=cfg.samples_per_prompt, with_tools=with_tools)
 
 
 def _generating_seconds(parts: list[Path]) -> float:

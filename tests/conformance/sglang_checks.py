@@ -9,7 +9,9 @@
 - every emulator answer to those bodies, and its information endpoints, against this version's response models
   (a key they do not declare is a failure too: the emulator invented it).
 - the emulator's Kimi reasoning split against this version's own ReasoningParser("kimi_k2");
-- the emulator's tool calls against this version's own KimiK2Detector and call-id rule (sglang_tool_checks.py).
+- the emulator's tool calls against this version's own KimiK2Detector and call-id rule (sglang_tool_checks.py);
+- its image prompts against this version's own Kimi-K2.5 processor rule, image loaders and /model_info
+  (sglang_image_checks.py).
 Writes {check: {"ok": bool, "detail": [...]}}.
 """
 from __future__ import annotations
@@ -212,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--emulator", required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    from tests.conformance.sglang_tool_checks import ToolChecker
+    from tests.conformance.sglang_image_checks import ImageChecker
 
-    checker = ToolChecker(args.root, args.emulator)
+    checker = ImageChecker(args.root, args.emulator)
     for line in args.bodies.read_text().splitlines():
         entry = json.loads(line)
         route, body = entry["route"], entry.get("body")
@@ -227,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     checker.info_endpoints()
     checker.kimi_split()
     checker.texts()
+    checker.image_checks()
     args.out.write_text(json.dumps(checker.results, indent=1))
     return 0
 

@@ -169,3 +169,19 @@ class OpenAIAdapter:
     def tool_calls_fix(self) -> str:
         """How to launch the server so that it returns the model's calls in `tool_calls`."""
         return "launch it with its tool-call parser on, so that it returns the model's calls in tool_calls"
+
+    # --- images ------------------------------------------------------------------------------------
+    @property
+    def takes_images(self) -> bool | None:
+        """Whether the engine can take image parts at all: False never (the preflight refuses an image prompt set
+        at once); None: the server says (SGLang's /model_info) or a tiny image probe shows it."""
+        return None
+
+    def image_url_extras(self, sha256: str) -> dict[str, Any]:
+        """The fields of a request's `image_url` object beside `url`, for an image of this sha256 (SGLang's
+        `content_hash` where its version declares it); none for an engine that declares none."""
+        return {}
+
+    def images_fix(self) -> str:
+        """How to launch the server so that it takes the prompt set's images."""
+        return "serve a vision-language model on it (one that takes image_url parts)"

@@ -1,5 +1,6 @@
 """llama.cpp (its server, as xllamacpp embeds it: the local default fleet). It returns no token ids, splits no
-reasoning, and has no information endpoints of SGLang's; /v1/models says `owned_by: llamacpp`."""
+reasoning, takes no images (the local fleet launches no --mmproj), and has no information endpoints of SGLang's;
+/v1/models says `owned_by: llamacpp`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,3 +45,13 @@ class LlamaCppAdapter(OpenAIAdapter):
 
     def chat_extras(self, *, want_ids: bool, stream: bool) -> dict[str, Any]:
         return {}
+
+    @property
+    def takes_images(self) -> bool | None:
+        return False
+
+    def images_fix(self) -> str:
+        return ("regen's llama.cpp fleet serves text only (xllamacpp answers an image part with 500 'image input is "
+                "not supported - hint: if this is unexpected, you may need to provide the mmproj', and its /props "
+                "says modalities.vision: false): run an image prompt set on SGLang or vLLM serving a vision-language "
+                "model")

@@ -8,8 +8,15 @@
 | stream ids (`return_*_ids_in_sglext`)  | -      | -           | -                    | final `sglext` chunk      |
 | `metadata.weight_versions` spans       | -      | -           | -                    | yes                       |
 | `/generate` sampling_params contract   | -      | -           | -                    | unknown field: 400        |
+| chat `image_url.content_hash`          | -      | -           | yes                  | yes                       |
+| image parts to a text-only model: 400  | -      | yes         | yes                  | yes                       |
 `/server_info` and `/model_info` exist in all four; 0.5.23 logs a deprecation warning on every call to the
-`/get_*` aliases. Stream chunks never carry a weight version.
+`/get_*` aliases. Stream chunks never carry a weight version. Every version's /model_info says
+`has_image_understanding` (http_server.py; from model_config.is_image_understandable_model: the checkpoint has a
+vision tower and multimodal is on, and from 0.5.18 the server does not run language-only; 0.5.23's
+--language-model-only turns it off). `content_hash` is `sha256:<hex>` of the image's bytes as the server reads them
+(0.5.23 multimodal/cache/identity.py snapshot_media: the decoded bytes of a data: URL, a file's bytes); a version
+without the field ignores it unread (pydantic's default), so it is sent only where declared.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ CHECKED_VERSIONS = ("0.5.14", "0.5.17", "0.5.18", "0.5.23")
 OUTPUT_IDS_FROM = (0, 5, 17)  # return_token_ids
 RESPONSE_TOKEN_IDS_FROM = (0, 5, 18)  # renamed from token_ids
 STREAM_IDS_FROM = (0, 5, 23)  # return_input_ids_in_sglext / return_output_ids_in_sglext
+CONTENT_HASH_FROM = (0, 5, 18)  # ChatCompletionMessageContentImageURL.content_hash
 SERVER_INFO_KEYS = frozenset({"model_path", "tp_size"})  # ServerArgs fields every version's /server_info has
 
 # Its 400 texts, read out of each checked version's wheel by tests/test_sglang_conformance.py: a renamed message
@@ -39,6 +47,7 @@ ERRORS = ErrorTexts(
         "max_completion_tokens is too large",  # serving_chat: the run's max_tokens alone above the context
         "is not supported with streaming",  # serving_chat: return_token_ids / return_prompt_token_ids on a stream
         "unknown field `",  # 0.5.23 api/v1/api_types.py (serde's text): a field the version does not declare
+        "model only supports text input",  # 0.5.17+ serving_chat: image parts to a model that is not multimodal
     ),
     retry=("duplicate request id",),  # the retry gets a fresh rid
 )
@@ -138,6 +147,13 @@ class SGLangAdapter(OpenAIAdapter):
 
     def tool_calls_fix(self) -> str:
         return "launch it with --tool-call-parser NAME (kimi_k2 for Kimi-K2.5)"
+
+    def image_url_extras(self, sha256: str) -> dict[str, Any]:
+        return {"content_hash": f"sha256:{sha256}"} if self._at_least(CONTENT_HASH_FROM) else {}
+
+    def images_fix(self) -> str:
+        return ("serve a vision-language model (Kimi-K2.5 takes images), without --language-model-only; a model whose "
+                "multimodal SGLang turns off by default needs --enable-multimodal")
 
     def context_fix(self, needed: int) -> str:
         return f"launch with --context-length {needed} or more"

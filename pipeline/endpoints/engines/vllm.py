@@ -14,6 +14,10 @@ against them, tests/test_vllm_engine.py against the running server).
   choice requires --enable-auto-tool-choice and --tool-call-parser to be set' and "required" with 'tool_choice=
   "required" requires --tool-call-parser to be set'. With a parser whose format xgrammar knows (hermes) and
   VLLM_ENFORCE_STRICT_TOOL_CALLING on (its default), "required" is met by a structural tag in that format.
+- Images: `image_url` parts (data: URLs; file:// only under --allowed-local-media-path, else a 500 "Cannot load
+  local files without `--allowed-local-media-path`."). No route says whether the model takes images: a text-only
+  model answers any image part with 400 "<served name> is not a multimodal model" (multimodal/registry.py
+  create_processor), so the preflight sends a tiny image. `content_hash` is SGLang's: never sent here.
 - 400 "This model's maximum context length is N tokens. However, your prompt contains ..." for a prompt over the
   context (renderers/params.py); a prompt of exactly the context length gets 400 "max_tokens must be at least 1,
   got 0" (sampling_params.py), since it leaves no room for output. prompt + max_tokens over the context is not an
@@ -38,7 +42,11 @@ ERRORS = ErrorTexts(
     context_overflow=("this model's maximum context length is", "max_tokens must be at least 1, got 0"),
     # renderers/online_renderer.py: a request with tools to a server launched without a tool-call parser ("auto"
     # needs --enable-auto-tool-choice too); every request of a prompt set with tools would get it
-    contract=('"auto" tool choice requires', "requires --tool-call-parser to be set"),
+    contract=('"auto" tool choice requires', "requires --tool-call-parser to be set",
+              # multimodal/registry.py: image parts to a text-only model ("<served name> is not a multimodal model")
+              "is not a multimodal model",
+              # multimodal/media/connector.py: a file:// image outside the launch's --allowed-local-media-path
+              "must be a subpath of `--allowed-local-media-path"),
 )
 # The launch flags that make it answer with `tool_calls` (the preflight names them).
 TOOL_FLAGS = "--enable-auto-tool-choice --tool-call-parser NAME (e.g. hermes; local_fleet.tool_call_parser)"
@@ -91,6 +99,10 @@ class VLLMAdapter(OpenAIAdapter):
 
     def tool_calls_fix(self) -> str:
         return f"launch it with {TOOL_FLAGS}"
+
+    def images_fix(self) -> str:
+        return ("serve a vision-language model with it (vLLM answers image parts to a text-only one with '... is not a "
+                "multimodal model'); for images.send_as: file_url also launch it with --allowed-local-media-path")
 
     def context_fix(self, needed: int) -> str:
         return f"launch with --max-model-len {needed} or more (local_fleet.ctx_per_slot for the local fleet)"

@@ -1,0 +1,32 @@
+"""`regen simulate` simulates what the run will send (issue 30): the sample keeps each prompt's tools, and its
+first line counts prompts and samples apart when samples_per_prompt > 1."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import yaml
+
+from pipeline.tools.simulate import Prediction, write_sample
+
+SAMPLE_TOOLS = Path(__file__).resolve().parent.parent / "prompts_sources" / "sample_tools.yaml"
+
+
+def test_the_sample_keeps_the_tools_the_run_sends(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"run_name": "sim", "model": "m", "sources": [{"spec": str(SAMPLE_TOOLS)}],
+                                      "endpoints": [{"url": "http://127.0.0.1:1"}]}))
+    spec, total, _, with_tools = write_sample(str(config), 1000, tmp_path)
+    rows = [orjson.loads(line) for line in (tmp_path / "sample.jsonl").read_bytes().splitlines()]
+    assert len(rows) == total and with_tools > 0
+    assert sum(1 for r in rows if r.get("tools")) == with_tools
+    tool = next(r["tools"][0] for r in rows if r.get("tools"))
+    assert tool["type"] == "function" and "name" in tool["function"]
+
+
+def test_the_first_line_counts_prompts_and_samples_apart():
+    line = Prediction(prompts=300, sample=400, sample_wall_s=1.0, wall_s=10.0, completion_tokens=5,
+                      disk_bytes=1, samples_per_prompt=2, with_tools=150).table().splitlines()[0]
+    assert line.startswith("sampled 200 of 300 prompts (400 samples, 2 per prompt), 150 of them sent with their "
+                           "tools;")
+    assert Prediction(300, 200, 1.0, 10.0, 5, 1).table().startswith("sampled 200 of 300 prompts;")
