@@ -198,3 +198,15 @@ def handed_out(table, cfg, folder: Path | str | None = None, fingerprint: str | 
     builder = RecordBuilder(reader, cfg, fingerprint=fingerprint)
     pending = reader.pending(set(), set(), True, cfg.prefix_affinity_chars).pending
     return builder, {item.prompt_id: item for item in builder.work_items(pending)}
+
+
+async def exchange_all(worker, items: list, rounds: int = 600) -> list:
+    """Hand `items` to an EndpointWorker and collect their outcomes: each exchange waits on the worker's event, at
+    most 0.5 s, for `rounds` exchanges at most; the worker is closed after."""
+    outcomes = list((await worker.exchange(items, wait_s=1.0)).outcomes)
+    for _ in range(rounds):
+        if len(outcomes) == len(items):
+            break
+        outcomes += (await worker.exchange([], wait_s=0.5)).outcomes
+    await worker.close()
+    return outcomes

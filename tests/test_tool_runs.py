@@ -27,7 +27,7 @@ from pipeline.export.jsonl import export_run, manifest_path
 from pipeline.prompts.tool_calls import canonical_json, message_from_row
 from tests.helpers import handed_out
 from pipeline.store.status import print_status
-from tests.helpers import emulators
+from tests.helpers import emulators, exchange_all
 from tests.tool_records import make_tool_run
 
 MODEL = "moonshotai/Kimi-K2.5"
@@ -89,14 +89,7 @@ def records(tmp_path_factory):
 
         async def scenario():
             worker = EndpointWorker(server.url, "emu", 4, settings, mode="all_turns", attempts_per_endpoint=1)
-            items = [handed[pid] for pid in PROMPTS]
-            outcomes = list((await worker.exchange(items, wait_s=1.0)).outcomes)
-            for _ in range(100):
-                if len(outcomes) == len(items):
-                    break
-                outcomes += (await worker.exchange([], wait_s=0.5)).outcomes
-            await worker.close()
-            return outcomes
+            return await exchange_all(worker, [handed[pid] for pid in PROMPTS], rounds=100)
 
         outcomes = asyncio.run(scenario())
     assert sorted(o.kind for o in outcomes) == [DONE] * 4, [o.message for o in outcomes]

@@ -50,7 +50,7 @@ def regenerate(url: str, rule: str, tmp: Path, thinking: bool = False, max_token
     from pipeline.dispatch.worker import EndpointWorker
     from pipeline.endpoints.client import ClientSettings
     from pipeline.endpoints.engines import SGLangAdapter
-    from tests.helpers import handed_out
+    from tests.helpers import exchange_all, handed_out
 
     prompts, table = sample_table(tmp, extra)
     cfg = RunConfig(run_name="t", model=MODEL, mode="all_turns", sources=[SourceRef(spec="s.yaml")],
@@ -63,14 +63,7 @@ def regenerate(url: str, rule: str, tmp: Path, thinking: bool = False, max_token
     async def scenario():
         worker = EndpointWorker(url, "e", 8, settings, mode="all_turns", attempts_per_endpoint=1,
                                 tool_result_match=rule)
-        items = list(handed.values())
-        outcomes = list((await worker.exchange(items, wait_s=1.0)).outcomes)
-        for _ in range(600):  # each exchange waits on the worker's event, at most 0.5 s
-            if len(outcomes) == len(items):
-                break
-            outcomes += (await worker.exchange([], wait_s=0.5)).outcomes
-        await worker.close()
-        return outcomes
+        return await exchange_all(worker, list(handed.values()))
 
     outcomes = asyncio.run(scenario())
     assert all(o.kind == "done" for o in outcomes), [o.message for o in outcomes]
