@@ -17,7 +17,7 @@ from .store import schema
 from .core import exits
 from .core.background import Background
 from .core.config import RunConfig, load_config
-from .core.errors import DriftError, LeaseLost, QualityGateStopped, RegenError, StorageError
+from .core.errors import DriftError, LeaseLost, QualityGateStopped, StorageError
 from .core.identity import IDENTITY_VERSION, check_identity, new_samples, resumed_manifest
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
@@ -38,7 +38,7 @@ from .dispatch.needs import has_images
 from .store.prompt_reader import PendingScan, PromptSetReader
 from .store.records import RecordBuilder
 from .dispatch.session import run_dispatch, session_start
-from .dispatch.stopping import StopFlag, setup_logging
+from .dispatch.stopping import StopFlag, end_the_log_of, log_the_end, setup_logging
 
 log = logging.getLogger("regen")
 
@@ -365,32 +365,6 @@ def report_complete(run_dir: RunDir, progress, cfg: RunConfig) -> int:
     log.info("run ended (exit 0): run %s is complete: %s, %d failures, nothing pending", run_dir.path,
              records_of(cfg.mode, cfg.samples_per_prompt, run_dir, progress.already_done), progress.failed_before)
     return 0
-
-
-def end_the_log_of(run_dir: RunDir | None, exc: BaseException) -> None:
-    """A run refused before this session opened it (drift found while choosing the run): its log still ends with
-    the refusal, as a user reading it after a two-day run expects."""
-    if run_dir is None:
-        return
-    try:
-        setup_logging(run_dir)
-        log_the_end(run_dir, exc)
-        run_dir.publish_logs()
-    except (OSError, RegenError) as error:  # the refusal itself is what the user must see: never hide it
-        log.warning("could not write the refusal into %s's log: %s", run_dir.path, error)
-
-
-def log_the_end(run_dir: RunDir, exc: BaseException) -> None:
-    """The last line of a run that an exception ends: interrupted or fatal, with the exit code the CLI returns.
-    Into the log file only: the CLI prints the error itself."""
-    if isinstance(exc, KeyboardInterrupt):
-        log.warning("run ended (exit %d): interrupted; %s", EXIT_INTERRUPTED, counts_line(run_dir),
-                    extra={"file_only": True})
-        return
-    code = exits.for_error(exc) if isinstance(exc, RegenError) else 1
-    message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line: the last
-    log.error("run ended (exit %d): fatal: %s: %s; %s", code, type(exc).__name__, message, counts_line(run_dir),
-              extra={"file_only": True})
 
 
 def salvage(committer: Committer, progress, state: str) -> None:

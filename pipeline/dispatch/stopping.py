@@ -6,7 +6,10 @@ import logging
 import signal
 import sys
 
+from ..core import exits
+from ..core.errors import RegenError
 from ..store.rundir import RunDir
+from ..store.status import counts_line
 
 log = logging.getLogger("regen")
 
@@ -51,3 +54,29 @@ class StopFlag:
 
     def __call__(self) -> bool:
         return self.signal is not None
+
+
+def end_the_log_of(run_dir: RunDir | None, exc: BaseException) -> None:
+    """A run refused before this session opened it (drift found while choosing the run): its log still ends with
+    the refusal, as a user reading it after a two-day run expects."""
+    if run_dir is None:
+        return
+    try:
+        setup_logging(run_dir)
+        log_the_end(run_dir, exc)
+        run_dir.publish_logs()
+    except (OSError, RegenError) as error:  # the refusal itself is what the user must see: never hide it
+        log.warning("could not write the refusal into %s's log: %s", run_dir.path, error)
+
+
+def log_the_end(run_dir: RunDir, exc: BaseException) -> None:
+    """The last line of a run that an exception ends: interrupted or fatal, with the exit code the CLI returns.
+    Into the log file only: the CLI prints the error itself."""
+    if isinstance(exc, KeyboardInterrupt):
+        log.warning("run ended (exit %d): interrupted; %s", exits.INTERRUPTED.code, counts_line(run_dir),
+                    extra={"file_only": True})
+        return
+    code = exits.for_error(exc) if isinstance(exc, RegenError) else 1
+    message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line: the last
+    log.error("run ended (exit %d): fatal: %s: %s; %s", code, type(exc).__name__, message, counts_line(run_dir),
+              extra={"file_only": True})

@@ -17,6 +17,7 @@ release always frees the OS lock (a `lock.json` it could not delete is taken ove
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -28,7 +29,8 @@ import uuid
 from typing import Any, Callable
 
 from ..core.errors import LeaseLost, RunLocked, StorageError
-from .storage import Location, take_os_lock
+from .seam import io_seam, storage_errors
+from .storage import Location
 
 log = logging.getLogger("regen")
 
@@ -270,3 +272,21 @@ def _now_iso() -> str:
     from datetime import datetime, timezone
 
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def take_os_lock(where: Location, create: bool = True) -> int | None:
+    """An exclusive flock on a local file: the descriptor holding it (close it to release), or None if
+    another open of the file holds it. It dies with its process: a lock left by a SIGKILL is free at once.
+    `create=False`: FileNotFoundError if the file is not there (then nobody holds it)."""
+    with storage_errors("lock", where):
+        io_seam("lock", where.path)
+        fd = os.open(where.path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import functools
 import os
 import posixpath
@@ -393,21 +392,3 @@ def _read_part(part: Location, columns: list[str]) -> pa.Table:
         return pq.ParquetFile(part.path).read(columns=columns, use_threads=False)
     except pa.ArrowInvalid as exc:
         raise StorageError(f"cannot read {part}: not a readable Parquet part ({exc})") from exc
-
-
-def take_os_lock(where: Location, create: bool = True) -> int | None:
-    """An exclusive flock on a local file: the descriptor holding it (close it to release), or None if
-    another open of the file holds it. It dies with its process: a lock left by a SIGKILL is free at once.
-    `create=False`: FileNotFoundError if the file is not there (then nobody holds it)."""
-    with _errors("lock", where):
-        _io("lock", where.path)
-        fd = os.open(where.path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        except BaseException:
-            os.close(fd)
-            raise
