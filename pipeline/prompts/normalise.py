@@ -203,9 +203,11 @@ def _message(i: int, m: Any, tally: Tally) -> tuple[int, dict[str, Any]] | None:
         out["content"] = content or None
         out["tool_calls"] = [_call(i, k, c, tally) for k, c in enumerate(calls, start=1)]
     if role == "tool":
-        for key in ("tool_call_id", "name"):
-            if m.get(key) is not None:
-                out[key] = str(m[key])
+        if m.get("tool_call_id") is not None:
+            out["tool_call_id"] = str(m["tool_call_id"])
+        name = str(m["name"]).strip() if m.get("name") is not None else ""
+        if name:  # a tool's name as a call's is read (stripped); a blank one names no tool
+            out["name"] = name
     return i, out
 
 

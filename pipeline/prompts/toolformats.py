@@ -88,12 +88,15 @@ def _response_text(inner: str) -> str:
     return inner[:-1] if inner.endswith("\n") else inner
 
 
-def _hermes_results(message: dict[str, Any]) -> list[dict[str, Any]]:
+def _hermes_results(message: dict[str, Any], tally: Tally) -> list[dict[str, Any]]:
     """One tool message per `<tool_response>` block (the whole text when it has none); a block naming its tool
-    (`{"name": ..., "content": ...}`) gives the result's name."""
+    (`{"name": ..., "content": ...}`) gives the result's name. Text outside the blocks is not sent: counted as
+    `hermes_text_outside_response` (once per message)."""
     text = message["content"]
     if not isinstance(text, str) or "<tool_response>" not in text:
         return [message]
+    if TOOL_RESPONSE_BLOCK.sub("", text).strip():
+        tally.tool("hermes_text_outside_response")
     out = []
     for block in TOOL_RESPONSE_BLOCK.finditer(text):
         inner = _response_text(block.group(1))
@@ -136,7 +139,7 @@ def expand(messages: list[dict[str, Any]], hermes: bool, tally: Tally) -> list[d
         if role in RESULT_ROLES:
             if role == "function":
                 tally.tool("legacy_function_results")
-            results = _hermes_results(m) if hermes and "tool_call_id" not in m else [m]
+            results = _hermes_results(m, tally) if hermes and "tool_call_id" not in m else [m]
             if (len(results) == 1 and last_calls > 1 and role == "observation"
                     and isinstance(m["content"], str)):
                 results = _split_observation(m, last_calls, tally)
