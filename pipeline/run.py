@@ -26,7 +26,7 @@ from .endpoints.image_fetch import image_fetcher
 from .store.promptset import (StagedPromptSet, check_schema_takes_parts, check_schema_takes_tools, report_document,
                               source_specs, stage_prompt_set)
 from .store.committer import Committer
-from .store.goodput import Goodput, summary_line
+from .store.goodput import resumed_goodput, summary_line
 from .store.progress import duration
 from .store.status import counts_line
 from .store.opening import OpenFlags, open_run
@@ -262,7 +262,10 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
                         failed_before=0 if opts.retry_failures else scan.failed,
                         rejects=rejects, status_interval_s=cfg.status_interval_s,
                         log_interval_s=cfg.progress_log_interval_s,
-                        goodput_before=Goodput.from_dict((run_dir.read_status() or {}).get("goodput")),
+                        # committed records' counts from the parts' footers: a kill after a commit loses none
+                        goodput_before=resumed_goodput((part.parquet_file().metadata.metadata
+                                                        for part in run_dir.parts(run_dir.data)),
+                                                       run_dir.read_status()),
                         samples_per_prompt=samples, image_prompts=image_counts(scan, opts.retry_failures))
 
     # --new-run also looks at the weights a complete run is pinned to: other weights make a successor
@@ -292,15 +295,15 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     run_progress.close()
     run_progress.write(state)
     log.info("%s", summary_line(run_progress.goodput_total().as_dict()))
-    session = (f"this session {run_progress.done} records, {run_progress.failed} failures in "
+    session = (f"this session {run_progress.committed_done} records, {run_progress.committed_failed} failures in "
                f"{duration(run_progress.elapsed())}")
     if state == "interrupted":
         log.warning("run ended (exit %d): interrupted: %d new records committed; %s; rerun to resume %s",
-                    EXIT_INTERRUPTED, run_progress.done, counts_line(run_dir), run_dir.path)
+                    EXIT_INTERRUPTED, run_progress.committed_done, counts_line(run_dir), run_dir.path)
         return EXIT_INTERRUPTED
     log.info("run ended (exit 0): run %s is complete: %d records, %d failures (%d late duplicates dropped); %s",
-             run_dir.path, run_progress.already_done + run_progress.done, run_progress.failed_before
-             + run_progress.failed, committer.dropped_duplicates, session)
+             run_dir.path, run_progress.already_done + run_progress.committed_done, run_progress.failed_before
+             + run_progress.committed_failed, committer.dropped_duplicates, session)
     return 0
 
 
