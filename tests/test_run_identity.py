@@ -22,8 +22,8 @@ import yaml
 from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError
 from pipeline.emulator import start_emulator
-from tests.helpers import (KILLED, KILLED_BEFORE_ITS_PREFLIGHT, commit_a_failure, committed_ids, data_parts, free_port, regen_cmd, wait_for, write_config,
-                           write_prompts, write_source)
+from tests.helpers import (KILLED, KILLED_BEFORE_ITS_PREFLIGHT, commit_a_failure, committed_ids, data_parts,
+                           free_port, regen_cmd, wait_for, write_config, write_prompts, write_source)
 
 REPO = Path(__file__).resolve().parent.parent
 OLD_RUN = REPO / "tests" / "data" / "run_c15f75f"  # written by regen at c15f75f: see its config.yaml
