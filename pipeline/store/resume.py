@@ -19,8 +19,8 @@ from typing import Any
 from ..core.config import RunConfig
 from ..core.errors import ConfigError, DriftError, RunLocked
 from ..core.paths import PATH_RULE
-from ..core.identity import (IDENTITY_VERSION, StoredRecords, check_identity, flat_diff, samples_per_prompt, spec_renames,
-                             with_spec_keys)
+from ..core.identity import (IDENTITY_VERSION, StoredRecords, check_identity, flat_diff, samples_per_prompt,
+                             spec_renames, with_spec_keys)
 from .lock import RunLock
 from .promptset import check_source_files
 from .records import stored_records, stored_samples
