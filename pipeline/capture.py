@@ -34,6 +34,7 @@ from .store.capture_ledger import (CaptureDir, capture_run_dir, count_mismatch, 
                                    is_truncated, record_token_ids)
 from .store.committer import Committer
 from .store.rundir import RunDir, RunLock, now_utc
+from .store.untouched import Untouched
 
 log = logging.getLogger("regen")
 
@@ -223,12 +224,21 @@ def capture(opts: CaptureOptions) -> int:
     cap = capture_run_dir(run)
     cap.path.mkdir()
     with RunLock(cap) as lock:
+        # a capture refused (or failed) before its first ledger commit leaves RUN/capture as it was, and a new
+        # one leaves no RUN/capture (store/untouched.py)
+        before = Untouched.take(cap.path, "capture.json")
         setup_logging(cap)
-        cap_manifest = open_capture(run, cfg)[1]
-        removed = remove_garbage_hidden_parts(cap)
-        if removed:
-            log.info("removed %d hidden parts no ledger row names (left by a kill)", removed)
-        return capture_loop(cfg, opts, run, cap, cap_manifest, stop, lock)
+        try:
+            cap_manifest = open_capture(run, cfg)[1]
+            removed = remove_garbage_hidden_parts(cap)
+            if removed:
+                log.info("removed %d hidden parts no ledger row names (left by a kill)", removed)
+            return capture_loop(cfg, opts, run, cap, cap_manifest, stop, lock)
+        except BaseException as exc:
+            if before.undo_after(exc):
+                before.restore()
+                lock.remove_folder_on_release = before.new
+            raise
 
 
 def capture_loop(cfg: CaptureConfig, opts: CaptureOptions, run: RunDir, cap: RunDir, cap_manifest: dict[str, Any],

@@ -18,20 +18,20 @@ from .core import exits
 from .core.background import Background
 from .core.config import RunConfig, load_config
 from .core.errors import DriftError, LeaseLost, QualityGateStopped, StorageError
-from .core.identity import IDENTITY_VERSION, check_identity, new_samples, resumed_manifest
+from .core.identity import IDENTITY_VERSION
 from .prompts.prompt_set import PromptSet, build_prompt_set
 from .prompts.report import report_lines
 from .prompts.tokens import load_length_check
 from .endpoints.image_fetch import image_fetcher
-from .store.promptset import (StagedPromptSet, check_schema_takes_parts, check_schema_takes_samples,
-                              check_schema_takes_tools, check_source_files, report_document, source_specs,
-                              stage_prompt_set)
+from .store.promptset import (StagedPromptSet, check_schema_takes_parts, check_schema_takes_tools, report_document,
+                              source_specs, stage_prompt_set)
 from .store.committer import Committer
-from .store.goodput import Goodput, summary_line
+from .store.goodput import resumed_goodput, summary_line
 from .store.progress import duration, held_out, records_of
 from .store.status import counts_line
-from .store.resume import (ChosenRun, choose_run, committed_nothing, prompt_set_unrecorded, rebind, records_of_older,
-                           with_prompt_advice)
+from .store.opening import OpenFlags, open_run
+from .store.resume import ChosenRun, choose_run, committed_nothing
+from .store.untouched import Untouched
 from .store.rundir import RunDir, RunLock, now_utc, successor_run_dir
 from .dispatch.fleet import EarlyProbe, FleetDrift, check_fleet_first, fleet_preflight
 from .dispatch.needs import has_images
@@ -133,79 +133,6 @@ def manifest_for(cfg: RunConfig, config_path: str) -> dict[str, Any]:
     }
 
 
-@dataclass
-class OpenedRun:
-    manifest: dict[str, Any]
-    restage: bool = False  # the prompt set is read again (a run that has committed nothing, whose sources changed)
-
-
-def open_run(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir) -> OpenedRun:
-    """Create the run directory, or check that the config may resume it (the drift guard). A run that has
-    committed nothing takes the config instead (its identity binds at its first commit)."""
-    run_dir.create()
-    for tmp in run_dir.cleanup_temp():
-        log.info("removed uncommitted temporary file %s", tmp.name)
-    if run_dir.exists():
-        check_schema_takes_samples(cfg.samples_per_prompt, run_dir.read_manifest().get("schema_version"))
-    if not run_dir.exists():
-        manifest = manifest_for(cfg, opts.config)
-        run_dir.write_manifest(manifest)
-        return OpenedRun(manifest)
-    manifest = run_dir.read_manifest()
-    if committed_nothing(run_dir):
-        return rebind_unbound(cfg, opts, run_dir, manifest)
-    identity = cfg.identity()
-    check = check_identity(manifest, identity, refresh_prompts=opts.refresh_prompts,
-                           records=records_of_older(run_dir, manifest), add_samples=opts.add_samples)
-    # the source files: a changed size or mtime is drift only if the digest differs too (a copy is not drift)
-    files = None if opts.refresh_prompts else check_source_files(cfg, manifest)
-    drift = with_prompt_advice(check.drift + (files.drift if files else []), bool(files and files.drift))
-    if drift:
-        raise DriftError(str(run_dir.path), drift)
-    updated = resumed_manifest(manifest, identity, check)
-    if opts.refresh_prompts and "prompts" in manifest:
-        updated["prompts"] = manifest["prompts"]  # recorded by materialise once the new set is committed
-    if files:
-        for note in files.notes:
-            log.info("%s", note)
-        updated["source_files"] = files.recorded
-    if check.raised_samples:
-        old, new = check.raised_samples
-        log.warning("samples_per_prompt raised from %d to %d (--add-samples): %s of every prompt %s added to this "
-                    "run; its committed samples are kept, run.json records %d", old, new, new_samples(old, new),
-                    "is" if new - old == 1 else "are", new)
-    if check.adopted:
-        log.warning("run.json (identity version %s) did not record %s; recorded from this config, compared from "
-                    "now on", manifest.get("identity_version", 1),
-                    ", ".join(f"{key} = {value!r}" for key, value in check.adopted.items()))
-    if updated != manifest:
-        run_dir.write_manifest(updated)
-    unrecorded = prompt_set_unrecorded(run_dir, manifest)
-    if unrecorded:
-        log.warning("the newest prompt set of %s was committed by a start killed before run.json recorded it: "
-                    "it is read again from the sources (done prompts are kept)", run_dir.path)
-    return OpenedRun(updated, unrecorded)
-
-
-def rebind_unbound(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any]) -> OpenedRun:
-    """A run with no record and no failure has no data to protect: it takes this config (logging the
-    difference), forgets what the preflight pinned, and reads its prompt set again if that changed."""
-    rebound = rebind(cfg, run_dir, manifest, manifest_for(cfg, opts.config), opts.refresh_prompts,
-                     now_utc().isoformat(timespec="seconds"))
-    if rebound.diff:
-        log.warning("%s has committed nothing yet, so it takes this config (a run's identity binds at its first "
-                    "commit); changed since its last start:", run_dir.path)
-        for line in rebound.diff:
-            log.warning("  %s", line)
-    if rebound.reset:
-        log.info("forgot what the earlier preflight pinned (%s): this session's preflight pins them again",
-                 ", ".join(f"{key} = {value!r}" for key, value in rebound.reset.items()))
-    if rebound.restage and manifest.get("prompts") is not None:
-        log.info("the prompt set is read again from the sources")
-    run_dir.write_manifest(rebound.manifest)
-    return OpenedRun(rebound.manifest, rebound.restage)
-
-
 # --- generate ---------------------------------------------------------------------------------------
 def generate(opts: GenerateOptions) -> int:
     cfg = load_config(opts.config)
@@ -242,17 +169,24 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
         except BaseException:
             lock.remove_folder_on_release = not run_dir.exists()
             raise
+        # what a command refused (or failed) before its first commit puts back (store/untouched.py)
+        before = Untouched.take(run_dir.path)
         setup_logging(run_dir)
+        undo = False
         try:  # from here every way this session ends is the last line of the run's log (a refusal as drift too)
             if chosen.notice:
                 log.warning("%s", chosen.notice)
             if lock.previous_holder:
                 log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
             log.info("run directory %s", run_dir.path)
-            opened = open_run(cfg, opts, run_dir)
+            flags = OpenFlags(opts.refresh_prompts, opts.add_samples and not opts.new_run)
+            opened = open_run(cfg, flags, run_dir, lambda: manifest_for(cfg, opts.config))
             prompts = materialise(cfg, run_dir, opts.refresh_prompts or opened.restage, staged)
             return dispatch_pending(cfg, opts, run_dir, opened.manifest, prompts, stop, lock)
         except BaseException as exc:
+            undo = before.undo_after(exc)
+            if undo and not before.new:
+                log.warning("nothing was committed: the run is left as it was", extra={"file_only": True})
             log_the_end(run_dir, exc)
             raise
         finally:
@@ -260,6 +194,18 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
                 run_dir.publish_logs()
             except StorageError as exc:
                 log.warning("logs not uploaded (%s); they stay in %s", exc, run_dir.local_logs())
+            if undo:
+                put_back(before, lock)
+
+
+def put_back(before: Untouched, lock: RunLock) -> None:
+    """A command refused (or failed) before its first commit: the run as it was; a new run: no directory left."""
+    try:
+        for line in before.restore():
+            log.info("%s", line, extra={"file_only": True})
+    except (OSError, StorageError) as exc:  # the refusal is what the user must see: never hide it
+        log.warning("could not put %s back as it was (%s)", before.root, exc)
+    lock.remove_folder_on_release = before.new
 
 
 def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, manifest: dict[str, Any],
@@ -315,7 +261,10 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
                         failed_before=0 if opts.retry_failures else scan.failed,
                         rejects=rejects, status_interval_s=cfg.status_interval_s,
                         log_interval_s=cfg.progress_log_interval_s,
-                        goodput_before=Goodput.from_dict((run_dir.read_status() or {}).get("goodput")),
+                        # committed records' counts from the parts' footers: a kill after a commit loses none
+                        goodput_before=resumed_goodput((part.parquet_file().metadata.metadata
+                                                        for part in run_dir.parts(run_dir.data)),
+                                                       run_dir.read_status()),
                         samples_per_prompt=samples, image_prompts=image_counts(scan, opts.retry_failures))
 
     # --new-run also looks at the weights a complete run is pinned to: other weights make a successor
@@ -347,15 +296,16 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     log.info("%s", summary_line(run_progress.goodput_total().as_dict()))
     builder.tool_notes.log_to(log)
     held = held_out(run_progress.extra)
-    session = (f"this session {run_progress.done} records, {run_progress.failed} failures in "
+    session = (f"this session {run_progress.committed_done} records, {run_progress.committed_failed} failures in "
                f"{duration(run_progress.elapsed())}{held}")
     if state == "interrupted":
         log.warning("run ended (exit %d): interrupted: %d new records committed; %s; rerun to resume %s%s",
-                    EXIT_INTERRUPTED, run_progress.done, counts_line(run_dir), run_dir.path, held)
+                    EXIT_INTERRUPTED, run_progress.committed_done, counts_line(run_dir), run_dir.path, held)
         return EXIT_INTERRUPTED
     log.info("run ended (exit 0): run %s is complete: %s, %d failures (%d late duplicates dropped); %s",
-             run_dir.path, records_of(cfg.mode, cfg.samples_per_prompt, run_dir, run_progress.already_done + run_progress.done),
-             run_progress.failed_before + run_progress.failed, committer.dropped_duplicates, session)
+             run_dir.path, records_of(cfg.mode, cfg.samples_per_prompt, run_dir,
+                                      run_progress.already_done + run_progress.committed_done),
+             run_progress.failed_before + run_progress.committed_failed, committer.dropped_duplicates, session)
     return 0
 
 

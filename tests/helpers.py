@@ -210,3 +210,20 @@ async def exchange_all(worker, items: list, rounds: int = 600) -> list:
         outcomes += (await worker.exchange([], wait_s=0.5)).outcomes
     await worker.close()
     return outcomes
+
+
+# A `regen generate` subprocess SIGKILLed at its first read of status.json: after run.json and the prompt set are
+# written, before its preflight: a run that has committed nothing (a start refused there leaves no trace).
+KILLED_BEFORE_ITS_PREFLIGHT = {"REGEN_FAULT": "kill@1:read:/status.json"}
+KILLED = -9
+
+
+@contextlib.contextmanager
+def left_as_a_kill_leaves_it():
+    """In-process `regen generate` calls refused before their first commit keep what they wrote (run.json, the
+    prompt set), as a start SIGKILLed at that point leaves its run: a run that has committed nothing. A refused
+    start itself puts the run back as it was (store/untouched.py); tests of what an unbound run does start here."""
+    from unittest import mock
+
+    with mock.patch("pipeline.store.untouched.Untouched.undo_after", return_value=False):
+        yield

@@ -222,7 +222,7 @@ def test_sigint_commits_the_buffer_then_resume_completes(tmp_path, ray_cluster):
 
         def buffered() -> bool:
             status = run / "status.json"
-            return status.exists() and orjson.loads(status.read_bytes())["this_session"]["done"] >= 8
+            return status.exists() and orjson.loads(status.read_bytes())["this_session"]["finished"] >= 8
 
         wait_for(buffered, 120, what="records in the buffer")
         assert not data_parts(run), "nothing is committed before the flush interval"

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.store.faults import FAULT_ENV, Faults
 from pipeline.store.rundir import RunDir
-from tests.helpers import free_port, run_regen, write_config, write_source
+from tests.helpers import KILLED, KILLED_BEFORE_ITS_PREFLIGHT, free_port, run_regen, write_config, write_source
 from tests.image_store_helpers import picture, sha, stored_images
 
 pytest.importorskip("pipeline.prompts.images", reason="the sources' image reader (branch sources) is not merged")
@@ -72,8 +72,9 @@ def test_an_image_run_killed_in_the_middle_of_the_image_copy_resumes_with_every_
     assert run.exists() and not run.prompt_set_versions(), "killed before its prompt set: no set without its images"
     assert [e for e in run.images.iterdir() if e.name.startswith(".tmp-")], "the copy killed under a temporary name"
 
-    resumed = run_regen("generate", "--config", str(config))
-    assert resumed.returncode == STOPPED_AT_PREFLIGHT, resumed.stderr
+    # killed again once its prompt set is committed (a start refused at its preflight would put the run back)
+    resumed = run_regen("generate", "--config", str(config), env=KILLED_BEFORE_ITS_PREFLIGHT)
+    assert resumed.returncode == KILLED, resumed.stderr
     expected = {sha(picture(s)) for s in (*range(6), 50)} | {sha(fetched)}
     stored = stored_images(run)
     log = (run.logs / "regen.log").read_bytes().decode()

@@ -200,6 +200,5 @@ def test_a_metrics_port_already_taken_stops_the_run_before_ray_starts(tmp_path):
             pytest.fail("the run waited for Ray before it found the metrics port taken")
     assert result.returncode == 2, result.stderr
     assert f"metrics: cannot listen on 127.0.0.1:{port}" in result.stderr and "metrics.port" in result.stderr
-    last = (tmp_path / "out" / "t" / "logs" / "regen.log").read_text().splitlines()[-1]
-    assert "run ended (exit 2): fatal: ConfigError: metrics: cannot listen" in last, last
-    assert "3 pending of 3" in last
+    # a new run refused before its first commit leaves no run directory (test_refusals.py), its log with it
+    assert not (tmp_path / "out" / "t").exists()

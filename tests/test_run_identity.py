@@ -22,8 +22,8 @@ import yaml
 from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError
 from pipeline.emulator import start_emulator
-from tests.helpers import (commit_a_failure, committed_ids, data_parts, free_port, regen_cmd, wait_for, write_config,
-                           write_prompts, write_source)
+from tests.helpers import (KILLED, KILLED_BEFORE_ITS_PREFLIGHT, commit_a_failure, committed_ids, data_parts,
+                           free_port, regen_cmd, wait_for, write_config, write_prompts, write_source)
 
 REPO = Path(__file__).resolve().parent.parent
 OLD_RUN = REPO / "tests" / "data" / "run_c15f75f"  # written by regen at c15f75f: see its config.yaml
@@ -31,10 +31,10 @@ MODEL = "moonshotai/Kimi-K2.5"
 REFUSED, STOPPED_AT_PREFLIGHT = 3, 1
 
 
-def regen(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def regen(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """`regen` run from the repository (the old run's sources are named relative to it)."""
     return subprocess.run(regen_cmd(*args), capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env=os.environ.copy())
+                          env={**os.environ, **(env or {})})
 
 
 def dead_fleet() -> dict:
@@ -59,7 +59,7 @@ def sample_config(tmp_path: Path, n: int = 6, **overrides) -> Path:
 def test_token_ids_and_streaming_are_part_of_the_identity(tmp_path, key, changed):
     config = sample_config(tmp_path, **dead_fleet())
     fingerprint = load_config(config).fingerprint()
-    assert regen("generate", "--config", str(config)).returncode == STOPPED_AT_PREFLIGHT
+    assert regen("generate", "--config", str(config), env=KILLED_BEFORE_ITS_PREFLIGHT).returncode == KILLED
     commit_a_failure(tmp_path / "out" / "t")  # bound: a run that has committed nothing takes any config
     other = sample_config(tmp_path, **{key: changed}, **dead_fleet())
     assert load_config(other).fingerprint() != fingerprint
@@ -239,15 +239,16 @@ def test_a_successor_is_numbered_past_the_highest_even_after_one_was_deleted(tmp
     out = tmp_path / "out"
     for temperature in (0.0, 0.1, 0.2):
         config = sample_config(tmp_path, sampling={"temperature": temperature, "max_tokens": 8}, **dead_fleet())
-        assert regen("generate", "--config", str(config), "--new-run").returncode == STOPPED_AT_PREFLIGHT
+        assert regen("generate", "--config", str(config), "--new-run", env=KILLED_BEFORE_ITS_PREFLIGHT).returncode \
+            == KILLED
         commit_a_failure(max(out.iterdir(), key=lambda p: p.stat().st_mtime_ns))  # bound: else it is reused
     assert sorted(p.name for p in out.iterdir()) == ["t", "t-r2", "t-r3"]
     shutil.rmtree(out / "t-r2")
     r3 = (out / "t-r3" / "run.json").read_bytes()
 
     config = sample_config(tmp_path, sampling={"temperature": 0.3, "max_tokens": 8}, **dead_fleet())
-    result = regen("generate", "--config", str(config), "--new-run")
-    assert result.returncode == STOPPED_AT_PREFLIGHT, result.stderr
+    result = regen("generate", "--config", str(config), "--new-run", env=KILLED_BEFORE_ITS_PREFLIGHT)
+    assert result.returncode == KILLED, result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["t", "t-r3", "t-r4"]
     assert (out / "t-r3" / "run.json").read_bytes() == r3
     assert manifest(out / "t-r4")["generation"]["sampling"]["temperature"] == 0.3
@@ -284,7 +285,7 @@ def test_hidden_states_enabled_false_is_ignored_and_changes_no_fingerprint(tmp_p
     """An old config's `hidden_states: {enabled: false}`: accepted, and the run it made resumes without it."""
     old = sample_config(tmp_path, hidden_states={"enabled": False}, **dead_fleet())
     fingerprint = load_config(old).fingerprint()
-    assert regen("generate", "--config", str(old)).returncode == STOPPED_AT_PREFLIGHT
+    assert regen("generate", "--config", str(old), env=KILLED_BEFORE_ITS_PREFLIGHT).returncode == KILLED
     run = tmp_path / "out" / "t"
     assert manifest(run)["fingerprint"] == fingerprint and manifest(run)["generation"]["hidden_states"] is None
     without = sample_config(tmp_path, **dead_fleet())
@@ -298,7 +299,7 @@ def test_a_run_that_captured_hidden_states_while_generating_refuses_its_resume(t
     """Its records name hidden parts this regen does not write: the resume is refused with the reason and what to
     do; --new-run starts a successor without them."""
     config = sample_config(tmp_path, **dead_fleet())
-    assert regen("generate", "--config", str(config)).returncode == STOPPED_AT_PREFLIGHT
+    assert regen("generate", "--config", str(config), env=KILLED_BEFORE_ITS_PREFLIGHT).returncode == KILLED
     run = tmp_path / "out" / "t"
     commit_a_failure(run)
     old = manifest(run)
@@ -309,8 +310,8 @@ def test_a_run_that_captured_hidden_states_while_generating_refuses_its_resume(t
     assert "generation.hidden_states: this run captured hidden states through the generating request" in refused.stderr
     assert "regen capture RUN --config capture.yaml" in refused.stderr and "--new-run" in refused.stderr
     assert manifest(run) == old, "the refused run is left as it was"
-    successor = regen("generate", "--config", str(config), "--new-run")
-    assert successor.returncode == STOPPED_AT_PREFLIGHT, successor.stderr
+    successor = regen("generate", "--config", str(config), "--new-run", env=KILLED_BEFORE_ITS_PREFLIGHT)
+    assert successor.returncode == KILLED, successor.stderr
     assert manifest(tmp_path / "out" / "t-r2")["generation"]["hidden_states"] is None
 
 

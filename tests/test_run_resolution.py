@@ -6,7 +6,10 @@
 - A second driver on a busy run is refused at once.
 
 As in test_run_identity.py, the fleet is mostly one endpoint where nothing listens: a start the drift guard allows
-goes on to the preflight, which gives up (exit 1); one it refuses exits 3 first. No Ray."""
+goes on to the preflight, which gives up (exit 1); one it refuses exits 3 first. No Ray.
+
+A start refused at its preflight puts the run back as it was (test_refusals.py); here, where runs that have
+committed nothing are what is tested, it leaves what it wrote, as a start killed at that point does."""
 from __future__ import annotations
 
 import contextlib
@@ -27,12 +30,19 @@ from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError
 from pipeline.emulator import start_emulator
 from pipeline.store.rundir import RunDir, RunLock
-from tests.helpers import commit_a_failure, free_port, regen_cmd, write_config, write_prompts, write_source
+from tests.helpers import (commit_a_failure, free_port, left_as_a_kill_leaves_it, regen_cmd, write_config,
+                           write_prompts, write_source)
 
 REPO = Path(__file__).resolve().parent.parent
 TODAYS_RUN = REPO / "tests" / "data" / "run_89263c8"  # a run.json written by regen at 89263c8: see its config.yaml
 MODEL = "moonshotai/Kimi-K2.5"
 BAD_CONFIG, STOPPED_AT_PREFLIGHT, REFUSED, LOCKED = 2, 1, 3, 4
+
+
+@pytest.fixture(autouse=True)
+def starts_leave_an_unbound_run():
+    with left_as_a_kill_leaves_it():
+        yield
 
 
 @dataclass
@@ -93,7 +103,8 @@ def log_of(run: Path) -> str:
 # --- 1. the identity binds at the first commit --------------------------------------------------------------
 def test_a_run_refused_by_the_preflight_takes_the_lowered_max_tokens_and_logs_the_diff(tmp_path):
     """The issue's sequence: max_tokens beyond the servers' context is refused by the preflight after run.json and
-    the prompt set were written; following its advice (lower max_tokens) was then refused as drift (exit 3)."""
+    the prompt set were written; following its advice (lower max_tokens) was then refused as drift (exit 3). (A
+    refused start now leaves no run: here the first start stands for one killed after its writes.)"""
     server = start_emulator(preset="kimi", served_model_name=MODEL)
     try:
         first = regen("generate", "--config", str(config(tmp_path, endpoints=[{"url": server.url}],

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from tests.helpers import (
+    KILLED, KILLED_BEFORE_ITS_PREFLIGHT,
     committed_ids, emulators, prompt_source, regen_cmd, run_regen, start_regen, wait_for, write_config,
 )
 
@@ -180,6 +181,8 @@ def test_a_refused_preflight_is_in_the_log_with_the_exit_code(tmp_path):
     with emulators(1, preset="kimi") as (server,):
         config = write_config(tmp_path, [{"url": server.url, "name": "emu-x"}], [prompt_source(tmp_path, 3)],
                               model="some/other-model")
+        # a refused new run leaves no directory (tests/test_refusals.py): the run is one a killed start left
+        assert run_regen("generate", "--config", str(config), env=KILLED_BEFORE_ITS_PREFLIGHT).returncode == KILLED
         result = run_regen("generate", "--config", str(config))
     assert result.returncode != 0, result.stderr
     lines = log_lines(tmp_path / "out" / "t")

@@ -97,6 +97,9 @@ class IdentityCheck:
     adopted: dict[str, Any] = field(default_factory=dict)  # keys the stored run.json lacked -> the config's value
     records: StoredRecords = field(default_factory=StoredRecords)  # what the run's records showed
     raised_samples: tuple[int, int] | None = None  # samples_per_prompt (stored, config), raised by --add-samples
+    # samples_per_prompt (run.json's, samples the ledger holds, config): a raise no committed sample carries,
+    # lowered again (a raise binds when its first new sample commits)
+    unbound_samples: tuple[int, int, int] | None = None
 
     @property
     def resumable(self) -> bool:
@@ -144,10 +147,13 @@ def upgraded(manifest: dict[str, Any], records: StoredRecords) -> dict[str, Any]
 
 
 def check_identity(manifest: dict[str, Any], identity: dict[str, Any], *, refresh_prompts: bool,
-                   records: StoredRecords = StoredRecords(), add_samples: bool = False) -> IdentityCheck:
+                   records: StoredRecords = StoredRecords(), add_samples: bool = False,
+                   stored_samples: int | None = None) -> IdentityCheck:
     """Compare a stored run.json with the config's identity. With --refresh-prompts the prompt set may change.
     `records`: what the run's committed records show (read for a run.json older than IDENTITY_VERSION).
-    `add_samples` (--add-samples): a config that raises samples_per_prompt may resume the run (lowering never)."""
+    `add_samples` (--add-samples): a config that raises samples_per_prompt may resume the run (lowering never
+    below what is stored). `stored_samples`: how many samples of a prompt the ledger holds (1 + its highest
+    sample index), read by the store when the config lowers k; None: not read (taken as run.json's k)."""
     stored = upgraded(manifest, records)
     check = IdentityCheck(records=records)
     version = stored.get("identity_version", 1)
@@ -168,7 +174,7 @@ def check_identity(manifest: dict[str, Any], identity: dict[str, Any], *, refres
     if version == 1 and records.count:
         _refuse_unrecorded(stored, identity, check)
     _refuse_retired(stored, check)
-    _samples_change(stored, identity, check, add_samples)
+    _samples_change(stored, identity, check, add_samples, stored_samples)
     return check
 
 
@@ -182,17 +188,24 @@ def new_samples(old: int, new: int) -> str:
     return f"sample {old}" if new - old == 1 else f"samples {old} to {new - 1}"
 
 
-def _samples_change(stored: dict[str, Any], identity: dict[str, Any], check: IdentityCheck, add: bool) -> None:
+def _samples_change(stored: dict[str, Any], identity: dict[str, Any], check: IdentityCheck, add: bool,
+                    held: int | None) -> None:
     """samples_per_prompt differs: raising it adds only the new samples, with --add-samples; lowering it is refused
-    (the records of the samples past the new k exist, and a run never drops records)."""
+    when the ledger holds records of the samples past the new k (a run never drops records). What is stored
+    decides, not run.json: a raise whose first new sample never committed (a kill, a failed start) binds nothing,
+    so going back to a k that covers every stored sample resumes (`held`: the samples stored; None: run.json's k)."""
     old, new = samples_per_prompt(stored.get("generation")), samples_per_prompt(identity["generation"])
     if old == new or not isinstance(stored.get("generation"), dict):
         return
     check.drift = [line for line in check.drift if not line.startswith(f"{SAMPLES_KEY}:")]
-    if new < old:
+    held = old if held is None else held
+    if new < old and held <= new:
+        check.unbound_samples = (old, held, new)
+    elif new < old:
+        keep = f"Keep samples_per_prompt: {old}" if held == old else f"Set samples_per_prompt to {held} or more"
         check.drift.append(f"{SAMPLES_KEY}: {old} -> {new}: lowering it is refused, even with {ADD_SAMPLES_FLAG}: "
-                           f"this run has records of {new_samples(new, old)}, which a run of {new} would not make. "
-                           f"Keep samples_per_prompt: {old} (export what you need), or start a new run (--new-run)")
+                           f"this run has records of {new_samples(new, held)}, which a run of {new} would not make. "
+                           f"{keep} (export what you need), or start a new run (--new-run)")
     elif not add:
         check.drift.append(f"{SAMPLES_KEY}: {old} -> {new}: raising it adds {new_samples(old, new)} of every "
                            f"prompt to this run; pass {ADD_SAMPLES_FLAG} to do so (only the new samples are sent), "

@@ -14,7 +14,7 @@ from ..core.errors import QualityGateStopped
 from ..core.work import DONE, Outcome
 from ..store.committer import Committer
 from ..store.gate import QualityGate
-from ..store.goodput import DUPLICATE
+from ..store.goodput import DUPLICATE, part_footer
 from ..store.prompt_reader import PendingPrompt
 from ..store.records import RecordBuilder
 from ..store.rundir import RunDir
@@ -151,6 +151,8 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
     progress.thrown_away = dispatcher.waste.goodput
     # all_turns: the default export writes whole conversations, cut before a dropped turn (store/goodput.py)
     committer.on_committed = functools.partial(progress.committed, whole_conversations=cfg.mode == "all_turns")
+    committer.on_failures_committed = progress.failures_committed
+    committer.footer = functools.partial(part_footer, whole_conversations=cfg.mode == "all_turns")
     log.info("dispatch: %d %s to %d endpoints", len(pending), "prompts" if cfg.samples_per_prompt == 1 else
              f"samples ({cfg.samples_per_prompt} per prompt)", len(dispatcher.slots))
     progress.begin()

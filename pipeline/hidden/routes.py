@@ -201,7 +201,7 @@ def _model_config(model: str):
             from None
     try:
         return AutoConfig.from_pretrained(model)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a config.json transformers does not recognise
         raise ConfigError(f"capture model {model!r}: cannot read its config.json ({exc})") from None
 
 

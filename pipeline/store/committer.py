@@ -71,6 +71,9 @@ class Committer:
         self._unsettled: dict[str, tuple[Location, frozenset[str], int]] = {}
         # told the rows of each records part once it is known committed (the goodput count, store/goodput.py)
         self.on_committed: Callable[[list[dict[str, Any]]], None] | None = None
+        self.on_failures_committed: Callable[[list[dict[str, Any]]], None] | None = None  # and of a failures part
+        # a records part's footer metadata, from its rows, committed with them (goodput.part_footer)
+        self.footer: Callable[[list[dict[str, Any]]], dict[bytes, bytes]] | None = None
 
     def _accept(self, unit: str) -> bool:
         """`unit`: the unit's id, so that sample 1 of a prompt is not a duplicate of its sample 0."""
@@ -135,8 +138,11 @@ class Committer:
         ids = frozenset(record_unit(row) for row in rows)
         self._unsettled[kind] = (path, ids, len(rows))
         try:
+            table = pa.Table.from_pylist(rows, schema=part_schema)
+            if kind == "records" and self.footer is not None:
+                table = table.replace_schema_metadata({**(part_schema.metadata or {}), **self.footer(rows)})
             with signals_deferred():
-                self.run_dir.write_part(folder, pa.Table.from_pylist(rows, schema=part_schema), path)
+                self.run_dir.write_part(folder, table, path)
                 self._settle(kind, ids, len(rows))
                 self._unsettled.pop(kind, None)
             log.info("committed %d %s in %s", len(rows), kind, getattr(path, "name", path), extra={"file_only": True})
@@ -160,6 +166,8 @@ class Committer:
                     self.on_committed([row for row in self.records if record_unit(row) in ids])
             else:
                 self.committed_failures += n_rows
+                if self.on_failures_committed is not None:
+                    self.on_failures_committed([row for row in self.failures if record_unit(row) in ids])
         self.done |= ids
         self.buffered -= ids
         setattr(self, kind, [row for row in getattr(self, kind) if record_unit(row) not in ids])

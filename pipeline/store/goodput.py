@@ -28,6 +28,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import orjson
+
 from ..core.work import record_unit
 from .quality import QUALITY_FLAGS, TRUNCATED, default_export_drop, whole_conversation_cut
 
@@ -120,3 +122,39 @@ def summary_line(doc: dict[str, Any] | None) -> str:
     flagged = f"; {tokens[FLAGGED]:,} of them flagged" if tokens.get(FLAGGED) else ""
     return (f"goodput {100 * doc['share']:.1f}% of {doc['generated_tokens']:,} generated tokens became training "
             f"data{flagged} (not: {', '.join(lost) or 'none'})")
+
+
+# --- the counts of committed records survive a kill: each records part carries its own (store/committer.py) ----
+FOOTER_KEY = b"regen.goodput"  # a records part's Parquet key-value metadata: its records' tokens and counts by purpose
+
+
+def part_footer(rows: list[dict[str, Any]], whole_conversations: bool = False) -> dict[bytes, bytes]:
+    """The footer metadata of a records part: its rows' goodput, committed with them (never a file written after)."""
+    tally = Goodput()
+    tally.add_records(rows, whole_conversations)
+    doc = {"tokens": {p: tally.tokens[p] for p in COMMITTED if tally.items[p]},
+           "items": {p: tally.items[p] for p in COMMITTED if tally.items[p]}}
+    return {FOOTER_KEY: orjson.dumps(doc)}
+
+
+def footer_goodput(metadata: dict[bytes, bytes] | None) -> "Goodput | None":
+    """A part's own goodput from its footer; None: a part written before parts carried it."""
+    raw = (metadata or {}).get(FOOTER_KEY)
+    return None if raw is None else Goodput.from_dict(orjson.loads(raw))
+
+
+def resumed_goodput(parts_metadata: Iterable[dict[bytes, bytes] | None], status: dict[str, Any] | None) -> "Goodput":
+    """The goodput of a run's earlier sessions, for a resume: the committed purposes summed from the records parts'
+    footers (so a SIGKILL between a commit and the next status.json loses none), the thrown-away purposes from
+    status.json (tokens that left no record: a kill loses those since its last status write). A run with a part
+    written before parts carried their counts takes status.json's counts whole, as before."""
+    before = Goodput.from_dict((status or {}).get("goodput"))
+    summed = Goodput()
+    for metadata in parts_metadata:
+        own = footer_goodput(metadata)
+        if own is None:
+            return before
+        summed = summed + own
+    thrown = Goodput(Counter({p: v for p, v in before.tokens.items() if p in THROWN_AWAY}),
+                     Counter({p: v for p, v in before.items.items() if p in THROWN_AWAY}))
+    return summed + thrown

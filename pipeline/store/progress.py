@@ -12,7 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from ..core.work import record_unit
-from .goodput import Goodput, summary_line
+from .goodput import DUPLICATE, Goodput, summary_line
 from .prompt_reader import PendingScan
 from .rundir import RunDir, now_utc
 
@@ -54,9 +54,11 @@ class Progress:
     rejects: int
     status_interval_s: float = 2.0
     log_interval_s: float = 60.0
-    done: int = 0
+    done: int = 0  # this session's outcomes (the rates, the bar): a finished sample may still be in the buffer
     failed: int = 0
     completion_tokens: int = 0
+    committed_done: int = 0  # this session's units committed (status.json's and /metrics' done): the ledger's
+    committed_failed: int = 0
     endpoints: dict[str, dict] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     goodput_before: Goodput = field(default_factory=Goodput)  # earlier sessions' (their status.json)
@@ -106,8 +108,14 @@ class Progress:
         """A records part was committed: its records are counted, and status.json, which carries the counts to the
         next session, is rewritten at the next `write_counted` (right after the commit), so a SIGKILL loses none."""
         self.goodput.add_records(rows, whole_conversations)
+        self.committed_done += len({record_unit(row) for row in rows})
         if self.image_prompts is not None:
             self.image_prompts["done"] += len({record_unit(row) for row in rows if row_has_images(row)})
+        self._counted_unwritten = True
+
+    def failures_committed(self, rows: list[dict[str, Any]]) -> None:
+        """A failures part was committed: its units count as failed from now on."""
+        self.committed_failed += len({record_unit(row) for row in rows})
         self._counted_unwritten = True
 
     def write_counted(self) -> None:
@@ -143,7 +151,14 @@ class Progress:
         }
 
     def pending(self) -> int:
-        return max(0, self.total - self.already_done - self.done - self.failed_before - self.failed)
+        """Units without a committed record or failure (a finished one still in the buffer is pending)."""
+        return max(0, self.total - self.already_done - self.committed_done - self.failed_before
+                   - self.committed_failed)
+
+    def buffered(self) -> int:
+        """Finished this session, not committed yet (a SIGKILL loses these; dropped duplicates are not counted)."""
+        return max(0, self.done + self.failed - self.committed_done - self.committed_failed
+                   - self.goodput.items[DUPLICATE])
 
     def eta_s(self, rates: dict[str, dict[str, float]] | None = None) -> float | None:
         """Seconds until nothing is pending at the recent rate (the overall one while there is no recent)."""
@@ -176,7 +191,7 @@ class Progress:
         """One plain line of progress: on a terminal into the log only (the bar shows it), else to both."""
         rates = self.rates()
         recent, overall = rates["recent"], rates["overall"]
-        done, failed = self.already_done + self.done, self.failed_before + self.failed
+        done, failed = self.already_done + self.committed_done, self.failed_before + self.committed_failed
         share = f" ({100 * (done + failed) / self.total:.1f}%)" if self.total else ""
         fleet = ", ".join(f"{label} {e.get('state', '?')}" for label, e in self.endpoints.items())
         counted = "" if self.samples_per_prompt == 1 else f" samples ({self.samples_per_prompt} per prompt)"
@@ -189,8 +204,10 @@ class Progress:
                  extra={"file_only": self.bar is not None})
 
     def status(self, state: str) -> dict[str, Any]:
-        done = self.already_done + self.done
-        failed = self.failed_before + self.failed
+        """done, failed and pending count the ledger (committed units); `buffered` what finished and waits for its
+        commit; this_session's done and failed are committed too, its `finished` every outcome."""
+        done = self.already_done + self.committed_done
+        failed = self.failed_before + self.committed_failed
         rates = self.rates()
         return {
             "state": state,
@@ -200,12 +217,14 @@ class Progress:
             "done": done,
             "failed": failed,
             "pending": self.pending(),
+            "buffered": self.buffered(),
             "rejects": self.rejects,
             "rates": rates,
             "eta_s": self.eta_s(rates) if state == "running" else None,
             "this_session": {
-                "done": self.done,
-                "failed": self.failed,
+                "done": self.committed_done,
+                "failed": self.committed_failed,
+                "finished": self.done + self.failed,
                 "completion_tokens": self.completion_tokens,
                 "elapsed_s": round(self.elapsed(), 1),
                 "tok_s": round(self.tok_s(), 1),

@@ -8,7 +8,7 @@ import pyarrow.compute as pc
 
 from ..core.config import RunConfig
 from ..core.identity import StoredRecords
-from ..core.work import Outcome, WorkItem, split_unit
+from ..core.work import SAMPLE_SEP, Outcome, WorkItem, split_unit
 from ..prompts.conversation import calls_json, replay, sample_seed
 from ..prompts.tool_calls import message_row
 from .prompt_reader import PendingPrompt, PromptRow, PromptSetReader
@@ -125,3 +125,18 @@ def stored_records(run_dir: RunDir) -> StoredRecords:
         if with_token_ids:
             break
     return StoredRecords(count, with_token_ids)
+
+
+def stored_samples(run_dir: RunDir) -> int:
+    """How many samples of a prompt the ledger holds: 1 + the highest sample index of a committed record or a
+    terminal failure (a failure names its sample in its unit id, `<prompt_id>#s<j>`); 0 for an empty ledger.
+    Reads the id columns only."""
+    highest = -1
+    for folder in (run_dir.data, run_dir.failures):
+        units = run_dir.unit_ids(folder)
+        if len(units):
+            highest = max(highest, 0)
+        suffix = pc.struct_field(pc.extract_regex(units, rf"{SAMPLE_SEP}(?P<j>\d+)$"), "j")
+        if suffix.null_count < len(suffix):
+            highest = max(highest, pc.max(pc.cast(suffix, "int64")).as_py())
+    return highest + 1

@@ -19,10 +19,11 @@ from typing import Any
 from ..core.config import RunConfig
 from ..core.errors import ConfigError, DriftError, RunLocked
 from ..core.paths import PATH_RULE
-from ..core.identity import IDENTITY_VERSION, StoredRecords, check_identity, flat_diff, spec_renames, with_spec_keys
+from ..core.identity import (IDENTITY_VERSION, StoredRecords, check_identity, flat_diff, samples_per_prompt,
+                             spec_renames, with_spec_keys)
 from .lock import RunLock
 from .promptset import check_source_files
-from .records import stored_records
+from .records import stored_records, stored_samples
 from .rundir import RunDir, _numbered_runs, resolve_run_dir, successor_run_dir
 
 log = logging.getLogger("regen")
@@ -55,8 +56,9 @@ def records_of_older(run_dir: RunDir, manifest: dict[str, Any]) -> StoredRecords
 def identity_drift(cfg: RunConfig, run_dir: RunDir, refresh_prompts: bool, add_samples: bool = False) -> list[str]:
     """How the config differs from the run's recorded identity (empty: it may resume the run)."""
     manifest = run_dir.read_manifest()
+    held = stored_samples(run_dir) if cfg.samples_per_prompt < samples_per_prompt(manifest.get("generation")) else None
     check = check_identity(manifest, cfg.identity(), refresh_prompts=refresh_prompts,
-                           records=records_of_older(run_dir, manifest), add_samples=add_samples)
+                           records=records_of_older(run_dir, manifest), add_samples=add_samples, stored_samples=held)
     files = [] if refresh_prompts else check_source_files(cfg, manifest).drift
     return with_prompt_advice(check.drift + files, bool(files))
 
@@ -79,7 +81,9 @@ class ChosenRun:
 
 def choose_run(cfg: RunConfig, *, new_run: bool, refresh_prompts: bool, run_dir: str | None = None,
                add_samples: bool = False) -> ChosenRun:
-    """The run directory a `regen generate` opens (see the module docstring)."""
+    """The run directory a `regen generate` opens (see the module docstring). With --new-run, --add-samples does
+    not make a run of another k match: --new-run asks for a new run whenever the config differs."""
+    add_samples = add_samples and not new_run
     if run_dir is not None:
         named = RunDir(run_dir)
         if not named.exists():

@@ -64,6 +64,8 @@ def run_state(run_dir: RunDir, counts: dict[str, Any]) -> str:
     if counts["pending"] == 0 and counts["total"]:
         return "complete"
     last = (run_dir.read_status() or {}).get("state")
+    if last == "complete" and counts["pending"]:
+        return "stopped"  # the ledger decides: complete once, then more to do (a raised samples_per_prompt)
     return "stopped" if last in (None, "running") else last  # "running" with no lock holder: it was killed
 
 
