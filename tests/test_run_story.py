@@ -202,8 +202,10 @@ run.create()
 setup_logging(run)
 progress = Progress(run, total=8, already_done=0, failed_before=0, rejects=0, status_interval_s=0.01,
                     log_interval_s=0.01)
-for _ in range(8):
+for i in range(8):
     progress.record(True, 5, "emu-0")
+    progress.committed([{"prompt_id": f"p{i}", "sample_index": 0, "completion_tokens": 5, "finish_reason": "stop"}],
+                       False)  # the progress lines count commits, as the driver's committer reports them
     time.sleep(0.03)
     progress.tick({"emu-0": {"state": "healthy"}})
 progress.close()
