@@ -11,7 +11,8 @@
 The server column names the engine and version the preflight identified (sglang, vllm, llamacpp; `not SGLang`
 for an unidentified one), and `n/a` marks where the SGLang-only checks were skipped. The images column says whether
 the endpoint takes image parts: SGLang's /model_info says it, llama.cpp never does, and any other server is asked
-only for a prompt set with images (the tiny image probe); `?` where nothing was asked.
+only for a prompt set with images (the tiny image probe); `?` where nothing was asked. The batch column is the
+endpoint's concurrency over the requests the server batches at once (`64/512 (12%)`; `?`: it does not say).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from ..core.config import RunConfig
     from .probes import EndpointReport
 
-HEADER = ("endpoint", "status", "model", "weights", "context", "parser", "server", "images")
+HEADER = ("endpoint", "status", "model", "weights", "context", "parser", "server", "images", "batch")
 
 
 def _model(r: "EndpointReport", cfg: "RunConfig") -> str:
@@ -48,7 +49,14 @@ def _row(r: "EndpointReport", cfg: "RunConfig") -> tuple[str, ...]:
                                                     else None)
     images = "?" if takes is None else ("yes" if takes else "no")
     return (r.label, r.status, _model(r, cfg), weights,
-            str(r.context) if r.context is not None else "?", parser, server, images)
+            str(r.context) if r.context is not None else "?", parser, server, images, _batch(r, cfg))
+
+
+def _batch(r: "EndpointReport", cfg: "RunConfig") -> str:
+    """The configured concurrency over the server's batch (capacity.py)."""
+    from .capacity import batch_cell
+    e = next((e for e in cfg.all_endpoints() if e.label == r.label), None)
+    return batch_cell(e.concurrency if e is not None else "?", r.limits)
 
 
 def render_table(reports: list["EndpointReport"], cfg: "RunConfig", fleet_problems: list[str] = ()) -> str:
