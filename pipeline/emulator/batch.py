@@ -13,8 +13,8 @@ The shape and its sources:
   ratio starts at 0.7 (SGLANG_INIT_NEW_TOKEN_RATIO), decays to 0.7 * 0.14 over 600 steps
   (SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR, SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS), and after a retraction is set to
   `(decoded + 20 * running) / sum(max_new)` (NewTokenRatioTracker.estimate_new_token_ratio_after_retract).
-- **Retraction** (ScheduleBatch.retract_decode): when the pool cannot hold the next 20 steps of the batch
-  (SGLANG_RETRACT_DECODE_STEPS), requests leave the batch, fewest output tokens first (longest prompt among
+- **Retraction** (ScheduleBatch.retract_decode): when the pool cannot hold the batch's next step
+  (check_decode_mem), requests leave the batch until it holds 20 steps (SGLANG_RETRACT_DECODE_STEPS), fewest output tokens first (longest prompt among
   equals: `_get_decode_retraction_order`), always keeping one, and go back to the front of the waiting queue; re-
   admitted, they prefill their prompt and what they had generated again. Each one counts in
   `sglang:num_retracted_requests_total`. Past the pool, throughput therefore falls: prefill redone, steps lost.
@@ -124,7 +124,7 @@ class Batch:
         if not b:
             return None
         target = self.heap[0][0] if self.heap else float("inf")
-        full = (self.pool - RETRACT_STEPS * b - self.base) / b
+        full = (self.pool - b - self.base) / b            # the next step no longer fits
         if b > 1:
             target = min(target, max(self.v, full))
         return max(self.t, self.stall_until) + max(0.0, target - self.v) * step_time(self.step_s, self.knee, b)
@@ -156,7 +156,7 @@ class Batch:
 
     def _retract(self) -> None:
         b = len(self.running)
-        if b <= 1 or self.used() + RETRACT_STEPS * b <= self.pool:
+        if b <= 1 or self.used() + b <= self.pool:        # check_decode_mem: the next step fits
             return
         order = sorted(self.running, key=lambda q: (q.done + self.v - q.v0, -q.prompt), reverse=True)
         out = []
