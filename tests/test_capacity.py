@@ -168,3 +168,12 @@ def test_auto_on_an_emulated_server_fills_its_batch_and_resettles_after_a_restar
 
     with start_emulator(capacity=40, **opts) as server:
         asyncio.run(scenario(server))
+
+
+def test_an_endpoints_file_line_may_say_auto(tmp_path):
+    from pipeline.core.config import read_endpoints_file
+
+    path = tmp_path / "endpoints.txt"
+    path.write_text("http://10.0.0.1:30000 auto\nhttp://10.0.0.2:30000 16\nhttp://10.0.0.3:30000\n")
+    got = [(e.concurrency, e.max_in_flight) for e in read_endpoints_file(path, "auto")]
+    assert got == [("auto", 512), (16, 16), ("auto", 512)]

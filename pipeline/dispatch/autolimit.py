@@ -114,7 +114,7 @@ class AutoLimit:
 
     def stats(self) -> dict:
         running, waiting, batch = self._server()
-        return {"concurrency": self.ctl.limit, "server_running": running, "server_waiting": waiting,
+        return {"concurrency": self.ctl.limit, "concurrency_reason": self.ctl.reason, "server_running": running, "server_waiting": waiting,
                 "server_batch": batch, "concurrency_settled_s": None if self.ctl.settled_at is None else
                 round(self.ctl.settled_at - self._t0, 1)}
 
