@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..core.config import RunConfig
     from .probes import EndpointReport
 
-HEADER = ("endpoint", "status", "model", "weights", "context", "parser", "server", "images", "batch")
+HEADER = ("endpoint", "status", "model", "weights", "context", "parser", "server", "batch", "images")
 
 
 def _model(r: "EndpointReport", cfg: "RunConfig") -> str:
@@ -49,7 +49,7 @@ def _row(r: "EndpointReport", cfg: "RunConfig") -> tuple[str, ...]:
                                                     else None)
     images = "?" if takes is None else ("yes" if takes else "no")
     return (r.label, r.status, _model(r, cfg), weights,
-            str(r.context) if r.context is not None else "?", parser, server, images, _batch(r, cfg))
+            str(r.context) if r.context is not None else "?", parser, server, _batch(r, cfg), images)
 
 
 def _batch(r: "EndpointReport", cfg: "RunConfig") -> str:
