@@ -376,7 +376,8 @@ def test_info_endpoints(main, small):
               "max_total_num_tokens", "internal_states", "version"):
         assert k in si, k
     assert si["context_length"] == 4096
-    assert set(si["internal_states"][0]) == {"last_gen_throughput", "avg_spec_accept_length"}
+    assert set(si["internal_states"][0]) == {"last_gen_throughput", "avg_spec_accept_length",
+                                             "effective_max_running_requests_per_dp"}
     models = jcall(main.url, "/v1/models")[1]
     assert models["object"] == "list" and models["data"][0]["id"] == MODEL
     assert models["data"][0]["max_model_len"] == 4096

@@ -7,6 +7,7 @@ process id), the emulators, the regen runs.
 
   overhead    regen end to end vs a bare asyncio + AsyncOpenAI pull loop (+ a py-spy profile)
   saturation  mean running requests per endpoint vs its capacity C
+  capacity    concurrency auto vs 8, 64 and each server's best fixed value, on emulators with a throughput curve
   stragglers  4 endpoints, one 5x slower: makespan vs ideal, and static round-robin's
   resume      88K-prompt run dir with 80K done: pending-set time, command start to first request
   memory      driver and actor RSS over a long run of 2K-token completions
@@ -43,6 +44,7 @@ from .cases import (
     saturation,
     stragglers,
 )
+from .capacity import capacity
 from .capture import capture_needs, capture_throughput
 from .image_requests import image_request_cost
 from .env import REPO
@@ -81,7 +83,7 @@ def simulator_accuracy(ctx: Ctx) -> Result:
     return res
 
 
-BENCHES = {"overhead": overhead, "saturation": saturation, "stragglers": stragglers, "resume": resume,
+BENCHES = {"overhead": overhead, "capacity": capacity, "saturation": saturation, "stragglers": stragglers, "resume": resume,
            "memory": memory, "emulator": emulator_capacity,
            "simulator": simulator_accuracy, "production": production, "sources": materialise_json,
            "images": materialise_images, "capture": capture_throughput, "image_requests": image_request_cost,

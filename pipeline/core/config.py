@@ -78,8 +78,9 @@ class RunConfig(_Strict):
         "folder."))
     endpoints_file_interval_s: float = Field(10.0, gt=0.0, description=(
         "How often the endpoints file is re-read; a change applies once two reads in a row agree."))
-    endpoints_file_concurrency: int = Field(64, ge=1, description=(
-        "Concurrency of an endpoints-file line that gives none."))
+    endpoints_file_concurrency: int | Literal["auto"] = Field(64, description=(
+        "Concurrency of an endpoints-file line that gives none (a number, or `auto`: see the endpoints' "
+        "`concurrency`)."))
     endpoints_file_api_key_env: str | None = Field(None, description=(
         "Name of the environment variable holding the API key of the endpoints file's endpoints."))
     prefix_affinity_chars: int = Field(256, ge=0, description=(
@@ -296,8 +297,8 @@ class RunConfig(_Strict):
             self.api_key(endpoint)
 
 
-def read_endpoints_file(path: str | Path, concurrency: int, api_key_env: str | None = None) -> list[Endpoint]:
-    """`URL [concurrency]` per line; blank lines and `#` comments are skipped. Errors name the line."""
+def read_endpoints_file(path: str | Path, concurrency: int | str, api_key_env: str | None = None) -> list[Endpoint]:
+    """`URL [concurrency]` per line (a number or `auto`); blank lines and `#` comments are skipped. Errors name the line."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
@@ -310,7 +311,8 @@ def read_endpoints_file(path: str | Path, concurrency: int, api_key_env: str | N
         try:
             if len(fields) > 2:
                 raise ValueError("expected `URL [concurrency]`")
-            endpoints.append(Endpoint(url=fields[0], concurrency=int(fields[1]) if len(fields) == 2 else concurrency,
+            given = fields[1] if len(fields) == 2 else concurrency
+            endpoints.append(Endpoint(url=fields[0], concurrency=given if given == "auto" else int(given),
                                       api_key_env=api_key_env))
         except (ValueError, ValidationError) as exc:
             raise ConfigError(f"{path}:{number}: {line.strip()!r}: {exc}") from None

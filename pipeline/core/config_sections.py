@@ -14,7 +14,13 @@ class _Strict(BaseModel):
 
 class Endpoint(_Strict):
     url: str = Field(description="The server's root URL (http:// or https://; a trailing `/v1` is dropped).")
-    concurrency: int = Field(8, ge=1, le=4096, description="Requests in flight on this endpoint at most.")
+    concurrency: int | Literal["auto"] = Field(8, description=(
+        "Requests in flight on this endpoint at most (1 to 4096), or `auto`: a controller keeps the server's batch "
+        "full and its waiting queue short, from the server's /metrics gauges or, without them, from the time per "
+        "output token; it starts at 8, never goes past `concurrency_cap`, the server's batch or its "
+        "max_queued_requests, and its value is in the log, status and /metrics."))
+    concurrency_cap: int = Field(512, ge=1, le=4096, description=(
+        "With `concurrency: auto`: the most requests in flight the controller may reach."))
     api_key_env: str | None = Field(None, description=(
         "Name of an environment variable holding the API key; the key itself never enters the config."))
     name: str | None = Field(None, description="The endpoint's label in logs and status (default: host:port).")
@@ -32,9 +38,25 @@ class Endpoint(_Strict):
         url = url.rstrip("/")
         return url[: -len("/v1")] if url.endswith("/v1") else url
 
+    @field_validator("concurrency")
+    @classmethod
+    def _concurrency(cls, value: int | str) -> int | str:
+        if value != "auto" and not 1 <= int(value) <= 4096:
+            raise ValueError(f"concurrency must be `auto` or 1 to 4096, got {value!r}")
+        return value
+
     @property
     def label(self) -> str:
         return self.name or self.url.split("://", 1)[1]
+
+    @property
+    def auto(self) -> bool:
+        return self.concurrency == "auto"
+
+    @property
+    def max_in_flight(self) -> int:
+        """The most requests in flight: the fixed concurrency, or auto's cap."""
+        return self.concurrency_cap if self.concurrency == "auto" else int(self.concurrency)
 
 
 class LocalFleet(_Strict):

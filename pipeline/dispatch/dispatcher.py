@@ -159,8 +159,8 @@ class Dispatcher:
         solo = self._isolated(slot)
         if solo is not None:
             return solo
-        if slot.state == "healthy" and len(self.router) < sum(s.endpoint.concurrency for s in self.slots.values()):
-            demand = max(0, demand - slot.endpoint.concurrency)  # a probing endpoint asks for its one request only
+        if slot.state == "healthy" and len(self.router) < sum(s.concurrency for s in self.slots.values()):
+            demand = max(0, demand - slot.concurrency)  # a probing endpoint asks for its one request only
         elsewhere = any(s.state == "healthy" for s in self.slots.values() if s is not slot and not s.draining)
         batch = self.router.take(slot.label, demand, self.unfinished.__contains__, elsewhere)
         if self.load is not None and batch:

@@ -48,6 +48,9 @@ class RunMetrics:
                            ["run", "endpoint", "state"], registry=registry)
         self.in_flight = Gauge("regen_endpoint_in_flight", "Requests the endpoint's actor has in flight",
                                ["run", "endpoint"], registry=registry)
+        self.capacity = Gauge("regen_endpoint_capacity", "concurrency: auto, per endpoint: the concurrency reached "
+                              "(what), the server's running and waiting counts and the batch regen believes",
+                              ["run", "endpoint", "what"], registry=registry)
         self.latency = Histogram("regen_request_latency_seconds", "Latency of each committed request (one turn)",
                                  ["run", "endpoint"], buckets=LATENCY_BUCKETS, registry=registry)
         self.errors = Counter("regen_endpoint_errors", "Errors by class (retryable, terminal, dropped, "
@@ -94,6 +97,9 @@ class RunMetrics:
         for label, stats in endpoints.items():
             self._endpoint(label, stats.get("state", "healthy"), stats.get("in_flight", 0))
             self._count_errors(label, stats.get("errors") or {})
+            for what in ("concurrency", "server_running", "server_waiting", "server_batch"):
+                if stats.get(what) is not None:
+                    self.capacity.labels(self.run, label, what).set(stats[what])
         for label in set(self._errors_seen) - set(endpoints):
             self._endpoint(label, "left", 0)
 

@@ -36,6 +36,11 @@ class Slot:
     def label(self) -> str:
         return self.endpoint.label
 
+    @property
+    def concurrency(self) -> int:
+        """Requests in flight at most now: the fixed number, or where `auto` stands (the worker's stats)."""
+        return int(self.stats.get("concurrency") or self.endpoint.max_in_flight)
+
 
 def can_isolate(slot: Slot, queued: int) -> bool:
     """May a crash suspect run alone on this slot's endpoint (`queued`: prompts the router still holds)?"""

@@ -8,6 +8,7 @@ log = logging.getLogger("regen.dispatch")
 
 def log_change(label: str, old: str, old_stats: dict, new: str, stats: dict) -> None:
     """One endpoint's answer, against the state the driver knew (its reason: the worker's last error)."""
+    log_concurrency(label, old_stats, stats)
     why = stats.get("last_error") or "no error recorded"
     refused = stats.get("errors", {}).get("readmission_refused", 0)
     if refused > old_stats.get("errors", {}).get("readmission_refused", 0) and why != old_stats.get("last_error"):
@@ -24,3 +25,21 @@ def log_change(label: str, old: str, old_stats: dict, new: str, stats: dict) -> 
                  "decides", label)
     elif new == "healthy":
         log.info("endpoint %s: circuit closed: healthy, it takes work", label)
+
+
+def log_concurrency(label: str, old_stats: dict, stats: dict) -> None:
+    """`concurrency: auto`: a move of a fifth or more since the last logged value, or another reason."""
+    limit, before = stats.get("concurrency"), old_stats.get("concurrency")
+    if limit is None or before is None or limit == before:
+        return
+    shown = _SHOWN.get(label)
+    reason = stats.get("concurrency_reason")
+    if shown is not None and abs(limit - shown[0]) < 0.2 * shown[0] and reason == shown[1]:
+        return
+    _SHOWN[label] = (limit, reason)
+    log.info("endpoint %s: concurrency %s -> %s (%s; the server runs %s, %s waiting, batches up to %s)", label,
+             before, limit, reason, stats.get("server_running"), stats.get("server_waiting"),
+             stats.get("server_batch"))
+
+
+_SHOWN: dict[str, tuple[int, str | None]] = {}  # per endpoint: the concurrency last logged and why

@@ -25,6 +25,7 @@ from ..core.work import (
 )
 from ..endpoints.client import ClientSettings, EndpointClient, unexpected
 from ..prompts.conversation import DEFAULT_REASONING_HISTORY, DEFAULT_RESULT_MATCH, AllTurns, normalised
+from .autolimit import AutoLimit
 from .images import ConversationImages
 
 # Error class -> outcome kind, most specific first.
@@ -72,12 +73,16 @@ class EndpointWorker:
         tool_result_match: str = DEFAULT_RESULT_MATCH,
         run_uri: str | None = None,
         images_send_as: str = "data_url",
+        concurrency_cap: int = 512,
     ):
-        self.label, self.concurrency, self.mode = label, concurrency, mode
+        self.mode = mode
+        self.label, self.concurrency = label, concurrency_cap if concurrency == "auto" else int(concurrency)
         self.tool_reasoning_history, self.tool_result_match = tool_reasoning_history, tool_result_match
         # images: read from the run directory (or their own path) when sent, as images.send_as says (images.py)
         self.run_uri, self.images_send_as = run_uri, images_send_as
         self.client = EndpointClient(url, label, settings, api_key)
+        # concurrency: auto (autolimit.py): `concurrency_cap` workers, at most the controller's limit at work
+        self.auto = AutoLimit(self.client, label, self.concurrency) if concurrency == "auto" else None
         self.attempts_per_endpoint = attempts_per_endpoint
         self.circuit_failures = circuit_failures
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
@@ -101,6 +106,8 @@ class EndpointWorker:
     def _ensure_started(self) -> None:
         if not self._tasks:
             self._tasks = [asyncio.create_task(self._work()) for _ in range(self.concurrency)]
+            if self.auto is not None:
+                self.auto.start(lambda: self.state == "healthy", lambda: self.in_flight)
             if self.state == "open":
                 self._probe = asyncio.create_task(self._probe_until_healthy(first_delay=0.0))
 
@@ -128,7 +135,8 @@ class EndpointWorker:
             return 0
         if self.state == "probing":
             return max(0, 1 - self.in_flight - self.inbox.qsize())
-        return max(0, 2 * self.concurrency - self.in_flight - self.inbox.qsize())
+        limit = self.auto.limit if self.auto is not None else self.concurrency
+        return max(0, 2 * limit - self.in_flight - self.inbox.qsize())
 
     def stats(self) -> dict:
         elapsed = max(1e-9, time.monotonic() - self.started)
@@ -141,6 +149,7 @@ class EndpointWorker:
             "tok_s": round(self.completion_tokens / elapsed, 1),
             "errors": dict(self.errors),
             "last_error": self.last_error,
+            **(self.auto.stats() if self.auto is not None else {}),
         }
 
     # --- the workers ------------------------------------------------------------------------------
@@ -152,20 +161,29 @@ class EndpointWorker:
         """One long-lived worker. Every exception becomes an outcome for its prompt; only a cancellation of
         the worker itself ends it (and then the driver has taken the work back already)."""
         while True:
-            item = await self.inbox.get()
-            if self.state in ("open", "fatal"):
-                self._emit(Outcome(item.prompt_id, RETURNED, self.label, 0, message=f"{self.label} is {self.state}"))
-                continue
-            self.in_flight += 1
+            if self.auto is not None:
+                await self.auto.acquire()
             try:
-                outcome = await self._run(item)
-            except BaseException as exc:  # _run turns errors into outcomes; this catches a bug in that bookkeeping
-                if _must_propagate(exc):
-                    raise
-                outcome = self._failed(item, unexpected(exc, self.label), 1)
+                await self._one()
             finally:
-                self.in_flight -= 1
-            self._emit(outcome)
+                if self.auto is not None:
+                    self.auto.release()
+
+    async def _one(self) -> None:
+        item = await self.inbox.get()
+        if self.state in ("open", "fatal"):
+            self._emit(Outcome(item.prompt_id, RETURNED, self.label, 0, message=f"{self.label} is {self.state}"))
+            return
+        self.in_flight += 1
+        try:
+            outcome = await self._run(item)
+        except BaseException as exc:  # _run turns errors into outcomes; this catches a bug in that bookkeeping
+            if _must_propagate(exc):
+                raise
+            outcome = self._failed(item, unexpected(exc, self.label), 1)
+        finally:
+            self.in_flight -= 1
+        self._emit(outcome)
 
     async def _run(self, item: WorkItem) -> Outcome:
         """All turns of a prompt on this endpoint, in order. A failure redoes the whole prompt elsewhere.
@@ -247,6 +265,8 @@ class EndpointWorker:
             # an unreachable endpoint, or a dropped connection, is not the prompt's attempt
             raise _Failed(error, attempts - isinstance(error, EndpointDown)) from None
         self.completion_tokens += completion.completion_tokens
+        if self.auto is not None:
+            self.auto.completed(completion.latency_s, completion.completion_tokens, self.in_flight)
         return completion, attempts
 
     async def _attempt(self, prompt_id: str, turn_index: int, messages: list[dict[str, str]],
@@ -298,6 +318,8 @@ class EndpointWorker:
                 if await self.client.healthy() and await self._passes_preflight():
                     self.state = "probing"  # half-open: one request decides
                     self.consecutive_failures = 0
+                    if self.auto is not None:
+                        self.auto.recovered()  # a restarted server: its limits are read again
                     return
             except BaseException as exc:  # a probe that fails oddly is a failed probe, never a silent end
                 if _must_propagate(exc):
@@ -337,6 +359,8 @@ class EndpointWorker:
         for task in [*self._tasks, self._probe]:
             if task is not None:
                 task.cancel()
+        if self.auto is not None:
+            self.auto.close()
         await self.client.close()
 
 

@@ -32,6 +32,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ... with an EAGLE-3 draft (speculative decoding: accept length in meta_info and /metrics).
     "kimi-eagle3": {"reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2", "speculative_algorithm": "EAGLE3",
                     "image_understanding": True},
+    # Kimi-K2.5 with a throughput curve: steps grow past the knee, a KV pool, retraction, metrics on.
+    "kimi-curve": {"reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2", "image_understanding": True,
+                   "throughput_curve": True, "enable_metrics": True},
     # A text-only model: a media part is refused (0.5.17+) or ignored (0.5.14).
     "plain": {},
 }
@@ -76,6 +79,11 @@ class EmulatorConfig:
     startup_delay: float = 0.0                    # /health answers 503 this long after start
     health_check_timeout: float = 5.0             # /health_generate gives up (503) after this
     keepalive_timeout: float = 5.0
+    # --- the throughput curve (batch.py): off, each request decodes at tok_per_s whatever the batch ----------
+    throughput_curve: bool = False                # one batch: step(B) = step_ms * max(1, B/knee), a KV pool
+    step_ms: float = 30.0                         # decode step of a small (memory-bound) batch, in ms
+    knee: int = 64                                # batch size where the step turns compute-bound
+    decode_log_interval: int = 40                 # the gauges (/metrics) refresh every this many steps
     # --- faults ------------------------------------------------------------------------------
     fault_seed: int = 0
     fault_500: float = 0.0
@@ -200,6 +208,11 @@ _OPTIONS: list[tuple[str, Any, str]] = [
     ("capacity", int, "concurrent running requests (<=0: unlimited)"),
     ("max_queue", int, "waiting requests before 503 'The request queue is full.' (<0: unlimited)"),
     ("queue_timeout", float, "seconds a request may wait before 503 'Request waiting timeout reached.'"),
+    ("throughput_curve", bool, "one continuous batch: the decode step grows past --knee, admission is bounded by "
+                               "the KV pool (--max-total-num-tokens) and a full pool retracts requests (batch.py)"),
+    ("step_ms", float, "with --throughput-curve: ms of a decode step while the batch is small"),
+    ("knee", int, "with --throughput-curve: the batch size past which a step grows linearly"),
+    ("decode_log_interval", int, "with --throughput-curve: steps between refreshes of the /metrics gauges"),
     ("startup_delay", float, "/health answers 503 for this many seconds after start"),
     ("health_check_timeout", float, "/health_generate gives up after this many seconds"),
     ("keepalive_timeout", float, "HTTP keep-alive timeout (SGLang: 5 s)"),
@@ -230,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="SGLang-faithful emulated server (deterministic answers, fault injection).",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="option bundle: kimi (kimi_k2 parsers, images), kimi-eagle3 (+ an EAGLE3 draft), plain "
-                        "(text-only)")
+                   help="option bundle: kimi (kimi_k2 parsers, images), kimi-eagle3 (+ an EAGLE3 draft), kimi-curve (+ the "
+                        "throughput curve and /metrics), plain (text-only)")
     for name, typ, help_ in _OPTIONS:
         flag = "--" + name.replace("_", "-")
         if typ is bool:

@@ -33,12 +33,12 @@ def render_metrics(state: ServerState) -> str:
     spec = cfg.is_speculative
     accept_len = cfg.accept_length if spec else 0.0
     accept_rate = spec_accept_rate(cfg.accept_length, cfg.speculative_num_steps) if spec else 0.0
-    metric("sglang:num_running_reqs", "gauge", "The number of running requests.", state.running)
-    metric("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", len(state.waiting))
+    running, waiting, usage = state.gauges()
+    metric("sglang:num_running_reqs", "gauge", "The number of running requests.", running)
+    metric("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", waiting)
     metric("sglang:gen_throughput", "gauge", "The generation throughput (token/s).", state.gen_throughput())
     metric("sglang:cache_hit_rate", "gauge", "The prefix cache hit rate.", state.cache_hit_rate)
-    metric("sglang:token_usage", "gauge", "The token usage.",
-           min(1.0, state.running_tokens / max(1, cfg.max_total_num_tokens)))
+    metric("sglang:token_usage", "gauge", "The token usage.", usage)
     metric("sglang:spec_accept_length", "gauge", "The average acceptance length of speculative decoding.",
            accept_len)
     metric("sglang:spec_accept_rate", "gauge", "The average acceptance rate of speculative decoding.",
@@ -47,6 +47,7 @@ def render_metrics(state: ServerState) -> str:
            state.prompt_tokens_total)
     metric("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.",
            state.generation_tokens_total)
+    metric("sglang:num_retracted_requests_total", "counter", "Total number of retracted requests.", state.batch.retractions if state.batch is not None else 0)
     metric("sglang:num_requests_total", "counter", "Number of requests processed.", state.requests_total)
     histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
               state.e2e)

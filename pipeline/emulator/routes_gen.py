@@ -18,6 +18,7 @@ from .model import THINK_START_ID, Generation, chat_generation, chat_max_tokens,
 from .protocol import (RequestInvalid, chat_body, chat_usage, check_context, chunk_bytes, json_response,
                        meta_info, native_error, openai_error, parse_json, stream_answer_of, stream_error_event,
                        validate_chat, validate_generate, weight_metadata)
+from .batch import QueueFull
 from .state import Overloaded, PrefixCache, ServerState
 
 CHAT = "/v1/chat/completions"
@@ -39,6 +40,7 @@ class Job:
     t0: float
     cached: int = 0
     fault: str | None = None
+    timed: bool = False               # the batch (the throughput curve) has spent its time already
     extra: dict = field(default_factory=dict)
 
 
@@ -146,6 +148,8 @@ async def _run(request: web.Request, st: ServerState, job: Job) -> web.StreamRes
             st.count(route, job.fault)
             st.log_request(route, job.rid, job.body, f"error:{status}", fault=True)
             return _error(route, status, _FAULT_MESSAGES[status])
+        if cfg.throughput_curve:
+            return await _run_curve(request, st, job)
         try:
             await st.acquire()
         except Overloaded as e:
@@ -180,9 +184,39 @@ async def _run(request: web.Request, st: ServerState, job: Job) -> web.StreamRes
         st.running_rids.discard(job.rid)
 
 
+async def _run_curve(request: web.Request, st: ServerState, job: Job) -> web.StreamResponse:
+    """The throughput curve (batch.py): the batch decides when the answer is done; then it is sent at once."""
+    gen = job.gen
+    plen = gen.prompt_tokens
+    if not st.cfg.disable_radix_cache:
+        prompt = gen.prompt_ids if gen.cache_ids is None else gen.cache_ids
+        hashes = PrefixCache.prefix_hashes(prompt + gen.output_ids[:-1])
+        job.cached = min(st.cache.match(hashes[:plen]), plen - 1)
+        st.cache.insert(hashes)
+    if job.fault == "abort":
+        job.gen = gen = gen.cut(gen.completion_tokens // 2, "abort")
+    try:
+        await st.curve().run(plen, plen - job.cached, gen.completion_tokens, _max_new(job, st.cfg), st.cfg.queue_timeout)
+    except QueueFull as e:
+        st.count(job.route, "503")
+        st.log_request(job.route, job.rid, job.body, "error:503", message=str(e))
+        return _error(job.route, 503, str(e))
+    job.timed = True
+    return await (_stream(request, st, job) if job.stream else _plain(request, st, job))
+
+
+def _max_new(job: Job, cfg) -> int:
+    if job.route == CHAT:
+        return chat_max_tokens(job.body) or max(1, cfg.context_length - job.gen.prompt_tokens)
+    sp = job.body.get("sampling_params") or {}
+    return int(sp.get("max_new_tokens", 128)) if isinstance(sp, dict) else 128
+
+
 def _timing(st: ServerState, job: Job) -> tuple[float, float]:
-    """(prefill seconds, seconds per decode token)."""
+    """(prefill seconds, seconds per decode token); none once the batch has timed it (the curve)."""
     cfg = st.cfg
+    if job.timed:
+        return 0.0, 0.0
     pre = (job.gen.prompt_tokens - job.cached) / cfg.prefill_tok_per_s if cfg.prefill_tok_per_s > 0 else 0.0
     dt = 1.0 / cfg.tok_per_s if cfg.tok_per_s > 0 else 0.0
     return pre, dt

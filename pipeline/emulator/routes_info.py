@@ -65,6 +65,8 @@ async def get_server_info(request: web.Request) -> web.Response:
         "max_total_num_tokens": cfg.max_total_num_tokens,
         "internal_states": [{
             "last_gen_throughput": st.gen_throughput(),
+            # every supported version (0.5.14-0.5.23): get_internal_state's scheduler.max_running_requests
+            "effective_max_running_requests_per_dp": cfg.capacity if cfg.capacity > 0 else 1 << 30,
             "avg_spec_accept_length": cfg.accept_length if cfg.is_speculative else None,
         }],
         "version": cfg.sglang_version,

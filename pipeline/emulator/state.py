@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from .batch import Batch
 from .config import FAULT_FIELDS, RATE_FIELDS, EmulatorConfig
 
 _MASK = (1 << 61) - 1
@@ -102,6 +103,7 @@ class ServerState:
         self.running = 0
         self.waiting: collections.deque[asyncio.Future] = collections.deque()
         self.running_tokens = 0
+        self.batch: Batch | None = None   # the throughput curve (batch.py), made on the loop at first use
         self._log = open(cfg.request_log, "ab", buffering=0) if cfg.request_log else None
         self.reset()
 
@@ -276,6 +278,20 @@ class ServerState:
                 return
         self.running -= 1
 
+    def curve(self) -> Batch:
+        if self.batch is None:
+            c = self.cfg
+            self.batch = Batch(c.step_ms / 1000.0, c.knee, c.max_total_num_tokens,
+                               c.capacity if c.capacity > 0 else 1 << 30, c.max_queue, c.prefill_tok_per_s,
+                               c.decode_log_interval)
+        return self.batch
+
+    def gauges(self) -> tuple[int, int, float]:
+        """(running, waiting, token_usage) as /metrics reports them: the curve's lagging snapshot, or now."""
+        if self.batch is not None:
+            return self.batch.gauges
+        return self.running, len(self.waiting), min(1.0, self.running_tokens / max(1, self.cfg.max_total_num_tokens))
+
     # -- request log ----------------------------------------------------------------------------------
     def log_request(self, route: str, rid: str, body: dict, outcome: str, **extra: Any) -> None:
         if self._log is None:
@@ -298,6 +314,8 @@ class ServerState:
         self._log.write(orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS))
 
     def close(self) -> None:
+        if self.batch is not None:
+            self.batch.close()
         if self._log is not None:
             self._log.close()
             self._log = None

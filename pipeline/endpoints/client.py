@@ -340,6 +340,14 @@ class EndpointClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EndpointDown(f"{path}: {exc or type(exc).__name__}", endpoint=self.label) from None
 
+    async def get_text(self, path: str, timeout_s: float = 10.0) -> tuple[int, str]:
+        """GET a text endpoint (/metrics). Returns (status, text); raises EndpointDown."""
+        try:
+            async with self._session().get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status, (await resp.read()).decode("utf-8", "replace")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EndpointDown(f"{path}: {exc or type(exc).__name__}", endpoint=self.label) from None
+
     async def post_json(self, path: str, body: dict[str, Any], timeout_s: float = 60.0) -> tuple[int, Any]:
         """POST a probe (the preflight's tiny generations). Returns (status, parsed body); any failure to answer,
         a timeout included, is EndpointDown: the probe reports the endpoint as down."""

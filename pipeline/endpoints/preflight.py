@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from ..core import exits
 from ..core.config import RunConfig
+from .capacity import capacity_line, far_below
 from .client import ClientSettings, EndpointClient
 from ..core.errors import ConfigError, PreflightError, RegenError
 from .engines import OpenAIAdapter, SGLangAdapter
@@ -212,6 +213,20 @@ def announce_reports(reports: list[EndpointReport], cfg: RunConfig, start_with_p
                         "this preflight", r.label, r.down_reason)
         for w in r.warnings:
             log.warning("endpoint %s: %s", r.label, w)
+        announce_capacity(r, cfg)
+
+
+def announce_capacity(r: EndpointReport, cfg: RunConfig) -> None:
+    """The capacity line: how the configured concurrency compares with the server's batch (capacity.py)."""
+    e = next((e for e in cfg.all_endpoints() if e.label == r.label), None)
+    if e is None or r.limits is None or not r.reachable:
+        return
+    line = capacity_line(e.concurrency, r.limits)
+    if far_below(e.concurrency, r.limits):
+        log.warning("endpoint %s: %s; raise `concurrency` (or set it to auto) to use the server's batch", r.label,
+                    line)
+    else:
+        log.info("endpoint %s: %s", r.label, line)
 
 
 def _passing_hint(reports: list[EndpointReport], cfg: RunConfig) -> str:

@@ -14,7 +14,8 @@ the endpoint takes image parts: SGLang's /model_info says it, llama.cpp never do
 only for a prompt set with images (the tiny image probe); `?` where nothing was asked. `reasoning` and `tool calls`
 are the server's reasoning and tool-call parsers (SGLang reports both; `none`: launched without one); on another
 engine the tool-call column says what the tiny tool probe found (`took tools`, `refused tools`), asked only for a
-prompt set with tools.
+prompt set with tools. The batch column is the endpoint's concurrency over the requests the server batches at once
+(`64/512 (12%)`; `?`: it does not say).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from ..core.config import RunConfig
     from .probes import EndpointReport
 
-HEADER = ("endpoint", "status", "model", "weights", "context", "reasoning", "tool calls", "server", "images")
+HEADER = ("endpoint", "status", "model", "weights", "context", "reasoning", "tool calls", "server", "batch", "images")
 
 
 def _model(r: "EndpointReport", cfg: "RunConfig") -> str:
@@ -52,7 +53,14 @@ def _row(r: "EndpointReport", cfg: "RunConfig") -> tuple[str, ...]:
                                                     else None)
     images = "?" if takes is None else ("yes" if takes else "no")
     return (r.label, r.status, _model(r, cfg), weights,
-            str(r.context) if r.context is not None else "?", parser, tool_parser, server, images)
+            str(r.context) if r.context is not None else "?", parser, tool_parser, server, _batch(r, cfg), images)
+
+
+def _batch(r: "EndpointReport", cfg: "RunConfig") -> str:
+    """The configured concurrency over the server's batch (capacity.py)."""
+    from .capacity import batch_cell
+    e = next((e for e in cfg.all_endpoints() if e.label == r.label), None)
+    return batch_cell(e.concurrency if e is not None else "?", r.limits)
 
 
 def render_table(reports: list["EndpointReport"], cfg: "RunConfig", fleet_problems: list[str] = ()) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.config import RunConfig
+from .capacity import server_limits
 from .client import EndpointClient, _error_message, classify
 from ..core.errors import EndpointDown, RequestError, Retryable
 from .engines import OpenAIAdapter, SGLangAdapter, engine_for, identity_path, owners
@@ -59,6 +60,7 @@ class EndpointReport:
     deterministic: bool | None = None  # --enable-deterministic-inference (server_info); None: unknown
     preferred_sampling: Any = None  # /model_info preferred_sampling_params: server-side defaults
     images: bool | None = None  # takes image parts (SGLang's has_image_understanding, the image probe); None: unknown
+    limits: Any = None  # capacity.Limits: what the server batches (SGLang /server_info, vLLM dev mode); None: unread
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     down_reason: str = ""  # why it is unreachable
@@ -158,6 +160,7 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
         else:
             identity = result[1]
     client.engine = report.engine = engine_for(body, answered.get(sinfo_path), identity)
+    report.limits = await server_limits(client, report.engine.engine, answered.get(sinfo_path))
     server_info: dict[str, Any] | None = None
     if isinstance(report.engine, SGLangAdapter):
         server_info = read_sglang_info(report, answered.get(minfo_path), answered.get(sinfo_path))

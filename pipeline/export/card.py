@@ -268,6 +268,7 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         f"![reasoning length]({CARD_DIR}/reasoning_length.png)", "",
         *image_lines(contents.images, _stats_table, LengthStats.of),
         "## Endpoints", "", *_count_table("endpoint", contents.by_endpoint, contents.records), "",
+        *_concurrency_lines(run_dir),
         "## Failures and rejects", "",
         f"- terminal failures ({'prompts' if k == 1 else 'samples'} without a record): {failed}"
         + ("" if not failure_classes else " — " + ", ".join(f"{c} {n}" for c, n in failure_classes.most_common())),
@@ -283,6 +284,15 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         "",
     ]
     return "\n".join(lines)
+
+
+def _concurrency_lines(run_dir: RunDir) -> list[str]:
+    """`concurrency: auto`: the concurrency each endpoint reached and the batch its server reported (status.json)."""
+    endpoints = (run_dir.read_status() or {}).get("endpoints") or {}
+    reached = [f"- {label}: concurrency auto reached {stats['concurrency']}"
+               + (f" (the server batches up to {stats['server_batch']})" if stats.get("server_batch") else "")
+               for label, stats in sorted(endpoints.items()) if stats.get("concurrency") is not None]
+    return [*reached, ""] if reached else []
 
 
 def _goodput_lines(run_dir: RunDir, contents: RunContents) -> list[str]:

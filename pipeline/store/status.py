@@ -145,5 +145,14 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
         print(f"  {label:<28} {stats.get('state', '?'):<10} on {stats.get('node', '?'):<15} "
               f"in flight {stats.get('in_flight', 0):>4}  {done:>7} done  "
               f"{'-' if prompts_s is None else f'{prompts_s:.2f}':>7} {unit}/s  "
-              f"{stats.get('session_tok_s', stats.get('tok_s', 0)):>8} tok/s  errors {stats.get('errors', {})}")
+              f"{stats.get('session_tok_s', stats.get('tok_s', 0)):>8} tok/s  errors {stats.get('errors', {})}"
+              + _auto(stats))
     return 0
+
+
+def _auto(stats: dict) -> str:
+    """`concurrency: auto`: the limit reached, the server's running and waiting counts, the batch regen believes."""
+    if stats.get("concurrency") is None:
+        return ""
+    return (f"  concurrency auto {stats['concurrency']} (server running {stats.get('server_running')}, waiting "
+            f"{stats.get('server_waiting')}, batch {stats.get('server_batch')})")

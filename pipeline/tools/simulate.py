@@ -77,15 +77,25 @@ def write_sample(cfg_path: str, sample: int, work: Path) -> tuple[Path, int, obj
 
 
 def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, speedup: float = 20.0,
-             concurrency: int | None = None, mean_completion_tokens: float | None = None) -> Prediction:
+             concurrency: int | str | None = None, mean_completion_tokens: float | None = None,
+             knee: int | None = None, batch: int = 256) -> Prediction:
+    """`knee`: the real servers' throughput curve (the emulator's --throughput-curve): a decode step costs the
+    same up to `knee` requests, then grows with the batch, so a server's tok/s stops growing there; `batch`: its
+    max_running_requests (what `concurrency: auto` climbs to). None: every request decodes at tok_s, whatever the
+    batch."""
     from ..emulator import start_emulator
 
     with tempfile.TemporaryDirectory(prefix="regen-simulate-") as tmp:
         work = Path(tmp)
         spec, total, cfg, with_tools = write_sample(cfg_path, sample, work)
         per_endpoint = concurrency or (cfg.all_endpoints()[0].concurrency if cfg.all_endpoints() else 64)
-        servers = [start_emulator(preset="kimi", served_model_name=cfg.model, tok_per_s=tok_s * speedup,
-                                  capacity=per_endpoint) for _ in range(endpoints)]
+        cap = cfg.all_endpoints()[0].concurrency_cap if cfg.all_endpoints() else 512
+        reach = min(cap, batch) if per_endpoint == "auto" else int(per_endpoint)  # what auto climbs to
+        curve = {"throughput_curve": True, "step_ms": 1000.0 / (tok_s * speedup), "knee": knee} if knee else {
+            "tok_per_s": tok_s * speedup}
+        servers = [start_emulator(preset="kimi", served_model_name=cfg.model, enable_metrics=True,
+                                  capacity=batch if per_endpoint == "auto" or knee else reach, **curve)
+                   for _ in range(endpoints)]
         try:
             raw = yaml.safe_load(Path(cfg_path).read_text())
             for key in ("endpoints", "endpoints_file", "local_fleet", "ray"):
@@ -121,7 +131,7 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
     # The compressed run checked the config end to end and measured the answer lengths; the wall time
     # follows from the work at real speed spread over the fleet's slots (dispatch keeps them >95% busy,
     # see BENCHMARKS.md), and is never shorter than the longest single answer.
-    slots = endpoints * per_endpoint
+    slots = endpoints * (min(reach, knee) if knee else reach)  # past the knee a server's tok/s is flat
     request_s = [n * stretch / tok_s for n in answer_tokens]
     generating_real = max(sum(request_s) * scale / slots, max(request_s, default=0.0))
     disk_total = disk * scale
@@ -148,12 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tok-s", type=float, required=True, help="decode tok/s of one request on a real endpoint")
     parser.add_argument("--sample", type=int, default=400, help="prompts to run (content-ranked sample)")
     parser.add_argument("--speedup", type=float, default=20.0, help="time compression of the emulated run")
-    parser.add_argument("--concurrency", type=int, default=None, help="per endpoint (default: the config's)")
+    parser.add_argument("--concurrency", type=lambda v: v if v == "auto" else int(v), default=None,
+                        help="per endpoint, a number or auto (default: the config's)")
+    parser.add_argument("--knee", type=int, default=None, help="the real servers' batch past which a decode step "
+                        "grows (their tok/s stops growing): the emulators get this throughput curve")
+    parser.add_argument("--batch", type=int, default=256, help="with --knee or auto: the servers' max running "
+                        "requests")
     parser.add_argument("--mean-completion-tokens", type=float, default=None,
                         help="scale to a measured mean answer length of the target")
     args = parser.parse_args(argv)
     prediction = simulate(args.config, args.endpoints, args.tok_s, args.sample, args.speedup, args.concurrency,
-                          args.mean_completion_tokens)
+                          args.mean_completion_tokens, args.knee, args.batch)
     print(prediction.table())
     print(emulated_only(args.config, args.endpoints))
     return 0
