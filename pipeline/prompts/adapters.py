@@ -51,14 +51,14 @@ def to_conversation(spec: "SourceSpec", data: Any, tally: Tally) -> tuple[list[d
         messages, tools = _conversation(data, field, spec.format, tally, arrow=spec.kind in ARROW_KINDS,
                                         tools_keys=tools_keys(spec))
     elif spec.format == "alpaca":
-        messages, tools = _alpaca(data, field), []
+        messages, tools = _alpaca(data, field), _named_tools(spec, data, tally)
     elif spec.format == "prompt":
-        messages, tools = _prompt(data, field), []
+        messages, tools = _prompt(data, field), _named_tools(spec, data, tally)
     elif spec.format == "input_output":
         messages, tools = _input_output(data, field, tally, arrow=spec.kind in ARROW_KINDS,
                                         tools_keys=tools_keys(spec))
     elif spec.format == "question_answer":
-        messages, tools = _question_answer(data, field), []
+        messages, tools = _question_answer(data, field), _named_tools(spec, data, tally)
     else:
         raise ConfigError(f"source {spec.name!r}: unknown format {spec.format!r}")
     images = record_images(spec, data)
@@ -89,6 +89,17 @@ def at_path(data: dict, path: str) -> dict:
     return {**data, path: value}
 
 
+def _named_tools(spec: "SourceSpec", data: dict, tally: Tally) -> list[dict[str, Any]]:
+    """The tools of a one-prompt format (prompt, alpaca, question_answer): only from the spec's `tools_field`
+    (xlam's `tools`), so a source without it reads as it always did."""
+    if spec.tools_field is None or data.get(spec.tools_field) is None:
+        return []
+    value = data[spec.tools_field]
+    if spec.kind in ARROW_KINDS:
+        value = drop_arrow_nulls(value, tally)
+    return _unique(normalise_tools(value, f"the {spec.tools_field!r} field", tally), tally)
+
+
 def tools_keys(spec: "SourceSpec") -> tuple[str, ...]:
     return TOOLS_KEYS + ((spec.tools_field,) if spec.tools_field and spec.tools_field not in TOOLS_KEYS else ())
 
@@ -103,6 +114,7 @@ def carried_keys(spec: "SourceSpec") -> frozenset[str]:
         return frozenset(keys | set(tools_keys(spec)))
     if spec.format == "input_output":
         return frozenset(keys | set(tools_keys(spec)) | {OUTPUT_KEY})
+    keys |= {spec.tools_field} if spec.tools_field else set()
     if spec.format == "question_answer":
         return frozenset(keys | {ANSWER_KEY})
     if spec.format == "alpaca":

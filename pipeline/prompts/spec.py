@@ -132,10 +132,12 @@ class SourceSpecFile(BaseModel):
                                                       "the user turns, else before the first user text. Default: "
                                                       "`image`, then `images`.")
 
-    tools_field: str | None = Field(None, description="sharegpt, openai, input_output: the record's field holding "
-                                                      "its tool schemas (a list, or a JSON string of one; bare "
-                                                      "`{name, parameters}` objects are wrapped as OpenAI tools), "
-                                                      "read beside `tools` and `functions`: BFCL's `function`.")
+    tools_field: str | None = Field(None, description="The record's field holding its tool schemas (a list, or a "
+                                                      "JSON string of one; bare `{name, parameters}` objects are "
+                                                      "wrapped as OpenAI tools): BFCL's `function`, xlam's `tools`. "
+                                                      "sharegpt, openai, input_output read it beside `tools` and "
+                                                      "`functions`; prompt, alpaca, question_answer read tools "
+                                                      "only from it.")
     ignore_fields: str | list[str] | None = Field(None, description="Top-level fields of a record known not to "
                                                                     "shape the prompt: not counted as `fields not "
                                                                     "carried`, and not refused when they look like "
@@ -176,10 +178,6 @@ class SourceSpecFile(BaseModel):
             raise ConfigError(f"{spec_file}: key 'limit' must be at least 1, got {doc['limit']}")
         if doc.get("schema_dialect") is not None and doc["schema_dialect"] not in ("bfcl",):
             raise ConfigError(f"{spec_file}: key 'schema_dialect' must be bfcl, got {doc['schema_dialect']!r}")
-        for key in ("tools_field", "schema_dialect"):
-            if doc.get(key) is not None and doc["format"] not in ("sharegpt", "openai", "input_output"):
-                raise ConfigError(f"{spec_file}: key {key!r} applies only to formats sharegpt, openai and "
-                                  "input_output (the formats with tools)")
         ignored = doc.get("ignore_fields") or ()
         ignored = (ignored,) if isinstance(ignored, str) else tuple(ignored)
         if not all(isinstance(f, str) and f for f in ignored):

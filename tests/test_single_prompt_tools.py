@@ -1,0 +1,72 @@
+"""Tool data whose prompt is one field (walk of issue 30): xlam-function-calling-60k's records hold the user's
+request in `query`, the tool schemas in `tools` and the expected calls in `answers`, all as JSON strings. validate
+names `tools_field: tools` as the way to send the schemas; the `prompt` (and `alpaca`, `question_answer`) formats
+must then take it, or the hint is a dead end and such a set needs a conversion script."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import yaml
+
+from pipeline.cli import main as regen_main
+from pipeline.core.config import load_config
+from pipeline.store.promptset import stage_prompt_set
+
+TOOLS = [{"name": "peers", "description": "Retrieves a list of company peers given a stock symbol.",
+          "parameters": {"symbol": {"description": "The stock symbol for the company.", "type": "str",
+                                    "default": ""}}},
+         {"name": "is_prime", "description": "Checks if a number is prime.",
+          "parameters": {"num": {"description": "The number to be checked.", "type": "int"}}}]
+XLAM = [{"id": i, "query": q, "answers": json.dumps([{"name": "peers", "arguments": {"symbol": "TSLA"}}]),
+         "tools": json.dumps(TOOLS)}
+        for i, q in enumerate(["I need to understand the peers of Tesla.", "Is 97 a prime number?", "And 91?"])]
+
+
+def setup(tmp_path: Path, fmt: str = "prompt", field: str = "query", **spec_keys) -> str:
+    data = tmp_path / "xlam.json"
+    data.write_text(json.dumps(XLAM))
+    spec = tmp_path / "xlam.yaml"
+    spec.write_text(yaml.safe_dump({"name": "xlam", "kind": "json", "path": str(data), "format": fmt,
+                                    "field": field, "id_field": "id", **spec_keys}))
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"run_name": "xlam", "model": "m", "sources": [{"spec": str(spec)}],
+                                      "endpoints": [{"url": "http://127.0.0.1:1"}]}))
+    return str(config)
+
+
+def staged(config: str):
+    result = stage_prompt_set(load_config(config))
+    try:
+        rows = pq.read_table(str(result.prompts.path)).to_pylist()
+        return {r["source_ref"]: r for r in rows}, result.result.reports[0]
+    finally:
+        result.discard()
+
+
+def test_the_hint_of_validate_is_taken_by_a_prompt_source_whose_tools_are_a_column(tmp_path, capsys):
+    assert regen_main(["validate", "--no-secrets", setup(tmp_path)]) == 0
+    assert "`tools_field: tools`" in capsys.readouterr().out  # what validate tells the user to write
+    assert regen_main(["validate", "--no-secrets", setup(tmp_path, tools_field="tools")]) == 0
+    out = capsys.readouterr().out
+    assert "looks like tool schemas" not in out
+    rows, report = staged(setup(tmp_path, tools_field="tools"))
+    assert len(rows) == 3
+    for ref, row in rows.items():
+        assert [m["role"] for m in row["messages"]] == ["user"]
+        assert row["messages"][0]["content"] == XLAM[int(ref)]["query"]
+        assert [t["function"] for t in json.loads(row["tools"])] == TOOLS  # wrapped, kept as given
+    assert report.tool_counts["prompts_with_tools"] == 3
+    assert report.uncarried == {"record.answers": 3} and not report.uncarried_tools
+
+
+def test_question_answer_and_alpaca_take_a_tools_field_too(tmp_path):
+    for fmt, field in (("question_answer", "query"), ("alpaca", "query")):
+        rows, _ = staged(setup(tmp_path, fmt=fmt, field=field, tools_field="tools"))
+        assert all(json.loads(r["tools"])[0]["function"]["name"] == "peers" for r in rows.values())
+
+
+def test_without_tools_field_a_prompt_source_keeps_its_ids_and_sends_no_tools(tmp_path):
+    rows, report = staged(setup(tmp_path, ignore_fields=["tools"]))
+    assert not any(r["tools"] for r in rows.values()) and "prompts_with_tools" not in report.tool_counts
