@@ -70,3 +70,25 @@ def test_question_answer_and_alpaca_take_a_tools_field_too(tmp_path):
 def test_without_tools_field_a_prompt_source_keeps_its_ids_and_sends_no_tools(tmp_path):
     rows, report = staged(setup(tmp_path, ignore_fields=["tools"]))
     assert not any(r["tools"] for r in rows.values()) and "prompts_with_tools" not in report.tool_counts
+
+
+def test_xlam_schemas_that_list_their_arguments_without_properties_are_counted_and_validate_says_so(tmp_path,
+                                                                                                     capsys):
+    """xlam's `parameters` name the arguments at the top level (`{"symbol": {"type": "str", ...}}`), not under
+    `properties` of an object schema: not JSON Schema, and SGLang refuses one whose argument is named like a
+    JSON Schema keyword (`type`, `format`) with a 400. Counted per tool, and named by validate."""
+    rows, report = staged(setup(tmp_path, tools_field="tools"))
+    assert report.tool_counts["schemas_with_bare_properties"] == 6  # 2 tools in each of 3 records
+    assert "schemas_with_types_not_json_schema" not in report.tool_counts  # the nested "str" is under no properties
+    assert regen_main(["validate", "--no-secrets", setup(tmp_path, tools_field="tools")]) == 0
+    out = capsys.readouterr().out
+    assert "tool schemas that are not JSON Schema: schemas_with_bare_properties 6" in out
+    from pipeline.prompts.schema_dialect import findings
+
+    def tool(parameters):
+        return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+    assert findings(tool({"type": {"type": "str", "description": "giveaway type"}})) == {"schemas_with_bare_properties"}
+    for fine in ({}, {"type": "object", "properties": {"a": {"type": "string"}}}, {"properties": {"a": {}}},
+                 {"type": "object"}, {"anyOf": [{"type": "object"}]}, {"$ref": "#/$defs/x", "$defs": {"x": {}}}):
+        assert "schemas_with_bare_properties" not in findings(tool(fine)), fine

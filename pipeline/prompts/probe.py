@@ -176,7 +176,11 @@ def _check(probe: Probe) -> None:
             "`schema_dialect: bfcl` maps them as BFCL does" if mapped else
             "They are sent as given: SGLang rewrites known type aliases (`dict`, `float`) and refuses a schema "
             "still invalid (a 400 for each prompt); `schema_dialect: bfcl` maps BFCL's dialect "
-            "(docs/sources-tool-calls.md)"))
+            "(docs/sources-tool-calls.md)") + (
+            "; schemas_with_bare_properties (xlam's dialect: the arguments named in `parameters` without an object "
+            "schema's `properties`) has no mapping: the target reads them as written, and SGLang refuses with a 400 "
+            "each one with an argument named like a JSON Schema keyword (`type`, `format`, `required`)"
+            if probe.schemas.get("schemas_with_bare_properties") else ""))
     for file, kind in _json_files(spec):
         if _ends_whole(file, kind, spec):
             continue

@@ -7,7 +7,8 @@ and an OpenAI function name must match `^[a-zA-Z0-9_-]{1,64}$`.
 
 What regen does: every tool schema a source gives is checked, and what is not JSON Schema is counted in the source's
 report under `tool calls` (`schemas_with_types_not_json_schema`, `schemas_with_optional_keys`,
-`tool_names_not_openai`): the schemas are sent as given. With `schema_dialect: bfcl` in the source spec, they are
+`tool_names_not_openai`, `schemas_with_bare_properties`: xlam's `parameters` that name the arguments without an
+object schema's `properties`): the schemas are sent as given. With `schema_dialect: bfcl` in the source spec, they are
 mapped the way BFCL maps them for OpenAI-style models itself (`bfcl_eval/model_handler/utils.py` convert_to_tool):
 each type through BFCL's GORILLA_TO_OPENAPI table (an unknown one becomes `string`, as there), `parameters` an
 `object`, dots in names replaced by `_`; `optional` keys are dropped (JSON Schema says it with `required`, which
@@ -32,7 +33,11 @@ BFCL_TYPES = {"integer": "integer", "number": "number", "float": "number", "stri
               "Hashtable": "object", "Queue": "array", "Stack": "array", "Any": "string", "String": "string",
               "Bigint": "integer"}
 SCHEMA_KINDS = frozenset({"schemas_with_types_not_json_schema", "schemas_with_optional_keys", "tool_names_not_openai",
-                          "schemas_mapped_from_bfcl"})  # the counts this module adds to a report's tool counts
+                          "schemas_with_bare_properties", "schemas_mapped_from_bfcl"})  # the counts this module adds
+# Keywords whose value is a subschema (an object) in a JSON Schema: a `parameters` object holding one is a schema
+SUBSCHEMA_KEYWORDS = frozenset({"properties", "patternProperties", "additionalProperties", "items", "not", "if",
+                                "then", "else", "$defs", "definitions", "dependentSchemas", "propertyNames",
+                                "contains", "unevaluatedProperties", "unevaluatedItems"})
 SCHEMA_KEYS = ("properties", "items", "additionalProperties", "anyOf", "oneOf", "allOf", "prefixItems")
 
 
@@ -65,8 +70,23 @@ def findings(tool: dict[str, Any]) -> set[str]:
     found: set[str] = set()
     if not OPENAI_NAME.match(str(function.get("name", ""))):
         found.add("tool_names_not_openai")
-    _walk(function.get("parameters"), found)
+    parameters = function.get("parameters")
+    if bare_properties(parameters):
+        found.add("schemas_with_bare_properties")
+    else:
+        _walk(parameters, found)
     return found
+
+
+def bare_properties(parameters: Any) -> bool:
+    """`parameters` that name the arguments themselves (xlam: `{"symbol": {"type": "str", ...}}`) instead of an
+    object schema with `properties`: a non-empty object whose every value is an object, with no string or list
+    `type` and no keyword whose value is a subschema."""
+    if not isinstance(parameters, dict) or not parameters:
+        return False
+    if isinstance(parameters.get("type"), (str, list)) or SUBSCHEMA_KEYWORDS & parameters.keys():
+        return False
+    return all(isinstance(value, dict) for value in parameters.values())
 
 
 def checked_tools(tools: list[dict[str, Any]], dialect: str | None, tally: Tally) -> list[dict[str, Any]]:
