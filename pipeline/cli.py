@@ -118,8 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=_status)
 
     preflight = sub.add_parser("preflight", help="probe every endpoint and print a table; send no prompt",
-                               description="Check model identity, weight version, context, reasoning parser and "
-                                           "hidden-state width and layout of every endpoint.")
+                               description="Check every endpoint's model identity, weight version, context, "
+                                           "reasoning and tool-call parser, token ids and batch, and the fleet as "
+                                           "a whole, against the prompt set the run will send (its tools, images "
+                                           "and longest prompt): the stored one when the run exists, else the "
+                                           "sources. Exits 0 (passed), 1 (refused) or 2 (bad config or source).")
     preflight.add_argument("config")
     preflight.set_defaults(func=_preflight)
 
