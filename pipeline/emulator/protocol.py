@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 
 from .errors import RequestInvalid
+from .tool_schemas import check_tools
 from .model import ROLE_TOKENS, VOCAB_SIZE, Generation, chat_answer
 from .kimi_parser import stream_answer
 
@@ -124,6 +125,7 @@ def validate_chat(body: dict, return_token_ids: bool = True) -> None:
         if body.get("return_meta_info"):
             raise RequestInvalid("return_meta_info is not supported with streaming. "
                                  "Please set stream=false when using return_meta_info=true.")
+    check_tools(body.get("tools"))  # SGLang's _validate_request: each tool's parameters schema (tool_schemas.py)
 
 
 def validate_generate(body: dict) -> dict:
