@@ -16,9 +16,9 @@ def test_the_sample_keeps_the_tools_the_run_sends(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"run_name": "sim", "model": "m", "sources": [{"spec": str(SAMPLE_TOOLS)}],
                                       "endpoints": [{"url": "http://127.0.0.1:1"}]}))
-    spec, total, _, with_tools = write_sample(str(config), 1000, tmp_path)
+    spec, total, _, sampled, with_tools = write_sample(str(config), 1000, tmp_path)
     rows = [orjson.loads(line) for line in (tmp_path / "sample.jsonl").read_bytes().splitlines()]
-    assert len(rows) == total and with_tools > 0
+    assert len(rows) == total == sampled and with_tools > 0
     assert sum(1 for r in rows if r.get("tools")) == with_tools
     tool = next(r["tools"][0] for r in rows if r.get("tools"))
     assert tool["type"] == "function" and "name" in tool["function"]

@@ -32,23 +32,30 @@ from ..run import build_prompts
 @dataclass
 class Prediction:
     prompts: int
-    sample: int  # samples (units) the simulated run committed: sampled prompts x samples_per_prompt
+    sample: int  # samples (units) the simulated run sent: sampled prompts x samples_per_prompt
     sample_wall_s: float  # simulated, compressed time
     wall_s: float
     completion_tokens: int
     disk_bytes: int
     samples_per_prompt: int = 1
     with_tools: int = 0  # of the sampled prompts, those sent with tools
+    failed: int = 0  # of the sampled samples, those that failed for good (a refused request: the real run's too)
+    failure: str = ""  # the commonest failure's message
 
     def table(self) -> str:
         k = self.samples_per_prompt
-        prompts = -(-self.sample // k)  # the sampled prompts (a prompt's k samples are one prompt)
+        prompts = self.sample // k  # the sampled prompts (a prompt's k samples are one prompt)
         what = (f"sampled {prompts} of {self.prompts} prompts" if k == 1 else
                 f"sampled {prompts} of {self.prompts} prompts ({self.sample} samples, {k} per prompt)")
         if self.with_tools:
             what += f", {self.with_tools} of them sent with their tools"
+        failed = []
+        if self.failed:
+            share = self.failed / max(1, self.sample)
+            failed = [f"{self.failed:,} samples failed for good ({share:.0%}; the full run would lose as many, "
+                      f"predicted from the rest): the commonest, {self.failure}"]
         return "\n".join([
-            f"{what}; the sample ran in {self.sample_wall_s:.1f}s",
+            f"{what}; the sample ran in {self.sample_wall_s:.1f}s", *failed,
             f"predicted wall time   {self.wall_s / 3600:.2f} h ({self.wall_s:.0f} s)",
             f"predicted tokens      {self.completion_tokens:,} completion tokens",
             f"predicted disk        {self.disk_bytes / 1e9:.2f} GB",
@@ -63,9 +70,9 @@ def sample_row(prompt) -> dict:
     return row
 
 
-def write_sample(cfg_path: str, sample: int, work: Path) -> tuple[Path, int, object, int]:
+def write_sample(cfg_path: str, sample: int, work: Path) -> tuple[Path, int, object, int, int]:
     """The config's prompt set (sources read for real), a content-ranked sample of it as a JSONL source; returns
-    the spec, the set's prompt count, the config and how many sampled prompts have tools."""
+    the spec, the set's prompt count, the config, how many prompts were sampled and how many of them have tools."""
     cfg = load_config(cfg_path)
     prompt_set = build_prompts(cfg)
     prompts = sorted(prompt_set.prompts, key=lambda p: p.prompt_id)[:sample]  # prompt_ids are hashes: a fair sample
@@ -73,7 +80,7 @@ def write_sample(cfg_path: str, sample: int, work: Path) -> tuple[Path, int, obj
     data.write_bytes(b"".join(orjson.dumps(sample_row(p)) + b"\n" for p in prompts))
     spec = work / "sample.yaml"
     spec.write_text(yaml.safe_dump({"name": "sample", "kind": "jsonl", "path": str(data), "format": "openai"}))
-    return spec, len(prompt_set.prompts), cfg, sum(1 for p in prompts if p.tools)
+    return spec, len(prompt_set.prompts), cfg, len(prompts), sum(1 for p in prompts if p.tools)
 
 
 def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, speedup: float = 20.0,
@@ -87,7 +94,7 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
 
     with tempfile.TemporaryDirectory(prefix="regen-simulate-") as tmp:
         work = Path(tmp)
-        spec, total, cfg, with_tools = write_sample(cfg_path, sample, work)
+        spec, total, cfg, sampled, with_tools = write_sample(cfg_path, sample, work)
         per_endpoint = concurrency or (cfg.all_endpoints()[0].concurrency if cfg.all_endpoints() else 64)
         cap = cfg.all_endpoints()[0].concurrency_cap if cfg.all_endpoints() else 512
         reach = min(cap, batch) if per_endpoint == "auto" else int(per_endpoint)  # what auto climbs to
@@ -117,6 +124,7 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
             done = sum(pq.ParquetFile(p).metadata.num_rows for p in parts)
             tokens = sum(sum(pq.read_table(p, columns=["completion_tokens"]).column(0).to_pylist()) for p in parts)
             disk = sum(p.stat().st_size for p in parts)
+            failed, failure = _failures(run)
             generating = _generating_seconds(parts)
             answer_tokens = [n for p in parts for n in pq.read_table(p, columns=["completion_tokens"]).column(0)
                              .to_pylist()]
@@ -124,8 +132,9 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
             for server in servers:
                 server.stop()
     units = total * cfg.samples_per_prompt  # samples_per_prompt: the sample ran k samples of each of its prompts
-    scale = units / max(1, done)
-    mean_tokens = tokens / max(1, done)
+    sent = sampled * cfg.samples_per_prompt
+    scale = units / max(1, sent)  # a sample that failed for good would fail in the full run too: no answer, no disk
+    mean_tokens = tokens / max(1, sent)
     stretch = (mean_completion_tokens / mean_tokens) if mean_completion_tokens else 1.0
     startup = max(0.0, elapsed - generating)  # Ray, preflight, the last commit: not compressed
     # The compressed run checked the config end to end and measured the answer lengths; the wall time
@@ -135,9 +144,26 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
     request_s = [n * stretch / tok_s for n in answer_tokens]
     generating_real = max(sum(request_s) * scale / slots, max(request_s, default=0.0))
     disk_total = disk * scale
-    return Prediction(prompts=total, sample=done, sample_wall_s=elapsed, wall_s=startup + generating_real,
+    return Prediction(prompts=total, sample=sent, sample_wall_s=elapsed, wall_s=startup + generating_real,
                       completion_tokens=int(mean_tokens * stretch * units), disk_bytes=int(disk_total),
-                      samples_per_prompt=cfg.samples_per_prompt, with_tools=with_tools)
+                      samples_per_prompt=cfg.samples_per_prompt, with_tools=with_tools, failed=failed,
+                      failure=failure)
+
+
+def _failures(run: Path) -> tuple[int, str]:
+    """The simulated run's terminal failures and the commonest message (status and text, cut at 160
+    characters)."""
+    from collections import Counter
+
+    messages: Counter = Counter()
+    for part in sorted((run / "failures").glob("part-*.parquet")):
+        table = pq.read_table(part, columns=["status", "message"])
+        for status, message in zip(table.column("status").to_pylist(), table.column("message").to_pylist()):
+            messages[f"{status}: {str(message)[:160]}"] += 1
+    if not messages:
+        return 0, ""
+    top, n = messages.most_common(1)[0]
+    return sum(messages.values()), f"{n:,}x {top}"
 
 
 def _generating_seconds(parts: list[Path]) -> float:
