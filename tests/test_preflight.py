@@ -232,6 +232,21 @@ def test_fleet_problems_is_pure():
     assert "different weight versions" in problem and "a: w1" in problem and "b: w2" in problem
 
 
+def test_a_checkpoint_under_another_name_is_one_problem_not_a_second_under_the_configured_name():
+    """Walk of issue 30: a server launched with another --model-path and no --served-model-name serves another
+    name; the refusal said so, and then that the endpoints serve different models "under the name" configured,
+    which that server does not serve. The model_path check compares the servers of the configured name."""
+    cfg = make_cfg(["http://127.0.0.1:1"])
+    a = EndpointReport("a", reachable=True, models=[MODEL], model_path=MODEL)
+    other = EndpointReport("b", reachable=True, models=["moonshotai/Kimi-K2-Instruct"],
+                           model_path="moonshotai/Kimi-K2-Instruct")
+    [problem] = fleet_problems([a, other], cfg)
+    assert problem.startswith("endpoints serve different models (a: ") and "under the name" not in problem
+    same_name = EndpointReport("c", reachable=True, models=[MODEL], model_path="moonshotai/Kimi-K2-Instruct")
+    [problem] = fleet_problems([a, same_name], cfg)
+    assert f"different models under the name '{MODEL}'" in problem and "c: moonshotai/Kimi-K2-Instruct" in problem
+
+
 def test_a_fleet_mixing_engines_is_refused():
     cfg = make_cfg(["http://127.0.0.1:1"])
     sglang = EndpointReport("s", reachable=True, models=[MODEL], engine=SGLangAdapter(version="0.5.23"))

@@ -51,7 +51,7 @@ def fleet_problems(reports: list[EndpointReport], cfg: RunConfig) -> list[str]:
     if len({v for _, v in served}) > 1:
         out.append(f"endpoints serve different models ({_groups(served)}): every endpoint must serve "
                    f"{cfg.model!r}")
-    paths = [(r.label, r.model_path) for r in live if r.model_path]
+    paths = [(r.label, r.model_path) for r in live if r.model_path and cfg.model in r.models]  # another name: above
     if len({v for _, v in paths}) > 1:
         out.append(f"endpoints serve different models under the name {cfg.model!r} (model_path {_groups(paths)}): "
                    "one run must come from one checkpoint")
