@@ -92,3 +92,26 @@ def test_xlam_schemas_that_list_their_arguments_without_properties_are_counted_a
     for fine in ({}, {"type": "object", "properties": {"a": {"type": "string"}}}, {"properties": {"a": {}}},
                  {"type": "object"}, {"anyOf": [{"type": "object"}]}, {"$ref": "#/$defs/x", "$defs": {"x": {}}}):
         assert "schemas_with_bare_properties" not in findings(tool(fine)), fine
+
+
+def test_validate_names_the_fields_it_would_not_carry(tmp_path, capsys):
+    """ToolACE's records keep their tools in a top-level `system` text beside ShareGPT `conversations`; format
+    sharegpt does not read that `system`, so the run sends those prompts without their tools or system prompt.
+    generate's report counted it ("fields not carried: record.system"), validate, where a newcomer looks first, said
+    nothing: it names the fields not carried by the first records as generate will count them."""
+    data = tmp_path / "toolace.jsonl"
+    data.write_text("".join(json.dumps({
+        "system": "Here is a list of functions in JSON format that you can invoke: [...]",
+        "conversations": [{"from": "user", "value": f"latest market trends? ({i})"},
+                          {"from": "assistant", "value": '[Market Trends API(trend_type="MARKET_INDEXES")]'}]})
+        + "\n" for i in range(3)))
+    spec = tmp_path / "toolace.yaml"
+    spec.write_text(yaml.safe_dump({"name": "toolace", "kind": "jsonl", "path": str(data), "format": "sharegpt"}))
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"run_name": "t", "model": "m", "sources": [{"spec": str(spec)}],
+                                      "endpoints": [{"url": "http://127.0.0.1:1"}]}))
+    assert regen_main(["validate", "--no-secrets", str(config)]) == 0
+    assert "  fields not carried: record.system 3 (`ignore_fields` for a top-level one that does not shape the prompt)" in \
+        capsys.readouterr().out
+    assert regen_main(["validate", "--no-secrets", setup(tmp_path, tools_field="tools")]) == 0
+    assert "fields not carried: record.answers 3" in capsys.readouterr().out

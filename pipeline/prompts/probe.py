@@ -44,6 +44,7 @@ class Probe:
     census: ImageCensus = field(default_factory=ImageCensus)  # distinct images, formats, image rejects
     tool_like: Counter = field(default_factory=Counter)  # fields not carried that look like tool schemas -> records
     schemas: Counter = field(default_factory=Counter)  # tool schemas not JSON Schema (schema_dialect.py), by kind
+    uncarried: Counter = field(default_factory=Counter)  # fields of the valid records not carried, by name
 
     def lines(self) -> list[str]:
         seen = "; ".join(f"{name}: {what}" for name, what in self.containers.items()) or "nothing"
@@ -56,6 +57,9 @@ class Probe:
         if self.looks_like:
             summary += f"; they look like {self.looks_like[0]} (field {self.looks_like[1]!r})"
         out.append(summary)
+        if self.uncarried:  # as generate's report counts them ("fields not carried")
+            out.append("  fields not carried: " + ", ".join(f"{k} {n}" for k, n in sorted(self.uncarried.items()))
+                       + " (`ignore_fields` for a top-level one that does not shape the prompt)")
         if self.images:
             out.append(f"  images: {self.images['images']:,} read in {self.images['prompts_with_images']:,} prompts, "
                        f"{self.images['image_bytes']:,} bytes" + (
@@ -121,6 +125,7 @@ class _Checker:
                 if probe is not None:
                     probe.images.update(tally.images)
                     probe.tool_like.update(tally.tool_like)
+                    probe.uncarried.update(tally.uncarried)
                     probe.schemas.update({k: n for k, n in tally.tools.items() if k in SCHEMA_KINDS})
                 return True
             except InvalidRecord as exc:
