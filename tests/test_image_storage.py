@@ -207,20 +207,23 @@ def test_a_run_of_schema_5_refuses_an_image_prompt_set_on_refresh_and_says_new_r
 def test_default_images_settings_keep_an_old_runs_identity_and_those_that_shape_the_set_change_it(tmp_path):
     from pipeline.core.config import load_config
     from pipeline.core.errors import DriftError
-    from pipeline.run import GenerateOptions, open_run
+    from pipeline.run import GenerateOptions, manifest_for, open_run
     from tests.test_run_resolution import copy_of_todays_run
 
     path, run, _ = copy_of_todays_run(tmp_path)  # a run.json written by regen at 89263c8, with a failure committed
     raw = path.read_text()
     for images in ("", "images: {send_as: file_url, fetch_timeout_s: 5, tokens_per_image: 100, max_pixels: 40000000}"):
         path.write_text(f"{raw}\n{images}\n")
-        opened = open_run(load_config(path), GenerateOptions(str(path)), RunDir(run))
+        opened = open_run(load_config(path), GenerateOptions(str(path)), RunDir(run),
+                          lambda: manifest_for(load_config(path), str(path)))
         assert "images" not in opened.manifest["prompts"] and opened.manifest["fingerprint"] == "1a1c86c32cf65b40"
     path.write_text(f"{raw}\nimages: {{store: reference}}\n")
     with pytest.raises(DriftError) as err:
-        open_run(load_config(path), GenerateOptions(str(path)), RunDir(run))
+        open_run(load_config(path), GenerateOptions(str(path)), RunDir(run),
+                 lambda: manifest_for(load_config(path), str(path)))
     assert err.value.diff[0] == "prompts.images.store: '<absent>' -> 'reference'" and "--refresh-prompts" in str(err.value)
-    opened = open_run(load_config(path), GenerateOptions(str(path), refresh_prompts=True), RunDir(run))
+    opened = open_run(load_config(path), GenerateOptions(str(path), refresh_prompts=True), RunDir(run),
+                      lambda: manifest_for(load_config(path), str(path)))
     assert opened.manifest["fingerprint"] == "1a1c86c32cf65b40", "the generation identity is untouched"
     spec = str(REPO / "prompts_sources" / "sample_messages.yaml")
     limited = config(sources=[{"spec": spec}], max_prompt_tokens=4096, images={"tokens_per_image": 1024})

@@ -16,7 +16,7 @@ import yaml
 
 from pipeline.core.config import load_config
 from pipeline.core.errors import DriftError
-from pipeline.run import GenerateOptions, materialise, open_run
+from pipeline.run import GenerateOptions, manifest_for, materialise, open_run
 from pipeline.store.rundir import RunDir
 from tests.helpers import commit_a_failure, run_regen
 
@@ -51,7 +51,8 @@ def start(config: Path, refresh: bool = False):
     """What `regen generate` does before it dispatches: open the run (the drift guard), materialise."""
     cfg = load_config(config)
     run_dir = RunDir(Path(cfg.output_dir) / cfg.run_name)
-    open_run(cfg, GenerateOptions(str(config), refresh_prompts=refresh), run_dir)
+    open_run(cfg, GenerateOptions(str(config), refresh_prompts=refresh), run_dir,
+             lambda: manifest_for(cfg, str(config)))
     return run_dir, materialise(cfg, run_dir, refresh)
 
 

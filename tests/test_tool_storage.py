@@ -17,7 +17,7 @@ from pipeline.core.work import Completion, DONE, Outcome, affinity_key
 from pipeline.prompts.prompt_set import build_prompt_set
 from pipeline.prompts.sources import load_source_spec
 from pipeline.prompts.tool_calls import message_from_row
-from pipeline.run import GenerateOptions, materialise, open_run
+from pipeline.run import GenerateOptions, manifest_for, materialise, open_run
 from pipeline.store import schema
 from pipeline.store.committer import Committer
 from pipeline.store.promptset import StagedPromptSet
@@ -158,7 +158,7 @@ def run_with(tmp_path: Path, spec: str, schema_version: int) -> tuple[RunConfig,
                                     "endpoints": DEAD_ENDPOINT}))
     cfg = load_config(path)
     run_dir = RunDir(Path(cfg.output_dir) / cfg.run_name)
-    open_run(cfg, GenerateOptions(str(path)), run_dir)
+    open_run(cfg, GenerateOptions(str(path)), run_dir, lambda: manifest_for(cfg, str(path)))
     run_dir.write_manifest({**run_dir.read_manifest(), "schema_version": schema_version})  # as older regen made it
     return cfg, run_dir
 

@@ -32,7 +32,7 @@ import json, os, sys, time
 cpus = sorted(os.sched_getaffinity(0))
 os.sched_setaffinity(0, {cpus[-1]})  # one core
 from pipeline.core.config import load_config
-from pipeline.run import GenerateOptions, open_run
+from pipeline.run import GenerateOptions, manifest_for, open_run
 from pipeline.store.promptset import stage_prompt_set
 from pipeline.store.rundir import RunDir
 import pipeline.prompts.jsonarray, ijson, ray, openai  # imported before the baseline, as in a real run
@@ -48,7 +48,7 @@ started = time.perf_counter()
 staged = stage_prompt_set(cfg)
 staged_s = time.perf_counter() - started
 staged_peak = kb("VmHWM") - base
-open_run(cfg, GenerateOptions(sys.argv[1]), run_dir)
+open_run(cfg, GenerateOptions(sys.argv[1]), run_dir, lambda: manifest_for(cfg, sys.argv[1]))
 staged.commit(run_dir)
 elapsed = time.perf_counter() - started
 print(json.dumps({"elapsed_s": elapsed, "staged_s": staged_s, "peak_kb": kb("VmHWM") - base, "staged_peak_kb": staged_peak, "base_kb": base,
