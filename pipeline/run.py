@@ -26,9 +26,9 @@ from .endpoints.image_fetch import image_fetcher
 from .store.promptset import (StagedPromptSet, check_schema_takes_parts, check_schema_takes_tools, report_document,
                               source_specs, stage_prompt_set)
 from .store.committer import Committer
-from .store.goodput import resumed_goodput, summary_line
+from .store.goodput import summary_line
 from .store.progress import duration, held_out, records_of
-from .store.status import counts_line
+from .store.status import counts_line, run_goodput
 from .store.opening import OpenFlags, open_run
 from .store.resume import ChosenRun, choose_run, committed_nothing
 from .store.untouched import Untouched
@@ -262,9 +262,7 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
                         rejects=rejects, status_interval_s=cfg.status_interval_s,
                         log_interval_s=cfg.progress_log_interval_s,
                         # committed records' counts from the parts' footers: a kill after a commit loses none
-                        goodput_before=resumed_goodput((part.parquet_file().metadata.metadata
-                                                        for part in run_dir.parts(run_dir.data)),
-                                                       run_dir.read_status()),
+                        goodput_before=run_goodput(run_dir, run_dir.read_status()),
                         samples_per_prompt=samples, image_prompts=image_counts(scan, opts.retry_failures))
 
     # --new-run also looks at the weights a complete run is pinned to: other weights make a successor

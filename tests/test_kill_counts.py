@@ -95,3 +95,11 @@ def test_a_run_killed_after_its_last_commit_resumes_complete_keeping_every_recor
     assert committed_goodput(status["goodput"]) == parts_goodput(run), status["goodput"]
     assert status["done"] == 4 and status["buffered"] == 0, status
 
+
+def test_status_after_a_kill_counts_the_goodput_of_every_committed_part(tmp_path, ray_cluster):
+    """`regen status` of a killed run, not resumed: its goodput counts the records of every committed part (their
+    footers), as the card does, not only those the killed session's last status.json write had counted."""
+    with emulators(1, served_model_name="SmolLM2-135M-Instruct") as (server,):
+        _, run = killed_after_its_last_commit(tmp_path, server)
+    status = orjson.loads(run_regen("status", str(run), "--json").stdout)
+    assert status["goodput"] and committed_goodput(status["goodput"]) == parts_goodput(run), status["goodput"]
