@@ -82,7 +82,10 @@ class Untouched:
         everything but its lock (RunLock.remove_folder_on_release removes the folder on release)."""
         if self.new:
             removed = []
-            for entry in self.root.iterdir():
+            # the manifest last: a folder cut short here still has it, so it is a run that has committed nothing
+            # (store/opening.py), never a prompt set that no run.json names
+            entries = sorted(self.root.iterdir(), key=lambda entry: entry.name == self.manifest_name)
+            for entry in entries:
                 if entry.name in ("run.lock", "lock.json"):
                     continue
                 info = entry.fs.get_file_info(entry.path)
