@@ -227,3 +227,12 @@ def left_as_a_kill_leaves_it():
 
     with mock.patch("pipeline.store.untouched.Untouched.undo_after", return_value=False):
         yield
+
+
+def open_run_as_generate(cfg, opts, run_dir):
+    """store/opening.py's open_run called as `regen generate` calls it (its flags, run.json of a new run)."""
+    from pipeline.run import manifest_for
+    from pipeline.store.opening import OpenFlags, open_run
+
+    return open_run(cfg, OpenFlags(opts.refresh_prompts, opts.add_samples and not opts.new_run), run_dir,
+                    lambda: manifest_for(cfg, opts.config))

@@ -207,7 +207,8 @@ def test_a_run_of_schema_5_refuses_an_image_prompt_set_on_refresh_and_says_new_r
 def test_default_images_settings_keep_an_old_runs_identity_and_those_that_shape_the_set_change_it(tmp_path):
     from pipeline.core.config import load_config
     from pipeline.core.errors import DriftError
-    from pipeline.run import GenerateOptions, open_run
+    from pipeline.run import GenerateOptions
+    from tests.helpers import open_run_as_generate as open_run
     from tests.test_run_resolution import copy_of_todays_run
 
     path, run, _ = copy_of_todays_run(tmp_path)  # a run.json written by regen at 89263c8, with a failure committed

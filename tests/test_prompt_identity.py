@@ -16,9 +16,10 @@ import yaml
 
 from pipeline.core.config import load_config
 from pipeline.core.errors import DriftError
-from pipeline.run import GenerateOptions, materialise, open_run
+from pipeline.run import GenerateOptions, materialise
 from pipeline.store.rundir import RunDir
 from tests.helpers import commit_a_failure, run_regen
+from tests.helpers import open_run_as_generate as open_run
 
 DEAD_ENDPOINT = [{"url": "http://127.0.0.1:9", "concurrency": 1}]  # never contacted: these runs stop before
 

@@ -17,7 +17,7 @@ from pipeline.core.work import Completion, DONE, Outcome, affinity_key
 from pipeline.prompts.prompt_set import build_prompt_set
 from pipeline.prompts.sources import load_source_spec
 from pipeline.prompts.tool_calls import message_from_row
-from pipeline.run import GenerateOptions, materialise, open_run
+from pipeline.run import GenerateOptions, materialise
 from pipeline.store import schema
 from pipeline.store.committer import Committer
 from pipeline.store.promptset import StagedPromptSet
@@ -26,6 +26,7 @@ from pipeline.store.records import RecordBuilder
 from pipeline.store.rundir import RunDir
 from pipeline.store.storage import Location
 from tests.helpers import handed_out
+from tests.helpers import open_run_as_generate as open_run
 
 SAMPLES = Path(__file__).resolve().parent.parent / "prompts_sources"
 DEAD_ENDPOINT = [{"url": "http://127.0.0.1:9", "concurrency": 1}]  # never contacted: nothing here dispatches
