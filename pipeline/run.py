@@ -4,6 +4,7 @@ Read end to end, this is the whole run. Everything it calls is one module of the
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform
 import time
@@ -25,7 +26,7 @@ from .prompts.tokens import load_length_check
 from .endpoints.image_fetch import image_fetcher
 from .store.promptset import (StagedPromptSet, check_schema_takes_parts, check_schema_takes_tools, report_document,
                               source_specs, stage_prompt_set)
-from .store.committer import Committer
+from .store.committer import Committer, signals_deferred
 from .store.goodput import summary_line
 from .store.progress import duration, held_out, records_of
 from .store.status import counts_line, run_goodput
@@ -184,18 +185,20 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
             prompts = materialise(cfg, run_dir, opts.refresh_prompts or opened.restage, staged)
             return dispatch_pending(cfg, opts, run_dir, opened.manifest, prompts, stop, lock)
         except BaseException as exc:
-            undo = before.undo_after(exc)
-            if undo and not before.new:
-                log.warning("nothing was committed: the run is left as it was", extra={"file_only": True})
-            log_the_end(run_dir, exc)
+            with signals_deferred():  # a signal now waits for the undo: it never leaves the run half put back
+                undo = before.undo_after(exc)
+                if undo and not before.new:
+                    log.warning("nothing was committed: the run is left as it was", extra={"file_only": True})
+                log_the_end(run_dir, exc)
             raise
         finally:
-            try:
-                run_dir.publish_logs()
-            except StorageError as exc:
-                log.warning("logs not uploaded (%s); they stay in %s", exc, run_dir.local_logs())
-            if undo:
-                put_back(before, lock)
+            with signals_deferred() if undo else contextlib.nullcontext():
+                try:
+                    run_dir.publish_logs()
+                except StorageError as exc:
+                    log.warning("logs not uploaded (%s); they stay in %s", exc, run_dir.local_logs())
+                if undo:
+                    put_back(before, lock)
 
 
 def put_back(before: Untouched, lock: RunLock) -> None:

@@ -40,3 +40,34 @@ def test_a_folder_left_with_a_prompt_set_and_no_run_json_reads_its_prompts_from_
         again = run_regen("generate", "--config", str(config))
     assert again.returncode == 0, again.stderr
     assert sent_prompts(run) == {row["prompt"] for row in wanted}
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under `folder` with its content's hash, but what a refusal may change (logs, lock, status)."""
+    import hashlib
+
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()
+            and not {"logs", "run.lock", "lock.json", "status.json"} & set(path.relative_to(folder).parts)}
+
+
+def test_a_sigterm_while_a_refused_refresh_is_undone_leaves_the_run_as_it_was(tmp_path, ray_cluster):
+    """--refresh-prompts commits a new prompt set, then the preflight refuses the fleet; a SIGTERM arrives while the
+    undo removes that set (a real signal, sent by the REGEN_FAULT hook at the delete): the undo finishes, then the
+    signal stops the command (exit 130), and the run is as it was."""
+    source = tmp_path / "p.jsonl"
+    write_prompts(source, 4)
+    spec = write_source(tmp_path, source)
+    with emulators(1, served_model_name=MODEL) as (good,), emulators(1, served_model_name="another") as (bad,):
+        config = write_config(tmp_path, [{"url": good.url, "name": "emu"}], [spec], flush_records=2)
+        made = run_regen("generate", "--config", str(config))
+        assert made.returncode == 0, made.stderr
+        run = tmp_path / "out" / "t"
+        data_parts(run)[-1].unlink()  # work pending: the start goes on to the preflight
+        write_prompts(source, 6)
+        config.write_text(config.read_text().replace(good.url, bad.url))
+        before = snapshot(run)
+        refused = run_regen("generate", "--config", str(config), "--refresh-prompts",
+                            env={"REGEN_FAULT": "term@1:delete:/prompts/prompts-"})
+    assert "SIGTERM received" in refused.stderr and refused.returncode == 130, refused.stderr
+    assert snapshot(run) == before
