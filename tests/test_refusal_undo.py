@@ -71,3 +71,27 @@ def test_a_sigterm_while_a_refused_refresh_is_undone_leaves_the_run_as_it_was(tm
                             env={"REGEN_FAULT": "term@1:delete:/prompts/prompts-"})
     assert "SIGTERM received" in refused.stderr and refused.returncode == 130, refused.stderr
     assert snapshot(run) == before
+
+
+def test_a_refused_new_run_on_an_object_store_leaves_nothing_and_the_next_new_run_takes_its_number(
+        tmp_path, ray_cluster, object_store):
+    """An object store shows a prefix as a folder while a marker key holds it, and pyarrow leaves one where it
+    deletes the last key under a prefix: a refused --new-run must leave no `t-r2` in the listing, so that the next
+    --new-run is `t-r2`, not `t-r3`."""
+    from pipeline.store.storage import Location
+
+    out = object_store("refused-new-run")
+    write_prompts(tmp_path / "p.jsonl", 3)
+    spec = write_source(tmp_path, tmp_path / "p.jsonl")
+    with emulators(1, served_model_name=MODEL) as (good,), emulators(1, served_model_name="another") as (bad,):
+        config = write_config(tmp_path, [{"url": good.url, "name": "emu"}], [spec], output_dir=out)
+        made = run_regen("generate", "--config", str(config))
+        assert made.returncode == 0, made.stderr
+        changed = config.read_text().replace("max_tokens: 8", "max_tokens: 9")
+        config.write_text(changed.replace(good.url, bad.url))
+        refused = run_regen("generate", "--config", str(config), "--new-run")
+        assert refused.returncode == 1 and "another" in refused.stderr, refused.stderr
+        assert sorted(entry.name for entry in Location.at(out).iterdir()) == ["t"]
+        config.write_text(changed)
+        again = run_regen("generate", "--config", str(config), "--new-run")
+    assert again.returncode == 0 and "/t-r2 is complete" in again.stderr, again.stderr
