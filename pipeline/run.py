@@ -4,7 +4,6 @@ Read end to end, this is the whole run. Everything it calls is one module of the
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import platform
 import time
@@ -185,20 +184,21 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
             prompts = materialise(cfg, run_dir, opts.refresh_prompts or opened.restage, staged)
             return dispatch_pending(cfg, opts, run_dir, opened.manifest, prompts, stop, lock)
         except BaseException as exc:
-            with signals_deferred():  # a signal now waits for the undo: it never leaves the run half put back
+            with signals_deferred():  # a signal waits for the decision (a listing), then for the undo (below)
                 undo = before.undo_after(exc)
-                if undo and not before.new:
-                    log.warning("nothing was committed: the run is left as it was", extra={"file_only": True})
-                log_the_end(run_dir, exc)
+            if undo and not before.new:
+                log.warning("nothing was committed: the run is left as it was", extra={"file_only": True})
+            log_the_end(run_dir, exc)
             raise
         finally:
-            with signals_deferred() if undo else contextlib.nullcontext():
-                try:
-                    run_dir.publish_logs()
-                except StorageError as exc:
-                    log.warning("logs not uploaded (%s); they stay in %s", exc, run_dir.local_logs())
+            try:
+                run_dir.publish_logs()
+            except StorageError as exc:
+                log.warning("logs not uploaded (%s); they stay in %s", exc, run_dir.local_logs())
+            finally:
                 if undo:
-                    put_back(before, lock)
+                    with signals_deferred():  # never left half put back by a signal
+                        put_back(before, lock)
 
 
 def put_back(before: Untouched, lock: RunLock) -> None:
