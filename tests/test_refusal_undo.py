@@ -95,3 +95,24 @@ def test_a_refused_new_run_on_an_object_store_leaves_nothing_and_the_next_new_ru
         config.write_text(changed)
         again = run_regen("generate", "--config", str(config), "--new-run")
     assert again.returncode == 0 and "/t-r2 is complete" in again.stderr, again.stderr
+
+
+def test_a_refused_start_in_a_folder_whose_run_json_is_missing_never_deletes_its_committed_parts(tmp_path,
+                                                                                                ray_cluster):
+    """A folder with committed parts but no run.json (a copy of a run still under way: `aws s3 sync` and rsync write
+    run.json after data/; a run.json deleted by hand) is started as a new run; refused, the undo removes what the
+    start added, never the parts that were there."""
+    write_prompts(tmp_path / "p.jsonl", 4)
+    spec = write_source(tmp_path, tmp_path / "p.jsonl")
+    with emulators(1, served_model_name=MODEL) as (good,), emulators(1, served_model_name="another") as (bad,):
+        config = write_config(tmp_path, [{"url": good.url, "name": "emu"}], [spec], flush_records=2)
+        made = run_regen("generate", "--config", str(config))
+        assert made.returncode == 0, made.stderr
+        run = tmp_path / "out" / "t"
+        data_parts(run)[-1].unlink()  # work pending: the start goes on to the preflight
+        (run / "run.json").unlink()
+        before = snapshot(run)
+        config.write_text(config.read_text().replace(good.url, bad.url))
+        refused = run_regen("generate", "--config", str(config))
+    assert refused.returncode == 1 and "another" in refused.stderr, refused.stderr
+    assert data_parts(run) and snapshot(run) == before
