@@ -32,7 +32,7 @@ from .run import EXIT_INTERRUPTED
 from .store import schema
 from .store.capture_ledger import (CaptureDir, capture_run_dir, count_mismatch, has_part_messages, holds_image,
                                    is_truncated, record_token_ids)
-from .store.committer import Committer
+from .store.committer import Committer, signals_deferred
 from .store.rundir import RunDir, RunLock, now_utc
 from .store.untouched import Untouched
 
@@ -235,9 +235,10 @@ def capture(opts: CaptureOptions) -> int:
                 log.info("removed %d hidden parts no ledger row names (left by a kill)", removed)
             return capture_loop(cfg, opts, run, cap, cap_manifest, stop, lock)
         except BaseException as exc:
-            if before.undo_after(exc):
-                before.restore()
-                lock.remove_folder_on_release = before.new
+            with signals_deferred():  # a signal now waits for the undo: it never leaves RUN/capture half put back
+                if before.undo_after(exc):
+                    before.restore()
+                    lock.remove_folder_on_release = before.new
             raise
 
 

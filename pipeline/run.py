@@ -25,10 +25,10 @@ from .prompts.tokens import load_length_check
 from .endpoints.image_fetch import image_fetcher
 from .store.promptset import (StagedPromptSet, check_schema_takes_parts, check_schema_takes_tools, report_document,
                               source_specs, stage_prompt_set)
-from .store.committer import Committer
-from .store.goodput import resumed_goodput, summary_line
+from .store.committer import Committer, signals_deferred
+from .store.goodput import summary_line
 from .store.progress import duration, held_out, records_of
-from .store.status import counts_line
+from .store.status import counts_line, run_goodput
 from .store.opening import OpenFlags, open_run
 from .store.resume import ChosenRun, choose_run, committed_nothing
 from .store.untouched import Untouched
@@ -184,7 +184,8 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
             prompts = materialise(cfg, run_dir, opts.refresh_prompts or opened.restage, staged)
             return dispatch_pending(cfg, opts, run_dir, opened.manifest, prompts, stop, lock)
         except BaseException as exc:
-            undo = before.undo_after(exc)
+            with signals_deferred():  # a signal waits for the decision (a listing), then for the undo (below)
+                undo = before.undo_after(exc)
             if undo and not before.new:
                 log.warning("nothing was committed: the run is left as it was", extra={"file_only": True})
             log_the_end(run_dir, exc)
@@ -194,8 +195,10 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
                 run_dir.publish_logs()
             except StorageError as exc:
                 log.warning("logs not uploaded (%s); they stay in %s", exc, run_dir.local_logs())
-            if undo:
-                put_back(before, lock)
+            finally:
+                if undo:
+                    with signals_deferred():  # never left half put back by a signal
+                        put_back(before, lock)
 
 
 def put_back(before: Untouched, lock: RunLock) -> None:
@@ -262,9 +265,7 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
                         rejects=rejects, status_interval_s=cfg.status_interval_s,
                         log_interval_s=cfg.progress_log_interval_s,
                         # committed records' counts from the parts' footers: a kill after a commit loses none
-                        goodput_before=resumed_goodput((part.parquet_file().metadata.metadata
-                                                        for part in run_dir.parts(run_dir.data)),
-                                                       run_dir.read_status()),
+                        goodput_before=run_goodput(run_dir, run_dir.read_status()),
                         samples_per_prompt=samples, image_prompts=image_counts(scan, opts.retry_failures))
 
     # --new-run also looks at the weights a complete run is pinned to: other weights make a successor

@@ -2,6 +2,8 @@
 part's footer), and status.json's and /metrics' `done` count commits, not outcomes still in the buffer."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import orjson
 import pyarrow.parquet as pq
 
@@ -57,3 +59,47 @@ def test_done_counts_commits_not_outcomes_in_the_buffer(tmp_path):
     metrics.status(status)
     scrape = generate_latest(metrics.registry).decode()
     assert 'regen_prompts{run="r",state="done"} 6.0' in scrape, "the metric counts commits as status.json does"
+
+
+
+def killed_after_its_last_commit(tmp_path, server) -> tuple[Path, Path]:
+    """A run of 4 prompts whose one data part is committed (published) and then SIGKILLed at its folder's fsync,
+    before the status.json write that would count it: every prompt is done. Returns (config, run)."""
+    config = write_config(tmp_path, [{"url": server.url, "name": "emu"}], [prompt_source(tmp_path, 4)],
+                          sampling={"temperature": 0.8, "max_tokens": 8})
+    killed = run_regen("generate", "--config", str(config), env={"REGEN_FAULT": "kill@1:fsync_dir:/t/data"})
+    assert killed.returncode == -9, killed.stderr
+    run = tmp_path / "out" / "t"
+    assert len(data_parts(run)) == 1
+    return config, run
+
+
+def parts_goodput(run: Path) -> tuple[int, int]:
+    """(records, completion tokens) the committed parts hold."""
+    rows = [r for part in data_parts(run) for r in pq.read_table(part, columns=["completion_tokens"]).to_pylist()]
+    return len(rows), sum(r["completion_tokens"] for r in rows)
+
+
+def committed_goodput(goodput: dict) -> tuple[int, int]:
+    return sum(goodput["items"][p] for p in COMMITTED), sum(goodput["tokens"][p] for p in COMMITTED)
+
+
+def test_a_run_killed_after_its_last_commit_resumes_complete_keeping_every_records_goodput(tmp_path, ray_cluster):
+    """Nothing is pending on the resume, so it only reports the run complete; its status.json must count the records
+    of the part the kill left uncounted (from the parts' footers), not keep the killed session's counts."""
+    with emulators(1, served_model_name="SmolLM2-135M-Instruct") as (server,):
+        config, run = killed_after_its_last_commit(tmp_path, server)
+        resumed = run_regen("generate", "--config", str(config))
+    assert resumed.returncode == 0 and "is complete" in resumed.stderr, resumed.stderr
+    status = orjson.loads((run / "status.json").read_bytes())
+    assert committed_goodput(status["goodput"]) == parts_goodput(run), status["goodput"]
+    assert status["done"] == 4 and status["buffered"] == 0, status
+
+
+def test_status_after_a_kill_counts_the_goodput_of_every_committed_part(tmp_path, ray_cluster):
+    """`regen status` of a killed run, not resumed: its goodput counts the records of every committed part (their
+    footers), as the card does, not only those the killed session's last status.json write had counted."""
+    with emulators(1, served_model_name="SmolLM2-135M-Instruct") as (server,):
+        _, run = killed_after_its_last_commit(tmp_path, server)
+    status = orjson.loads(run_regen("status", str(run), "--json").stdout)
+    assert status["goodput"] and committed_goodput(status["goodput"]) == parts_goodput(run), status["goodput"]

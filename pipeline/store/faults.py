@@ -22,8 +22,9 @@ FAULT_ENV = "REGEN_FAULT"
 OPS = ("open", "write", "fsync", "close", "link", "rename", "copy", "fsync_dir", "list", "stat", "read",
        "delete", "mkdir", "lock")
 ERRNO_FAULTS = {"EIO": errno.EIO, "ENOSPC": errno.ENOSPC, "EACCES": errno.EACCES}
-# "short": a write(2) that writes only part of its bytes; "interrupt": a second SIGINT arriving at the call
-FAULTS = (*ERRNO_FAULTS, "short", "interrupt", "kill")
+# "short": a write(2) that writes only part of its bytes; "interrupt": a second SIGINT arriving at the call;
+# "term": a real SIGTERM sent to the process at the call (its handler runs, or it is held), then the call goes on
+FAULTS = (*ERRNO_FAULTS, "short", "interrupt", "kill", "term")
 
 
 @dataclass
@@ -55,6 +56,9 @@ class Faults:
         self.fired.append((op, path))
         if self.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+            return False
         if self.fault == "interrupt":
             raise KeyboardInterrupt(f"injected at {op} {path}")
         if self.fault == "short":

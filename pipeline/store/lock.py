@@ -253,6 +253,20 @@ class RunLock:
         elif self._leased:
             self._leased = False
             self._drop_own_lease()
+            if self.remove_folder_on_release:
+                self._remove_empty_prefix()
+
+    def _remove_empty_prefix(self) -> None:
+        """An object store: the marker key that keeps an emptied prefix listed as a folder (pyarrow writes one where
+        it deletes the last key under a prefix), so a failed new run leaves nothing a listing shows (the next
+        --new-run's number, store/rundir.py). Only if nothing else is under it."""
+        try:
+            with storage_errors("delete", self.folder):
+                if not self.folder.iterdir():
+                    io_seam("delete", self.folder.path)
+                    self.folder.fs.delete_dir(self.folder.path)
+        except StorageError as exc:
+            log.warning("could not remove %s (%s)", self.folder, exc)
 
     def _remove_empty_folder(self) -> None:
         try:

@@ -42,7 +42,13 @@ def open_run(cfg: RunConfig, flags: OpenFlags, run_dir: RunDir, fresh: Callable[
     if not run_dir.exists():
         manifest = fresh()
         run_dir.write_manifest(manifest)
-        return OpenedRun(manifest)
+        # a prompt set no run.json names (a start killed while it put a refused new run back) is no run's: the
+        # new run reads its own sources (a new version past it), never takes that set for its own
+        leftover = bool(run_dir.prompt_set_versions())
+        if leftover:
+            log.warning("%s holds a prompt set no run.json names (left by a start that was killed): this new run "
+                        "reads its prompts from the sources", run_dir.path)
+        return OpenedRun(manifest, restage=leftover)
     manifest = run_dir.read_manifest()
     if committed_nothing(run_dir):
         return rebind_unbound(cfg, flags, run_dir, manifest, fresh())

@@ -257,11 +257,14 @@ class Progress:
 
     def write_keeping_last_session(self, state: str) -> None:
         """A session that sent nothing (the run was complete) keeps the figures of the last one that did: its
-        rates and each endpoint's throughput stay what `regen status` shows."""
+        rates and each endpoint's throughput stay what `regen status` shows. The counts are this session's (the
+        ledger's, and the goodput summed from the parts' footers): a last session killed after its last commit
+        wrote counts that miss that commit."""
         last = self.run_dir.read_status()
         status = self.status(state)
         if last and not self.done + self.failed and last.get("this_session", {}).get("elapsed_s"):
-            counts = ("state", "total", "done", "failed", "pending", "rejects", "eta_s", "image_prompts")
+            counts = ("state", "total", "done", "failed", "pending", "buffered", "rejects", "eta_s", "image_prompts",
+                      "goodput")
             status = {**{k: v for k, v in last.items() if k != "metrics_url"},
                       **{k: status[k] for k in counts if k in status},
                       "endpoints": {label: {**stats, "in_flight": 0}

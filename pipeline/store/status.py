@@ -13,7 +13,7 @@ from ..core.identity import samples_per_prompt
 from ..prompts.fileid import file_states
 from ..prompts.report import report_lines
 from .capture_ledger import capture_counts
-from .goodput import summary_line
+from .goodput import Goodput, resumed_goodput, summary_line
 from .progress import duration
 from .prompt_reader import PendingScan
 from .rundir import RunDir, RunLock
@@ -44,6 +44,12 @@ def ledger_counts(run_dir: RunDir) -> dict[str, Any]:
                               "failed": scan.image_total - scan.image_done - scan.image_waiting}}
            if scan.image_total else {}),
     }
+
+
+def run_goodput(run_dir: RunDir, status: dict[str, Any] | None) -> Goodput:
+    """The run's goodput over every session: its committed records' counts summed from the records parts' footers
+    (committed with them, so a SIGKILL loses none), the tokens thrown away from status.json (store/goodput.py)."""
+    return resumed_goodput((part.parquet_file().metadata.metadata for part in run_dir.parts(run_dir.data)), status)
 
 
 def counts_line(run_dir: RunDir) -> str:
@@ -90,7 +96,9 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
               "eta_s": live.get("eta_s") if state.startswith("running") else None,
               "metrics_url": live.get("metrics_url") if state.startswith("running") else None,
               "capture": capture_counts(run_dir),
-              "goodput": live.get("goodput"), "quality_gate": live.get("quality_gate")}
+              # counted from the parts, as the card counts: a driver killed after a commit wrote none of it
+              "goodput": run_goodput(run_dir, live).as_dict() if counts["parts"] or live.get("goodput") else None,
+              "quality_gate": live.get("quality_gate")}
     tools = tool_counts(run_dir)
     report["tools"] = tools.as_dict() if tools is not None else None
     if as_json:

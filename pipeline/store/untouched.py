@@ -48,6 +48,7 @@ class Untouched:
     manifest: bytes | None  # None: there was no run (a new run: restore removes the directory)
     prompt_set: frozenset[str]
     ledger: frozenset[str]
+    found: frozenset[str] = frozenset()  # the folder's entries, but the lock, logs and status.json
 
     @classmethod
     def take(cls, root: Location, manifest_name: str = "run.json") -> "Untouched":
@@ -56,11 +57,15 @@ class Untouched:
         except FileNotFoundError:
             manifest = None
         return cls(root, manifest_name, manifest, frozenset().union(*(_files(root, f) for f in PROMPT_SET)),
-                   frozenset().union(*(_files(root, f) for f in LEDGERS)))
+                   frozenset().union(*(_files(root, f) for f in LEDGERS)),
+                   frozenset(entry.name for entry in root.iterdir()) - frozenset(KEPT))
 
     @property
     def new(self) -> bool:
-        return self.manifest is None
+        """No run was here, nor anything else: the undo removes the folder. A folder holding more but no run.json
+        (a copy of a run still under way: `aws s3 sync` and rsync write run.json after capture/ and data/; a
+        run.json deleted by hand) is never removed: only what the command added to it is."""
+        return self.manifest is None and not self.found
 
     def committed(self) -> bool:
         """Something was committed since: a part in a ledger that was not there."""
@@ -82,7 +87,10 @@ class Untouched:
         everything but its lock (RunLock.remove_folder_on_release removes the folder on release)."""
         if self.new:
             removed = []
-            for entry in self.root.iterdir():
+            # the manifest last: a folder cut short here still has it, so it is a run that has committed nothing
+            # (store/opening.py), never a prompt set that no run.json names
+            entries = sorted(self.root.iterdir(), key=lambda entry: entry.name == self.manifest_name)
+            for entry in entries:
                 if entry.name in ("run.lock", "lock.json"):
                     continue
                 info = entry.fs.get_file_info(entry.path)
@@ -99,8 +107,12 @@ class Untouched:
         except FileNotFoundError:
             now = None
         if now != self.manifest:  # first: a kill after it leaves a prompt set run.json does not name (read again)
-            manifest.write_atomic(self.manifest)
-            undone.append(f"{self.manifest_name} restored")
+            if self.manifest is None:
+                manifest.unlink()
+                undone.append(f"{self.manifest_name} removed (there was none)")
+            else:
+                manifest.write_atomic(self.manifest)
+                undone.append(f"{self.manifest_name} restored")
         added = sorted(frozenset().union(*(_files(self.root, f) for f in PROMPT_SET)) - self.prompt_set)
         for name in added:
             (self.root / name).unlink()
