@@ -5,7 +5,6 @@ not named, and the prediction scaled the 42 answers up to all 72 samples as if t
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import yaml
 

@@ -121,7 +121,6 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
                 raise RuntimeError(f"the simulated run failed:\n{result.stderr[-3000:]}")
             run = work / "out" / "simulated"
             parts = sorted((run / "data").glob("part-*.parquet"))
-            done = sum(pq.ParquetFile(p).metadata.num_rows for p in parts)
             tokens = sum(sum(pq.read_table(p, columns=["completion_tokens"]).column(0).to_pylist()) for p in parts)
             disk = sum(p.stat().st_size for p in parts)
             failed, failure = _failures(run)
