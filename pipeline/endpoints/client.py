@@ -20,14 +20,13 @@ import openai
 import orjson
 
 from ..core.work import Completion
-from ..core.errors import (
-    ConnectionDropped, ContractError, EndpointDown, EndpointFatal, RequestError, Retryable, TerminalForPrompt,
-    Unexpected,
+from ..core.errors import (  # noqa: F401 (RETRYABLE_STATUS: named here before it moved to core)
+    RETRYABLE_STATUS, ConnectionDropped, ContractError, EndpointDown, EndpointFatal, RequestError, Retryable,
+    TerminalForPrompt, Unexpected,
 )
 from .engines import OpenAIAdapter, Sampling, error_texts
 from .toolcalls import ToolCallFragments, tool_calls_of
 
-RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 # Any engine: a 400 that names a model that does not exist (SGLang: "The model 'X' does not exist"; vLLM says so
 # with a 404) is the endpoint's fault, not the prompt's.
 _MODEL_MISSING = "does not exist"
