@@ -245,6 +245,15 @@ def warm_up() -> None:
     _ = client.chat.completions.with_raw_response
 
 
+def _untransformed(request: dict[str, Any]) -> dict[str, Any]:
+    """The same request body, every field in `extra_body`, which the SDK merges into the JSON as it is: its typed
+    parameters are walked field by field against their TypedDicts (`async_maybe_transform`), 15% of an endpoint
+    actor's CPU in a profile of the scale case's dispatch (3 KB conversations), for plain JSON dicts it leaves as
+    they were. `messages` stays the only parameter the SDK requires, given empty and overridden by extra_body."""
+    body = {key: value for key, value in request.items() if key != "extra_body"}
+    return {"model": body["model"], "messages": [], "extra_body": {**body, **request.get("extra_body", {})}}
+
+
 class EndpointClient:
     """Async client of one endpoint. Raises only classes of the error taxonomy."""
 
@@ -278,7 +287,7 @@ class EndpointClient:
             if s.stream:
                 completion = await self._streamed(request, started, rid)
             else:
-                raw = await self._openai.chat.completions.with_raw_response.create(**request)
+                raw = await self._openai.chat.completions.with_raw_response.create(**_untransformed(request))
                 body = orjson.loads(raw.content)
                 completion = parse_chat(body, time.monotonic() - started, body.get("id") or rid, self.engine)
         except openai.APIStatusError as exc:
