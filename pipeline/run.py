@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from . import __version__
+from . import IMPORTED_AT, __version__
 from .store import schema
 from .core import exits
 from .core.background import Background
@@ -179,6 +179,8 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
             if lock.previous_holder:
                 log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
             log.info("run directory %s", run_dir.path)
+            log.info("%.2f s since the process started (imports, the config, the run's lock)",
+                     time.monotonic() - IMPORTED_AT, extra={"file_only": True})
             flags = OpenFlags(opts.refresh_prompts, opts.add_samples and not opts.new_run)
             opened = open_run(cfg, flags, run_dir, lambda: manifest_for(cfg, opts.config))
             prompts = materialise(cfg, run_dir, opts.refresh_prompts or opened.restage, staged)
