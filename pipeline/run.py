@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from . import __version__
+from . import IMPORTED_AT, __version__
 from .store import schema
 from .core import exits
 from .core.background import Background
@@ -179,6 +179,8 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
             if lock.previous_holder:
                 log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
             log.info("run directory %s", run_dir.path)
+            log.info("%.2f s since the process started (imports, the config, the run's lock)",
+                     time.monotonic() - IMPORTED_AT, extra={"file_only": True})
             flags = OpenFlags(opts.refresh_prompts, opts.add_samples and not opts.new_run)
             opened = open_run(cfg, flags, run_dir, lambda: manifest_for(cfg, opts.config))
             prompts = materialise(cfg, run_dir, opts.refresh_prompts or opened.restage, staged)
@@ -216,14 +218,15 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     """Three things start at once, each waiting on something else: the ledger read and the pending scan (a thread:
     Arrow reads files), the fleet's probes (EarlyProbe: they wait on the endpoints) and, with the session, the
     first endpoint actors (they wait on Ray). The probes start early unless the run starts local servers (only once
-    it knows it has work) or its status says it is complete."""
+    it knows it has work) or its status says it is complete; they start once the first actors are asked for, so
+    that their imports (the OpenAI SDK, in their thread) do not delay the first actor's start."""
     tools, images = has_tools(prompts), has_images(prompts)
     scanning = Background(lambda: pending_scan(cfg, opts, run_dir, prompts), "regen-ledger")
     probe = None
     try:
-        if cfg.local_fleet is None and (run_dir.read_status() or {}).get("state") != "complete":
-            probe = EarlyProbe(cfg, opts.start_with_passing, tools, images)
         with session_start(cfg, run_dir, stop) as (early, metrics):
+            if cfg.local_fleet is None and (run_dir.read_status() or {}).get("state") != "complete":
+                probe = EarlyProbe(cfg, opts.start_with_passing, tools, images)
             return dispatch_started(cfg, opts, run_dir, manifest, prompts, stop, lock, early, metrics, tools,
                                     scanning.result, probe, images)
     finally:

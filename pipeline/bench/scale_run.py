@@ -185,6 +185,69 @@ def pending_bytes(run: Path) -> tuple[int, float]:
     return n, grown / max(n, 1)
 
 
+class CpuMeter:
+    """CPU seconds (user + system) of the driver and of the cluster's endpoint actors, with the session's completions
+    (status.json), read at a mark and at each `read`: a figure of regen's own work that does not depend on the
+    machine's load (the wall time does). The mark is the first read SETTLE_S after every endpoint's actor was
+    seen, so the actors' start (their imports: over a second of CPU each) is left out; an actor started later (a
+    restart) counts from when it was first seen. An actor's seconds are the most seen for its pid (it may end)."""
+
+    SETTLE_S = 5.0
+
+    def __init__(self, pid: int, head, run: Path, actors: int = ENDPOINTS):
+        import psutil
+
+        self.driver, self.head, self.run, self.expected = psutil.Process(pid), head, run, actors
+        self.actors: dict[int, float] = {}
+        self.first_seen: dict[int, float] = {}  # an actor's CPU when first seen (after the mark: it is left out)
+        self.all_seen_at: float | None = None
+        self.mark: tuple[float, float, int, float] | None = None  # driver s, actors s, done, wall clock
+        self.last: tuple[float, float, int, float] | None = None
+
+    def _done(self) -> int:
+        try:
+            return orjson.loads((self.run / "status.json").read_bytes())["this_session"]["done"]
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    def read(self) -> None:
+        import psutil
+
+        try:
+            t = self.driver.cpu_times()
+            driver = t.user + t.system
+        except psutil.Error:
+            return
+        for proc in self.head.actor_processes():
+            try:
+                t = proc.cpu_times()
+                self.actors[proc.pid] = max(self.actors.get(proc.pid, 0.0), t.user + t.system)
+                self.first_seen.setdefault(proc.pid, self.actors[proc.pid])
+            except psutil.Error:
+                pass
+        now = time.time()
+        if self.all_seen_at is None and len(self.actors) >= self.expected:
+            self.all_seen_at = now
+        if self.mark is None:
+            if self.all_seen_at is None or now - self.all_seen_at < self.SETTLE_S:
+                return
+            self.first_seen = dict(self.actors)  # from here every actor counts from the mark
+        actors = sum(cpu - self.first_seen[pid] for pid, cpu in self.actors.items())
+        self.last = (driver, actors, self._done(), now)
+        if self.mark is None:
+            self.mark = self.last
+
+    def per_completion(self) -> dict | None:
+        """Driver's and actors' CPU ms per completion from the mark to the last read, their cores (CPU seconds over
+        the wall time between), the completions counted."""
+        if self.mark is None or self.last is None or self.last[2] <= self.mark[2]:
+            return None
+        n, wall = self.last[2] - self.mark[2], max(1e-9, self.last[3] - self.mark[3])
+        driver, actors = self.last[0] - self.mark[0], self.last[1] - self.mark[1]
+        return {"driver_ms": 1000 * driver / n, "actors_ms": 1000 * actors / n, "n": n, "driver_cores": driver / wall,
+                "actors_cores": actors / wall, "wall": wall}
+
+
 def _run(ctx: Ctx, config: Path, log: Path, run: Path, budget_s: float | None, request_logs: list[Path]) -> dict:
     ctx.head.ensure()
     offsets = _log_sizes(request_logs)
@@ -194,12 +257,15 @@ def _run(ctx: Ctx, config: Path, log: Path, run: Path, budget_s: float | None, r
     sampler.start()
     seen = _first_prompt_request(request_logs, offsets, proc, 1800)
     first, answered = seen if seen is not None else (None, None)
+    cpu = CpuMeter(proc.pid, ctx.head, run)
+    cpu.read()  # the mark: once every actor has started (CpuMeter), the dispatch's own CPU
     while True:
         try:
             rc = proc.wait(1.0)
             break
         except subprocess.TimeoutExpired:
             pass
+        cpu.read()
         # past the budget, once requests flow (a stop during materialise would leave no prompt set)
         if budget_s and time.time() - started > budget_s and first is not None:
             proc.send_signal(signal.SIGTERM)  # a clean stop: the buffer is committed, the run stays resumable
@@ -217,7 +283,15 @@ def _run(ctx: Ctx, config: Path, log: Path, run: Path, budget_s: float | None, r
             "peak": max((s["driver_mb"] for s in sampler.samples), default=0.0),
             "materialise_peak": max((s["driver_mb"] for s in sampler.samples if s["done"] is None), default=0.0),
             "dispatch_peak": max((s["driver_mb"] for s in live), default=0.0),
-            "done": live[-1]["done"] if live else 0, "dispatch_t0": live[0]["t"] - started if live else wall}
+            "done": live[-1]["done"] if live else 0, "dispatch_t0": live[0]["t"] - started if live else wall,
+            "cpu": cpu.per_completion()}
+
+
+def _cpu(c: dict | None) -> str:
+    if c is None:
+        return "not measured"
+    return (f"{c['driver_ms']:.2f} ms ({c['driver_cores']:.2f} cores); actors {c['actors_ms']:.2f} ms "
+            f"({c['actors_cores']:.2f} cores); {c['n']} completions")
 
 
 def scale(ctx: Ctx) -> Result:
@@ -268,6 +342,8 @@ def scale(ctx: Ctx) -> Result:
         ("driver structures per pending prompt (all pending)", f"{per_prompt:.0f} B", "a few hundred bytes", None),
         ("dispatch pace vs the emulators' ideal (new run, from its first request)",
          f"{rate:.0f} vs {ideal_rate:.0f} completions/s = {rate / ideal_rate:.2f}x", "", None),
+        ("driver CPU per completion, new run (user+sys, once its actors are up; the 16 actors' beside it)", _cpu(new["cpu"]),
+         "", None),
         ("resume: wall time for the last 10% vs ideal",
          f"{resumed['wall']:.0f} s vs {tail / ideal_rate:.0f} s" if finish is None else
          f"stopped by the budget after {resumed['wall']:.0f} s", "", None),
@@ -292,5 +368,9 @@ def scale(ctx: Ctx) -> Result:
         f"{n_pending} prompts, the router's queues over 16 endpoints and the unfinished set, over the prompt count.",
         f"The machine has {os.cpu_count()} cores shared with other work: the driver, the Ray actors and "
         f"{ENDPOINTS} emulators contend for them, so the pace against the ideal mostly measures that contention.",
+        "CPU per completion: the user+system CPU seconds of the driver process (psutil), and of the endpoint actors, "
+        "over the completions status.json counts, from 5 s after every actor of the new run was up to its end: "
+        "regen's own work per completion, which does not depend on the machine's load (the pace does); cores is "
+        "the same CPU over the wall time.",
     ]
     return res

@@ -58,6 +58,10 @@ class LeaseLost(RunLocked):
 
 
 # --- per request -------------------------------------------------------------------------------
+# HTTP statuses worth a retry (the request may pass later), for any client of an HTTP service.
+RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+
+
 class RequestError(RegenError):
     """A request to one endpoint failed. `status` is the HTTP status if there was one."""
 

@@ -9,14 +9,16 @@ import asyncio
 import functools
 import itertools
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..core.config import Endpoint, RunConfig
-from ..endpoints.client import ClientSettings, warm_up
-from .worker import EndpointWorker
+
+if TYPE_CHECKING:
+    from ..endpoints.client import ClientSettings
+    from .worker import EndpointWorker
 
 ACTOR_NAMESPACE = "regen"
 
@@ -26,6 +28,8 @@ def client_settings(cfg: RunConfig, weight_version: str | None = None,
                     tools: bool = False, images: bool = False) -> ClientSettings:
     """`engines`: each endpoint's engine adapter by label, as the preflight identified it; `run_engines`: the
     run's engines ([{"engine", "version"}], run.json), which a readmitted endpoint must run."""
+    from ..endpoints.client import ClientSettings
+
     return ClientSettings(
         model=cfg.model,
         temperature=cfg.sampling.temperature,
@@ -48,9 +52,14 @@ def client_settings(cfg: RunConfig, weight_version: str | None = None,
 
 class RayEndpointWorker:
     """The Ray actor of one endpoint: empty until `begin` builds its EndpointWorker with the run's settings (an
-    `exchange` that comes first waits for it). Its module imports the worker's, so a started actor has paid them."""
+    `exchange` that comes first waits for it). It imports the worker's modules as it starts, so a started actor has
+    paid them; its own module does not, so that the driver, which only starts actors, never imports the OpenAI SDK
+    or aiohttp for them (0.5 s of CPU, seconds on a loaded machine, before the first actor could be asked for)."""
 
     def __init__(self) -> None:
+        from ..endpoints.client import warm_up
+        from . import worker  # noqa: F401 - imported now, not on the first `begin`
+
         self.worker: EndpointWorker | None = None
         self.failed: Exception | None = None
         self.begun = asyncio.Event()
@@ -60,6 +69,8 @@ class RayEndpointWorker:
         return True
 
     async def begin(self, *args: Any, **kwargs: Any) -> None:
+        from .worker import EndpointWorker
+
         try:
             self.worker = EndpointWorker(*args, **kwargs)
         except Exception as exc:  # the driver hears of it at its exchange, as of an actor that failed to start
@@ -123,6 +134,7 @@ def local_worker_factory(cfg: RunConfig, settings: ClientSettings, api_key: Call
                          **worker_options) -> Callable[[Endpoint, bool], EndpointWorker]:
     """EndpointWorkers in this process (for LocalTransport), built with the arguments the Ray actors get (`run_uri`
     among `worker_options`)."""
+    from .worker import EndpointWorker
 
     def factory(e: Endpoint, start_open: bool) -> EndpointWorker:
         return EndpointWorker(e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,

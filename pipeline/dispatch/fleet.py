@@ -55,12 +55,10 @@ class EarlyProbe:
     a run with nothing pending cancels the probes (`cancel`) and never reads them."""
 
     def __init__(self, cfg: RunConfig, start_with_passing: bool, tools: bool, images: bool = False):
-        from ..endpoints.preflight import preflight_async
-
         self.loop = asyncio.new_event_loop()
         api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
-        self.probing = preflight_async(cfg, api_keys, announce=False, start_with_passing=start_with_passing,
-                                       tools=tools, images=images)
+        self.arguments = (cfg, api_keys, dict(announce=False, start_with_passing=start_with_passing, tools=tools,
+                                              images=images))
         self.task: asyncio.Task | None = None
         self.done = threading.Event()
         self.reports: list | None = None
@@ -69,7 +67,12 @@ class EarlyProbe:
 
     def _run(self) -> None:
         try:
-            self.task = self.loop.create_task(self.probing)
+            # imported here, in this thread: the preflight's modules import the OpenAI SDK (0.3 s of CPU, seconds
+            # on a loaded machine), which the main thread does not wait for
+            from ..endpoints.preflight import preflight_async
+
+            cfg, api_keys, options = self.arguments
+            self.task = self.loop.create_task(preflight_async(cfg, api_keys, **options))
             self.reports = self.loop.run_until_complete(self.task)
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it (or cancelled it)
             self.error = exc

@@ -14,13 +14,14 @@ all_turns re-sends it at every step without reading, hashing or encoding it agai
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..core.errors import ConfigError, EndpointFatal, ImageUnsendable, RequestError, Retryable, StorageError
 from ..endpoints.engines import OpenAIAdapter
 from ..endpoints.images import DATA_URL, FILE_URL, data_url, file_url, request_messages
-from ..store.run_images import image_location as stored_image_location
-from ..store.storage import Location
+
+if TYPE_CHECKING:  # the store's modules import pyarrow (0.2 s, seconds on a loaded machine): an actor imports them
+    from ..store.storage import Location  # only for a run with images
 
 # (run directory URI, image part) -> the image's bytes. FileNotFoundError: the bytes are gone.
 ImageReader = Callable[[str | None, Mapping[str, Any]], bytes]
@@ -30,6 +31,8 @@ def image_location(run_uri: str | None, part: Mapping[str, Any]) -> Location:
     """Where a part's bytes are (store/run_images.py); a copied image needs the run directory."""
     if not part.get("path") and not run_uri:
         raise ValueError(f"image {part['sha256']} has no path and the worker was given no run directory")
+    from ..store.run_images import image_location as stored_image_location
+
     return stored_image_location(run_uri or "", part)
 
 
@@ -40,6 +43,8 @@ def read_image(run_uri: str | None, part: Mapping[str, Any]) -> bytes:
 def check_send_as(send_as: str, store: str, run_uri: str) -> None:
     """A run whose copied images are on an object store cannot send them as files: refused before any prompt (else
     every image prompt would fail alike)."""
+    from ..store.storage import Location
+
     if send_as == FILE_URL and store == "copy" and not Location.at(run_uri).local:
         raise ConfigError(f"images.send_as: file_url: the run's images are copied into {Location.at(run_uri)}, an "
                           "object store no server reads as a file; set images.send_as: data_url (the default), or "
@@ -94,6 +99,8 @@ class ConversationImages:
     def _missing(self, part: Mapping[str, Any], where: str) -> RequestError:
         """Gone from where the prompt set put it, or a run directory this node does not see."""
         if not part.get("path") and self.run_uri:
+            from ..store.storage import Location
+
             try:
                 visible = (Location.at(self.run_uri) / "run.json").exists()
             except StorageError as exc:

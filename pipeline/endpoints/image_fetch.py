@@ -19,8 +19,7 @@ from typing import Callable
 
 from .. import __version__
 from ..core.config import Images
-from ..core.errors import ImageFetchFailed
-from .client import RETRYABLE_STATUS
+from ..core.errors import RETRYABLE_STATUS, ImageFetchFailed
 
 SCHEMES = ("http", "https")
 ATTEMPTS = 2

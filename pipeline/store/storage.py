@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -383,6 +382,8 @@ def read_columns(parts: list[Location], columns: list[str]) -> pa.Table:
         if parts[0].local:
             return pa.concat_tables([_read_part(p, columns) for p in parts],
                                     promote_options="default")  # a column a part lacks: nulls, as a dataset has
+        import pyarrow.dataset as ds  # here: it imports pandas (0.3 to 0.7 s), which a local run never needs
+
         return ds.dataset([p.path for p in parts], filesystem=parts[0].fs, format="parquet").to_table(columns=columns)
 
 
