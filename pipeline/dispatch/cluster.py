@@ -47,13 +47,23 @@ def init_ray(address: str | None) -> None:
             ray.init(include_dashboard=False, logging_level=logging.WARNING)
             from .reaper import watch
 
-            watch()  # its agents would outlive a SIGKILLed driver by a minute (reaper.py)
+            watch(session_dir())  # its agents would outlive a SIGKILLed driver by a minute (reaper.py)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = was
         if saved is None:
             os.environ.pop(LOOPBACK_SWITCH, None)
         else:
             os.environ[LOOPBACK_SWITCH] = saved
+
+
+def session_dir() -> str | None:
+    """The directory of the running cluster's logs and sockets (Ray's private API: None if it moved)."""
+    try:
+        from ray._private import worker
+
+        return worker._global_node.get_session_dir_path()
+    except Exception:  # noqa: BLE001 - the reaper then knows the cluster's processes of its start only
+        return None
 
 
 def join_ray(address: str | None, stop: Any) -> None:
