@@ -1,0 +1,147 @@
+"""An operator's stop always stops: a SIGINT/SIGTERM before dispatch ends `regen generate` with KeyboardInterrupt
+(exit 130) wherever it lands (issue 30). Each test places the signal at one point, in process: at every line of
+threading's Event.wait and Condition.wait while the driver waits for the fleet's probes or the ledger read, and inside
+the write of a log line to the console."""
+from __future__ import annotations
+
+import inspect
+import io
+import logging
+import signal
+import sys
+import threading
+
+import pytest
+
+from pipeline.core.background import Background
+from pipeline.dispatch.fleet import EarlyProbe
+from pipeline.dispatch.stopping import StopFlag
+
+WAIT_CODE = {threading.Event.wait.__code__, threading.Condition.wait.__code__}
+DRIVER_WAITS = {EarlyProbe.__call__.__code__, Background.result.__code__}
+
+
+@pytest.fixture
+def handlers():
+    """The test process's own SIGINT/SIGTERM handlers, put back after the test installed a run's."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    sys.settrace(None)
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def signal_at_line(n: int) -> dict:
+    """SIGTERM at the n-th line run by the first Event.wait (with the Condition.wait in it) that the driver's wait
+    for another thread calls (EarlyProbe.__call__, Background.result); then tracing stops. Past its last line, SIGTERM
+    as it returns, and `past` is set."""
+    state = {"waiting": False, "first": None, "lines": 0, "placed": False, "past": False}
+
+    def lines(frame, event, _arg):
+        if state["placed"]:
+            return None
+        if event == "line":
+            state["lines"] += 1
+            if state["lines"] == n:
+                state["placed"] = True
+                sys.settrace(None)
+                frame.f_trace = None
+                signal.raise_signal(signal.SIGTERM)
+        elif event == "return" and frame is state["first"]:  # the first wait is over, with n past its lines:
+            state["placed"] = state["past"] = True  # the walk is done; a last signal ends this wait
+            sys.settrace(None)
+            signal.raise_signal(signal.SIGTERM)
+        return lines
+
+    def calls(frame, _event, _arg):
+        if state["placed"]:
+            return None
+        if frame.f_code in DRIVER_WAITS:
+            state["waiting"] = True
+        elif frame.f_code in WAIT_CODE and state["waiting"]:
+            state["first"] = state["first"] or frame
+            return lines
+        return None
+
+    sys.settrace(calls)
+    return state
+
+
+def probes_wait(stop: StopFlag) -> None:
+    """The driver's wait for the fleet's probes (fleet_preflight calling the EarlyProbe), the probes never done."""
+    probe = EarlyProbe.__new__(EarlyProbe)
+    probe.wait, probe.done, probe.error, probe.reports = stop.wait, threading.Event(), None, []
+    probe()
+
+
+def ledger_wait(stop: StopFlag) -> None:
+    """The driver's wait for the ledger read and pending scan (run.py's Background), the read never done."""
+    release = threading.Event()
+    try:
+        Background(release.wait, "regen-ledger").result(stop.wait)
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("wait", [probes_wait, ledger_wait])
+def test_a_signal_anywhere_in_the_drivers_wait_for_another_thread_is_a_stop(handlers, wait):
+    """A KeyboardInterrupt raised by the handler after Condition.wait released its lock and before the `with` of
+    Event.wait released it again became RuntimeError('release unlocked lock'): exit 1 and a traceback, not 130."""
+    n = 1
+    while True:
+        stop = StopFlag()
+        stop.install()
+        placed = signal_at_line(n)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                wait(stop)
+        finally:
+            sys.settrace(None)
+        assert stop.signal == signal.SIGTERM
+        if placed["past"]:
+            break  # every line of the first wait has had its signal
+        n += 1
+    assert n > 10  # the waits' lines were walked
+
+
+class Console(io.StringIO):
+    """sys.stderr as the driver's console: a write into it while one is in progress raises RuntimeError, as
+    io.BufferedWriter does when a signal handler writes from inside the write(2) that the signal interrupted (a
+    console that is a pipe or a terminal: the write can block and be interrupted). The first write carries SIGTERM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.busy, self.armed = False, True
+
+    def write(self, text: str) -> int:
+        if self.busy:
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+        self.busy = True
+        try:
+            if self.armed:
+                self.armed = False
+                signal.raise_signal(signal.SIGTERM)  # its handler runs here, inside this write
+            return super().write(text)
+        finally:
+            self.busy = False
+
+
+def test_a_signal_while_the_driver_writes_a_log_line_is_a_stop(handlers, monkeypatch):
+    """The handler's own log line failed inside the interrupted write; that RuntimeError, raised instead of the
+    KeyboardInterrupt, was swallowed by logging's handling of the interrupted line: the signal was lost."""
+    console = Console()
+    monkeypatch.setattr(sys, "stderr", console)
+    regen = logging.getLogger("regen")
+    saved = (list(regen.handlers), regen.propagate, regen.level)
+    handler = logging.StreamHandler(console)
+    regen.handlers[:], regen.propagate = [handler], False
+    regen.setLevel(logging.INFO)
+    stop = StopFlag()
+    stop.install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            regen.info("source test: read 6, valid 6")  # any line of the driver's, before dispatch
+    finally:
+        regen.handlers[:], regen.propagate = saved[0], saved[1]
+        regen.setLevel(saved[2])
+    assert stop.signal == signal.SIGTERM
