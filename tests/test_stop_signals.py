@@ -145,3 +145,22 @@ def test_a_signal_while_the_driver_writes_a_log_line_is_a_stop(handlers, monkeyp
         regen.handlers[:], regen.propagate = saved[0], saved[1]
         regen.setLevel(saved[2])
     assert stop.signal == signal.SIGTERM
+
+
+def test_a_sigterm_as_ray_hands_the_signals_back_is_a_stop(handlers, monkeypatch):
+    """ray.init replaces the SIGTERM handler with its own (sys.exit); join_ray turns that SystemExit into the
+    run's stop and puts the run's handlers back. A SIGTERM after ray.init returned and before they were back
+    escaped as SystemExit(15): exit status 15 and a run log ending "fatal: SystemExit", not 130."""
+    from pipeline.dispatch import cluster
+
+    class Stop(StopFlag):
+        def install(self) -> None:
+            signal.raise_signal(signal.SIGTERM)  # lands just before the run's handlers are back
+            super().install()
+
+    def ray_init(_address):  # what ray.init leaves behind: its own SIGTERM handler
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(signum))
+
+    monkeypatch.setattr(cluster, "init_ray", ray_init)
+    with pytest.raises(KeyboardInterrupt):
+        cluster.join_ray(None, Stop())

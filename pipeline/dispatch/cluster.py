@@ -71,11 +71,11 @@ def join_ray(address: str | None, stop: Any) -> None:
     before dispatch), and the run's handlers are put back (ray.init replaces the SIGTERM one)."""
     try:
         init_ray(address)
+        stop.install()  # inside: a SIGTERM just before it is Ray's handler's SystemExit
     except SystemExit as exc:  # ray.init's own SIGTERM handler, in place while it runs
         if exc.code == signal.SIGTERM:
             raise KeyboardInterrupt from None
         raise
-    stop.install()
 
 
 class EndpointsFileWatch:
