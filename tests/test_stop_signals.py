@@ -1,13 +1,15 @@
 """An operator's stop always stops: a SIGINT/SIGTERM before dispatch ends `regen generate` with KeyboardInterrupt
 (exit 130) wherever it lands (issue 30). Each test places the signal at one point, in process: at every line of
 threading's Event.wait and Condition.wait while the driver waits for the fleet's probes or the ledger read, and inside
-the write of a log line to the console."""
+the write of a log line to the console, as ray.init hands the signals back; and a stop during a name lookup that
+never answers."""
 from __future__ import annotations
 
-import inspect
 import io
 import logging
+import os
 import signal
+import subprocess
 import sys
 import threading
 
@@ -164,3 +166,60 @@ def test_a_sigterm_as_ray_hands_the_signals_back_is_a_stop(handlers, monkeypatch
     monkeypatch.setattr(cluster, "init_ray", ray_init)
     with pytest.raises(KeyboardInterrupt):
         cluster.join_ray(None, Stop())
+
+
+RESOLVER_THAT_NEVER_ANSWERS = '''
+import os, socket, time
+_getaddrinfo = socket.getaddrinfo
+def getaddrinfo(host, *args, **kwargs):
+    if host == "never-answers.test":
+        open(os.environ["LOOKUP_BEGAN"], "w").close()
+        time.sleep(600)
+    return _getaddrinfo(host, *args, **kwargs)
+socket.getaddrinfo = getaddrinfo
+'''
+
+
+def test_a_stop_during_a_lookup_that_never_answers_exits(tmp_path):
+    """The probes' name lookups ran in the event loop's default executor, whose threads the interpreter joins at
+    exit: after a SIGTERM during the preflight the driver said "interrupted" and stayed until the lookup returned
+    (here never; with a resolver that does not answer, its timeouts). The resolver is made to hang through a
+    sitecustomize on the driver's PYTHONPATH."""
+    from tests.helpers import regen_cmd, wait_for, write_config, write_prompts, write_source
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(RESOLVER_THAT_NEVER_ANSWERS)
+    write_prompts(tmp_path / "p.jsonl", 3)
+    config = write_config(tmp_path, [{"url": "http://never-answers.test:8000", "name": "slow"}],
+                          [write_source(tmp_path, tmp_path / "p.jsonl")], model="moonshotai/Kimi-K2.5",
+                          dead_fleet_deadline_s=300)
+    began, log = tmp_path / "began", tmp_path / "log"
+    env = {**os.environ, "LOOKUP_BEGAN": str(began),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(regen_cmd("generate", "--config", str(config)), stdout=out, stderr=subprocess.STDOUT,
+                                env=env)
+    try:
+        wait_for(began.exists, 120, what="the probe's lookup")
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: b"received: stopping" in log.read_bytes(), 120, what="the signal's line")
+        assert proc.wait(timeout=120) == 130  # the lookup sleeps 600 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_daemon_lookups_answer_as_aiohttps_own():
+    import asyncio
+    import socket
+
+    from pipeline.endpoints.lookups import resolver
+
+    async def lookups():
+        found = await resolver().resolve("localhost", 8000)
+        with pytest.raises(socket.gaierror):
+            await resolver().resolve("no-such-host.invalid", 8000)
+        return found
+
+    assert {(r["host"], r["port"]) for r in asyncio.run(lookups())} & {("127.0.0.1", 8000), ("::1", 8000)}
