@@ -144,11 +144,15 @@ def test_an_embedded_cluster_does_not_outlive_its_sigkilled_driver(tmp_path):
     from tests.helpers import wait_gone
 
     env = {**os.environ, "RAY_ADDRESS": ""}
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                              cwd=str(tmp_path))
+    errors = tmp_path / "driver.err"
+    with open(errors, "wb") as err:
+        driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=err, env=env, cwd=str(tmp_path))
     pidfds: dict[int, int] = {}
     try:
-        late = int(driver.stdout.readline())
+        line = driver.stdout.readline()
+        assert line.strip().isdigit(), errors.read_text()[-3000:]
+        late = int(line)
         reaper = sys.executable.encode() + b"\x00-m\x00pipeline.dispatch.reaper"
         names = {}
         for pid, _ in descendants(driver.pid):

@@ -169,7 +169,8 @@ def _kill(opened: dict[int, int | None], starts: dict[int, int]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    fd, sid, session_dir = int(argv[0]), int(argv[1]), None if argv[2] == "-" else argv[2]
+    fd, sid = int(argv[0]), int(argv[1])
+    session_dir = None if argv[2] == "-" else os.path.realpath(argv[2])  # as /proc names the files held in it
     given = [(int(pid), int(start)) for pid, start in (arg.split(":") for arg in argv[3:])]
     since = min((start for _, start in given), default=0)
     while os.read(fd, 1):  # blocks until the driver's end closes the pipe
