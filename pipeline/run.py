@@ -226,9 +226,9 @@ def dispatch_pending(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
     try:
         with session_start(cfg, run_dir, stop) as (early, metrics):
             if cfg.local_fleet is None and (run_dir.read_status() or {}).get("state") != "complete":
-                probe = EarlyProbe(cfg, opts.start_with_passing, tools, images)
+                probe = EarlyProbe(cfg, opts.start_with_passing, tools, images, wait=stop.wait)
             return dispatch_started(cfg, opts, run_dir, manifest, prompts, stop, lock, early, metrics, tools,
-                                    scanning.result, probe, images)
+                                    lambda: scanning.result(stop.wait), probe, images)
     finally:
         if probe is not None:
             probe.cancel()  # nothing pending, or the run stopped: the probes' answers are not needed

@@ -97,6 +97,21 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def wait_gone(pidfds: dict[int, int], timeout: float) -> list[int]:
+    """Wait until every process (pid: its pidfd, readable once it has exited) is gone, or `timeout` passes; the
+    pids still running then."""
+    import select
+
+    deadline, left = time.monotonic() + timeout, dict(pidfds)
+    while left and time.monotonic() < deadline:
+        poller = select.poll()
+        for pidfd in left.values():
+            poller.register(pidfd, select.POLLIN)
+        for pidfd, _ in poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            left = {pid: fd for pid, fd in left.items() if fd != pidfd}
+    return sorted(left)
+
+
 @contextlib.contextmanager
 def regen_running(*args: str, log: Path | None = None):
     """`regen *args` started in the background; killed on the way out if the test left it running."""

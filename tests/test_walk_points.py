@@ -1,7 +1,6 @@
 """The smaller points of issue 30's walk, each where it is cheapest to prove."""
 from __future__ import annotations
 
-import pytest
 
 import orjson
 
@@ -23,13 +22,15 @@ def test_fields_not_carried_count_the_selected_records_only(tmp_path):
 
 
 def test_the_docs_state_the_test_suites_time_as_measured():
-    """`make test` takes 20-22 minutes here and in CI; the README said about 15."""
+    """`make test` took 1,136 s in CI at the last landing, installs included; the README said about 15 minutes, then
+    20 to 22 plus installs."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     for page in (root / "README.md", root / "docs" / "getting-started.md"):
         text = " ".join(page.read_text().split())
-        assert "20 to 22 minutes here and in CI" in text and "about 15 minutes" not in text, page
+        assert "about 19 minutes in CI, installs included" in text and "1,136 s at the last landing" in text, page
+        assert "about 15 minutes" not in text and "20 to 22" not in text, page
 
 
 def test_a_refresh_and_the_engines_check_build_no_python_set_of_a_set_or_a_ledger(tmp_path, monkeypatch):
@@ -109,46 +110,80 @@ def test_an_actor_slow_to_answer_is_starting_not_down_and_not_called_unplaceable
 
 
 DRIVER = """
-import sys
+import subprocess, sys
+import ray
 from pipeline.dispatch.cluster import init_ray
 init_ray(None)
-print("up", flush=True)
+
+LAUNCH = ("import subprocess, sys; "
+          "print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], stdout=sys.stderr).pid)")
+
+
+@ray.remote(num_cpus=0)
+def start_a_process():  # started after the reaper, and no child of its worker: Ray does not end it
+    return int(subprocess.run([sys.executable, "-c", LAUNCH], stdout=subprocess.PIPE, check=True).stdout)
+
+
+print(ray.get(start_a_process.remote()), flush=True)
 sys.stdin.read()
 """
 
 
-@pytest.mark.skip(reason="unsettled: passed in a full loaded run, then once saw a cluster process alive 30 s after "
-                         "the SIGKILL when run alone; the reaper (dispatch/reaper.py) is not yet shown reliable")
 def test_an_embedded_cluster_does_not_outlive_its_sigkilled_driver(tmp_path):
     """Ray's DashboardAgent and RuntimeEnvAgent outlived a SIGKILLed driver by about a minute (they wait 60 s on the
-    dead GCS); the cluster regen started is gone within a few seconds of its driver."""
+    dead GCS); the cluster regen started is gone within a few seconds of its driver, with a process a task started
+    after the reaper did (an orphan, in the cluster's session: as a worker the dying raylet had just started). Each
+    process is held by a pidfd from the start (a reused pid or a zombie is never taken for it) and waited on until it
+    exits."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
-    from pipeline.dispatch.reaper import _alive, descendants
-    from tests.helpers import wait_for
+    from pipeline.dispatch.reaper import descendants
+    from tests.helpers import wait_gone
 
     env = {**os.environ, "RAY_ADDRESS": ""}
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                              cwd=str(tmp_path))
+    errors = tmp_path / "driver.err"
+    with open(errors, "wb") as err:
+        driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=err, env=env, cwd=str(tmp_path))
+    pidfds: dict[int, int] = {}
     try:
-        assert driver.stdout.readline() == b"up\n"
-        cluster = [(pid, start) for pid, start in descendants(driver.pid)
-                   if not open(f"/proc/{pid}/cmdline", "rb").read().startswith(
-                       sys.executable.encode() + b"\x00-m\x00pipeline.dispatch.reaper")]
-        names = b" ".join(open(f"/proc/{pid}/cmdline", "rb").read() for pid, _ in cluster)
-        assert b"ray::DashboardAgent" in names and b"ray::RuntimeEnvAgent" in names
+        line = driver.stdout.readline()
+        assert line.strip().isdigit(), errors.read_text()[-3000:]
+        late = int(line)
+        reaper = sys.executable.encode() + b"\x00-m\x00pipeline.dispatch.reaper"
+        names = {}
+        for pid, _ in descendants(driver.pid):
+            try:
+                pidfd, cmdline = os.pidfd_open(pid), open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:  # gone already (a worker that ended)
+                continue
+            if cmdline.startswith(reaper):
+                os.close(pidfd)
+            else:
+                pidfds[pid], names[pid] = pidfd, cmdline.split(b"\x00")[0]
+        assert b"ray::DashboardAgent" in names.values() and b"ray::RuntimeEnvAgent" in names.values()
+        pidfds[late], names[late] = os.pidfd_open(late), b"a process a task started"
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait()
         killed = time.monotonic()
-        wait_for(lambda: not any(_alive(pid, start) for pid, start in cluster), 30, 0.1, "the cluster's end")
-        assert time.monotonic() - killed < 10
+        left = wait_gone(pidfds, 120)  # the event: every pidfd readable (Ray's own agents take 60 s)
+        took = time.monotonic() - killed
+        assert not left, f"alive {took:.0f} s after the driver's SIGKILL: {[names[pid] for pid in left]}"
+        assert took < 20, f"the cluster took {took:.1f} s to end"
     finally:
+        for pidfd in pidfds.values():
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # a failed test leaves none of them
+            except OSError:  # gone
+                pass
+            os.close(pidfd)
         if driver.poll() is None:
             driver.kill()
+            driver.wait()
 
 
 def test_make_generate_installs_what_the_configs_local_fleet_needs(monkeypatch):

@@ -25,13 +25,17 @@ class Background(Generic[T]):
         finally:
             self._done.set()
 
-    def wait(self) -> None:
-        """Until the work is done, whatever it gave."""
+    def wait(self, wait: Callable[[threading.Event], None] | None = None) -> None:
+        """Until the work is done, whatever it gave. `wait`: how to wait for it (a caller's that obeys a signal
+        between two short waits); by default short waits too."""
+        if wait is not None:
+            wait(self._done)
+            return
         while not self._done.wait(0.1):
             pass
 
-    def result(self) -> T:
-        self.wait()
+    def result(self, wait: Callable[[threading.Event], None] | None = None) -> T:
+        self.wait(wait)
         if self._error is not None:
             raise self._error
         return self._result  # type: ignore[return-value]

@@ -47,7 +47,7 @@ def init_ray(address: str | None) -> None:
             ray.init(include_dashboard=False, logging_level=logging.WARNING)
             from .reaper import watch
 
-            watch()  # its agents would outlive a SIGKILLed driver by a minute (reaper.py)
+            watch(session_dir())  # its agents would outlive a SIGKILLed driver by a minute (reaper.py)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = was
         if saved is None:
@@ -56,16 +56,26 @@ def init_ray(address: str | None) -> None:
             os.environ[LOOPBACK_SWITCH] = saved
 
 
+def session_dir() -> str | None:
+    """The directory of the running cluster's logs and sockets (Ray's private API: None if it moved)."""
+    try:
+        from ray._private import worker
+
+        return worker._global_node.get_session_dir_path()
+    except Exception:  # noqa: BLE001 - the reaper then knows the cluster's processes of its start only
+        return None
+
+
 def join_ray(address: str | None, stop: Any) -> None:
     """init_ray under the run's signal handling: a SIGTERM while Ray starts stops the run (KeyboardInterrupt, as
     before dispatch), and the run's handlers are put back (ray.init replaces the SIGTERM one)."""
     try:
         init_ray(address)
+        stop.install()  # inside: a SIGTERM just before it is Ray's handler's SystemExit
     except SystemExit as exc:  # ray.init's own SIGTERM handler, in place while it runs
         if exc.code == signal.SIGTERM:
             raise KeyboardInterrupt from None
         raise
-    stop.install()
 
 
 class EndpointsFileWatch:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..core.config import RunConfig
 from ..core.errors import DriftError, PreflightError
@@ -54,7 +55,10 @@ class EarlyProbe:
     preflight decides and records (run.json's pins) is done by `fleet_preflight` once the run knows it has work, and
     a run with nothing pending cancels the probes (`cancel`) and never reads them."""
 
-    def __init__(self, cfg: RunConfig, start_with_passing: bool, tools: bool, images: bool = False):
+    def __init__(self, cfg: RunConfig, start_with_passing: bool, tools: bool, images: bool = False,
+                 wait: Callable[[threading.Event], None] | None = None):
+        """`wait`: how the driver waits for the probes (the run's StopFlag.wait: a signal is obeyed there)."""
+        self.wait = wait or _short_waits
         self.loop = asyncio.new_event_loop()
         api_keys = {e.label: cfg.api_key(e) for e in cfg.all_endpoints()}
         self.arguments = (cfg, api_keys, dict(announce=False, start_with_passing=start_with_passing, tools=tools,
@@ -82,8 +86,7 @@ class EarlyProbe:
 
     def __call__(self) -> list:
         """The reports, once the probes are done (a PreflightError refusing the fleet is raised here)."""
-        while not self.done.wait(0.1):  # a short wait: a signal still reaches the main thread at once
-            pass
+        self.wait(self.done)
         if self.error is not None:
             raise self.error
         return self.reports
@@ -94,6 +97,11 @@ class EarlyProbe:
                 self.loop.call_soon_threadsafe(lambda: self.task is not None and self.task.cancel())
             except RuntimeError:  # the loop closed meanwhile: the probes are done
                 pass
+
+
+def _short_waits(done: threading.Event) -> None:
+    while not done.wait(0.1):  # a short wait: a signal still reaches the main thread at once
+        pass
 
 
 def fleet_preflight(cfg: RunConfig, run_dir: RunDir, start_with_passing: bool = False,

@@ -24,6 +24,7 @@ from ..core.errors import (  # noqa: F401 (RETRYABLE_STATUS: named here before i
     RETRYABLE_STATUS, ConnectionDropped, ContractError, EndpointDown, EndpointFatal, RequestError, Retryable,
     TerminalForPrompt, Unexpected,
 )
+from .lookups import resolver
 from .engines import OpenAIAdapter, Sampling, error_texts
 from .toolcalls import ToolCallFragments, tool_calls_of
 
@@ -372,7 +373,8 @@ class EndpointClient:
         if self._http is None:
             headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
             # no connection cap of aiohttp's own (100): the worker's concurrency bounds the requests
-            self._http = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
+            self._http = aiohttp.ClientSession(headers=headers,  # lookups that never hold a stopped driver
+                                               connector=aiohttp.TCPConnector(limit=0, resolver=resolver()))
         return self._http
 
     async def healthy(self) -> bool:
