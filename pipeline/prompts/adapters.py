@@ -17,6 +17,7 @@ from .image_records import image_fields, record_images, with_images
 from .records import InvalidRecord, RejectCode, Tally
 from .schema_dialect import checked_tools, looks_like_tools
 from .tool_calls import drop_arrow_nulls, normalise_tools
+from .transcript import looks_like_transcript
 from .toolformats import CALL_ROLES, RESULT_ROLES, expand, hermes_tools, is_hermes, role_of
 
 if TYPE_CHECKING:
@@ -52,13 +53,16 @@ def to_conversation(spec: "SourceSpec", data: Any, tally: Tally) -> tuple[list[d
                                         tools_keys=tools_keys(spec))
     elif spec.format == "alpaca":
         messages, tools = _alpaca(data, field), _named_tools(spec, data, tally)
+        _transcript(data, field, tally)
     elif spec.format == "prompt":
         messages, tools = _prompt(data, field), _named_tools(spec, data, tally)
+        _transcript(data, field, tally)
     elif spec.format == "input_output":
         messages, tools = _input_output(data, field, tally, arrow=spec.kind in ARROW_KINDS,
                                         tools_keys=tools_keys(spec))
     elif spec.format == "question_answer":
         messages, tools = _question_answer(data, field), _named_tools(spec, data, tally)
+        _transcript(data, field, tally)
     else:
         raise ConfigError(f"source {spec.name!r}: unknown format {spec.format!r}")
     images = record_images(spec, data)
@@ -73,6 +77,13 @@ def to_conversation(spec: "SourceSpec", data: Any, tally: Tally) -> tuple[list[d
             if looks_like_tools(data[key]):  # only for a field not carried: a few checks, then usually out
                 tally.tool_like[key] = tally.tool_like.get(key, 0) + 1
     return messages, tools
+
+
+def _transcript(data: dict, field: str, tally: Tally) -> None:
+    """A one-prompt format's field whose text is a whole conversation: counted by field, sent as it stands
+    (transcript.py; cheap first, and never run for the formats of messages)."""
+    if looks_like_transcript(data[field]):
+        tally.transcripts[field] = 1
 
 
 def at_path(data: dict, path: str) -> dict:

@@ -18,9 +18,10 @@ from .presets import Preset, recognise
 from .prompt_set import image_folder, normalise_record
 from .errors import NoValidPrompts, SourceError, TruncatedSource
 from .records import InvalidRecord, RawRecord, Reject, Tally
-from .report import SourceReport, uncarried_tools_line
+from .report import SourceReport, transcript_line, uncarried_tools_line
 from .schema_dialect import SCHEMA_KINDS
 from .sources import BOM, ReadStats, SourceSpec, read_file, read_records, resolve_files
+from .transcript import transcript_markers
 
 PROBE_RECORDS = 20
 
@@ -45,6 +46,8 @@ class Probe:
     tool_like: Counter = field(default_factory=Counter)  # fields not carried that look like tool schemas -> records
     schemas: Counter = field(default_factory=Counter)  # tool schemas not JSON Schema (schema_dialect.py), by kind
     uncarried: Counter = field(default_factory=Counter)  # fields of the valid records not carried, by name
+    transcripts: Counter = field(default_factory=Counter)  # one-prompt fields holding a whole conversation -> records
+    markers: dict[str, tuple[str, str]] = field(default_factory=dict)  # such a field -> the markers first seen
 
     def lines(self) -> list[str]:
         seen = "; ".join(f"{name}: {what}" for name, what in self.containers.items()) or "nothing"
@@ -126,6 +129,9 @@ class _Checker:
                     probe.images.update(tally.images)
                     probe.tool_like.update(tally.tool_like)
                     probe.uncarried.update(tally.uncarried)
+                    probe.transcripts.update(tally.transcripts)
+                    for key in tally.transcripts:
+                        probe.markers.setdefault(key, transcript_markers(rec.data.get(key)))
                     probe.schemas.update({k: n for k, n in tally.tools.items() if k in SCHEMA_KINDS})
                 return True
             except InvalidRecord as exc:
@@ -174,6 +180,8 @@ def _check(probe: Probe) -> None:
     for key, n in sorted(probe.tool_like.items()):
         probe.warnings.append(uncarried_tools_line(spec.name, key, n) + "; regen generate refuses the source until "
                               "one is said")
+    for key, n in sorted(probe.transcripts.items()):
+        probe.warnings.append(transcript_line(key, n, probe.markers.get(key), "of the first records"))
     if probe.schemas:
         counted = ", ".join(f"{kind} {n}" for kind, n in sorted(probe.schemas.items()))
         mapped = probe.schemas.get("schemas_mapped_from_bfcl")

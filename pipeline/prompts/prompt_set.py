@@ -41,7 +41,8 @@ class Prompt:
     source_ref: str | None = None
     tools: tuple[dict[str, Any], ...] | None = None  # the OpenAI `tools` list the prompt is sent with; None: none
     reference_tool_calls: str | None = None  # the calls of that final step (canonical JSON), when it made any
-    # what its record did not carry (Tally.uncarried, .tool_like as ("tools:KEY", n)): counted once it is selected
+    # what its record did not carry (Tally.uncarried, .tool_like as ("tools:KEY", n)) and its fields that are whole
+    # transcripts (.transcripts as ("transcript:KEY", n)): counted once it is selected
     uncarried: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
 
@@ -113,18 +114,21 @@ def _decode(blob: bytes) -> Prompt:
 
 
 TOOL_LIKE = "tools:"  # Prompt.uncarried: a field not carried that looks like tool schemas
+TRANSCRIPT = "transcript:"  # Prompt.uncarried: a one-prompt field whose text is a whole conversation
 
 
 def _uncarried(tally: Tally) -> tuple[tuple[str, int], ...]:
     """What the record did not carry, taken out of its tally: counted when the prompt is selected (`_selected`)."""
-    out = tuple(tally.uncarried.items()) + tuple((TOOL_LIKE + key, n) for key, n in tally.tool_like.items())
-    tally.uncarried, tally.tool_like = {}, {}
+    out = (tuple(tally.uncarried.items()) + tuple((TOOL_LIKE + key, n) for key, n in tally.tool_like.items())
+           + tuple((TRANSCRIPT + key, n) for key, n in tally.transcripts.items()))
+    tally.uncarried, tally.tool_like, tally.transcripts = {}, {}, {}
     return out
 
 
 def _selected(report: SourceReport, prompt: Prompt) -> None:
     for name, n in prompt.uncarried:
         target, key = ((report.uncarried_tools, name[len(TOOL_LIKE):]) if name.startswith(TOOL_LIKE)
+                       else (report.transcript_in_one_message, name[len(TRANSCRIPT):]) if name.startswith(TRANSCRIPT)
                        else (report.uncarried, name))
         target[key] = target.get(key, 0) + n
 
@@ -219,7 +223,7 @@ def _read_source(spec: SourceSpec, mode: str, report: SourceReport, sink: Prompt
             sink.add_reject(Reject(spec.name, rec.origin, reason, _raw_text(rec.data), e.code.value))
             continue
         report.valid += 1
-        uncarried = _uncarried(tally) if tally.uncarried or tally.tool_like else ()
+        uncarried = _uncarried(tally) if tally.uncarried or tally.tool_like or tally.transcripts else ()
         report.count(tally)
         pid = prompt_id(norm.messages, mode, norm.tools)
         if pid in seen:

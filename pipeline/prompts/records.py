@@ -94,6 +94,8 @@ class Tally:
     images: dict[str, int] = field(default_factory=dict)
     # top-level fields not carried that look like tool schemas (schema_dialect.py looks_like_tools), by name
     tool_like: dict[str, int] = field(default_factory=dict)
+    # one-prompt fields whose text reads as a whole conversation (transcript.py looks_like_transcript), by name
+    transcripts: dict[str, int] = field(default_factory=dict)
 
     def drop(self, kind: str, n: int = 1) -> None:
         self.dropped[kind] = self.dropped.get(kind, 0) + n

@@ -41,6 +41,9 @@ class SourceReport:
     # fields not carried that look like tool schemas (a list of objects with `name` and `parameters`) -> records:
     # validate warns, generate refuses (name it `tools_field`, or `ignore_fields`)
     uncarried_tools: dict[str, int] = field(default_factory=dict)
+    # one-prompt fields whose text reads as a whole conversation (prompts/transcript.py) -> prompts: sent as one user
+    # message as it stands, counted (`transcript_in_one_message`); validate warns, status and generate's log say it
+    transcript_in_one_message: dict[str, int] = field(default_factory=dict)
 
     def reject(self, code: str, reason: str) -> None:
         self.rejected_by_reason[code] = self.rejected_by_reason.get(code, 0) + 1
@@ -90,6 +93,8 @@ def report_lines(reports: list[dict[str, Any]], indent: str = "  ") -> list[str]
         lines.append(line)
         for key, n in sorted(r.uncarried_tools.items()):
             lines.append(f"{indent}  {uncarried_tools_line(r.name, key, n)}")
+        for key, n in sorted(r.transcript_in_one_message.items()):
+            lines.append(f"{indent}  {transcript_line(key, n)}")
         for cut in r.cuts:
             lines.append(f"{indent}  salvaged {cut['file']}: {cut['problem']}; kept {cut['records_kept']:,} "
                          f"records up to byte {cut['offset']:,}, " + (
@@ -131,3 +136,13 @@ def uncarried_tools_line(source: str, key: str, records: int) -> str:
             f"`parameters`) and is not carried: the run would send these prompts without those tools. Name it "
             f"`tools_field: {key}` in the source spec of {source!r} to send them, or `ignore_fields: [{key}]` to run "
             "without them")
+
+
+def transcript_line(key: str, prompts: int, markers: tuple[str, str] | None = None, of: str = "prompts") -> str:
+    """A one-prompt field whose text is a whole conversation (prompts/transcript.py), in `prompts` of them."""
+    shown = (f"lines beginning {markers[0]!r} and {markers[1]!r}" if markers else
+             "lines beginning with a user's and an assistant's role marker")
+    return (f"transcript_in_one_message: the field {key!r} of {prompts:,} {of} reads as a whole conversation "
+            f"({shown}); regen does not split such text into turns and sends each as one user message, as it "
+            "stands. To send them as conversations, convert the records to messages (format openai or sharegpt) "
+            "first (docs/sources.md, section A conversation in one prompt text)")
