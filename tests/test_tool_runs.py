@@ -171,13 +171,30 @@ def test_exports_status_and_card_of_a_tool_run(records, tmp_path, capsys):
     assert print_status(run.path, as_json=True) == 0
     status = orjson.loads(capsys.readouterr().out)
     flagged = [r for r in rows if "spliced_other_arguments" in r["flags"]]
-    assert status["tools"] == {"prompts_with_tools": 3, "records_with_calls": 4, "calls": 4,
+    assert status["tools"] == {"prompts_with_tools": 3, "prompts_in_set_with_tools": None, "records_with_calls": 4,
+                               "calls": 4,
                                "cut_short": {"other_tool": 1, "answered": 1},
                                "spliced_other_arguments": {"conversations": len({r["prompt_id"] for r in flagged}),
                                                            "records": len(flagged)},
                                "arguments_not_object": 0, "truncated_call": 0}
     card = write_card(run.path).read_bytes().decode()
-    assert "- prompts sent with tools: 3" in card and "cut short: 2 — " in card
+    assert "- 3 prompts with committed records sent with tools\n" in card and "cut short: 2 — " in card
+
+
+def test_status_counts_the_tool_prompts_of_the_set_beside_those_with_records(records, tmp_path, capsys):
+    """Walk of issue 31: "tools: 21 prompts sent with tools" counted only the prompts with records, while all 36 of
+    the set were sent (15 failed with a 400, leaving no record). The figure says what it counts, and the set's."""
+    rows = [r for pid in ("aaaa0001", "bbbb0002", "dddd0004") for r in records[pid]]  # cccc0003: no record
+    run = make_tool_run(tmp_path / "run", [rows], model=MODEL)
+    run.write_prompt_set(prompt_table(), pa.table({"reason": pa.array([], pa.string())}))
+    assert print_status(run.path) == 0
+    said = capsys.readouterr().out
+    assert "tools: 2 prompts with committed records sent with tools, of 3 in the prompt set that carry tools;" in said
+    assert print_status(run.path, as_json=True) == 0
+    tools = orjson.loads(capsys.readouterr().out)["tools"]
+    assert (tools["prompts_with_tools"], tools["prompts_in_set_with_tools"]) == (2, 3)
+    card = write_card(run.path).read_bytes().decode()
+    assert "- 2 prompts with committed records sent with tools, of 3 in the prompt set that carry tools" in card
 
 
 def test_regen_generate_all_turns_on_the_tool_sample_commits_whole_spliced_conversations(tmp_path, ray_cluster):

@@ -314,10 +314,10 @@ def _goodput_lines(run_dir: RunDir, contents: RunContents) -> list[str]:
 
 
 def _tool_lines(counts: ToolCounts | None) -> list[str]:
-    if counts is None or not (counts.prompts_with_tools or counts.calls):
+    if counts is None or not counts.any():
         return []
     lines = ["## Tool calls", "",
-             f"- prompts sent with tools: {len(counts.prompts_with_tools)}",
+             f"- {counts.prompts_line()}",
              f"- the target's tool calls: {counts.calls}, in {counts.records_with_calls} records "
              "(each tool-calling step is a record)",
              f"- all_turns conversations cut short: {sum(counts.cut_short.values())}"

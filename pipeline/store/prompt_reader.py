@@ -167,22 +167,28 @@ class PromptSetReader:
             yield start, self.read_group(group, present)
 
     def has_tools(self) -> bool:
-        """Some prompt has tools (a set written before tool calls has no such column: none has). Told by the footer's
+        """Some prompt has tools (a set written before tool calls has no such column: none has)."""
+        return self.tool_prompts(first=True) > 0
+
+    def tool_prompts(self, first: bool = False) -> int:
+        """The prompts that have tools (`first`: stop at the first row group holding one). Told by the footer's
         statistics of each row group, read only where they are missing."""
         if "tools" not in self.schema.names:
-            return False
+            return 0
         meta = self._retry("footer", lambda f: f.metadata)
+        found = 0
         for group in range(meta.num_row_groups):
             row_group = meta.row_group(group)
             leaf = next(row_group.column(k) for k in range(row_group.num_columns)
                         if row_group.column(k).path_in_schema == "tools")
             stats = leaf.statistics  # the footer's null count: no column read, where the writer kept it
             if stats is not None and stats.has_null_count:
-                if stats.null_count < row_group.num_rows:
-                    return True
-            elif self.read_group(group, ["tools"]).column(0).null_count < row_group.num_rows:
-                return True
-        return False
+                found += row_group.num_rows - stats.null_count
+            else:
+                found += row_group.num_rows - self.read_group(group, ["tools"]).column(0).null_count
+            if first and found:
+                break
+        return found
 
     def id_array(self) -> pa.Array:
         """The prompt ids, in file order, as one Arrow array (a few bytes a prompt; no Python object per prompt)."""

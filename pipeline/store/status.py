@@ -116,7 +116,7 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
               f"pending {images['pending']}")
     for line in report_lines(sources) + [f"  {line}" for line in files]:
         print(line)
-    if tools is not None and (tools.prompts_with_tools or tools.calls):
+    if tools is not None and tools.any():
         print(f"  {tools.summary()}")
     if not sources and counts["total"]:
         print("  (no source report: the prompt set was built by an older regen)")

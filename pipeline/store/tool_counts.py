@@ -21,7 +21,8 @@ SPLICED, NOT_OBJECT, CUT_CALL = "spliced_other_arguments", "arguments_not_object
 
 @dataclass
 class ToolCounts:
-    prompts_with_tools: set[str] = field(default_factory=set)
+    prompts_with_tools: set[str] = field(default_factory=set)  # of the prompts with committed records
+    in_set: int | None = None  # the prompt set's prompts that carry tools (sent, failed or pending); None: unknown
     records_with_calls: int = 0  # the target's generations that called at least one tool
     calls: int = 0  # the target's calls, parallel calls counted one by one
     cut_short: Counter = field(default_factory=Counter)  # conversation_end reason -> conversations
@@ -48,15 +49,26 @@ class ToolCounts:
                     self.spliced_conversations.add(key[0])
 
     def as_dict(self) -> dict[str, Any]:
-        return {"prompts_with_tools": len(self.prompts_with_tools), "records_with_calls": self.records_with_calls,
+        return {"prompts_with_tools": len(self.prompts_with_tools), "prompts_in_set_with_tools": self.in_set,
+                "records_with_calls": self.records_with_calls,
                 "calls": self.calls, "cut_short": dict(self.cut_short.most_common()),
                 SPLICED: {"conversations": len(self.spliced_conversations), "records": self.flagged[SPLICED]},
                 NOT_OBJECT: self.flagged[NOT_OBJECT], CUT_CALL: self.flagged[CUT_CALL]}
 
+    def any(self) -> bool:
+        """Something to say: a prompt with tools in the set or the records, or a call."""
+        return bool(self.prompts_with_tools or self.calls or self.in_set)
+
     def summary(self) -> str:
         cut = ", ".join(f"{reason} {n}" for reason, n in self.cut_short.most_common()) or "none"
-        return (f"tools: {len(self.prompts_with_tools)} prompts sent with tools; the target made {self.calls} calls "
-                f"in {self.records_with_calls} records; conversations cut short: {cut}; {self.flags_text()}")
+        return (f"tools: {self.prompts_line()}; the target made {self.calls} calls in {self.records_with_calls} "
+                f"records; conversations cut short: {cut}; {self.flags_text()}")
+
+    def prompts_line(self) -> str:
+        """The prompts with tools: those with committed records are counted from the records, the set's from the
+        prompt set (a prompt that failed or is pending has no record to count)."""
+        recorded = f"{len(self.prompts_with_tools)} prompts with committed records sent with tools"
+        return recorded if self.in_set is None else f"{recorded}, of {self.in_set} in the prompt set that carry tools"
 
     def flags_text(self) -> str:
         return flag_line(len(self.spliced_conversations), self.flagged[SPLICED], self.flagged[NOT_OBJECT],
@@ -103,7 +115,8 @@ class SessionToolNotes:
 
 
 def tool_counts(run_dir: RunDir) -> ToolCounts | None:
-    """None when no committed part has the tool columns (a run of records schema < 5)."""
+    """None when no committed part has the tool columns (a run of records schema < 5). `in_set`: from the footer of
+    the prompt set run.json pins."""
     counts, found = ToolCounts(), False
     for part in run_dir.parts(run_dir.data):
         present = set(part.parquet_schema().names)
@@ -112,4 +125,8 @@ def tool_counts(run_dir: RunDir) -> ToolCounts | None:
         found = True
         for row in part.read_parquet(columns=[c for c in TOOL_COLUMNS if c in present]).to_pylist():
             counts.add(row)
-    return counts if found else None
+    if not found:
+        return None
+    prompts = run_dir.prompt_set_reader(run_dir.read_manifest().get("prompt_set_version"))
+    counts.in_set = prompts.tool_prompts() if prompts is not None else None
+    return counts
