@@ -106,5 +106,8 @@ def test_the_end_line_names_a_server_refused_throughout(tmp_path, ray_cluster):
         for server in servers:
             server.stop()
     assert result.returncode == 0, result.stderr[-3000:]
-    last = (tmp_path / "out" / "t" / "logs" / "regen.log").read_text().splitlines()[-1]
+    said = (tmp_path / "out" / "t" / "logs" / "regen.log").read_text()
+    assert ("dispatch: 6 prompts to 1 of 2 endpoints; 1 held out by the preflight, joining once it passes: emu-1 "
+            "(refused)") in said
+    last = said.splitlines()[-1]
     assert "is complete: 6 records" in last and "emu-1 refused by the preflight throughout (held out: no work)" in last

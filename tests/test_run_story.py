@@ -127,7 +127,8 @@ def test_the_sessions_rates_count_from_the_start_of_the_dispatch_not_ray_startin
 
     started = next(i for i, line in enumerate(story.log) if " regen: dispatch: " in line)
     ended = next(line for line in story.log[started:] if "run ended (exit 0)" in line)
-    assert f"dispatch: {PROMPTS} prompts to 4 endpoints" in story.log[started]
+    assert (f"dispatch: {PROMPTS} prompts to 3 of 4 endpoints; 1 held out by the preflight, joining once it "
+            "passes: emu-3 (unreachable)") in story.log[started]  # emu-3 is down at the preflight
     elapsed = orjson.loads((story.run / "status.json").read_bytes())["this_session"]["elapsed_s"]
     assert elapsed <= (when(ended) - when(story.log[started])).total_seconds() + 1.0, (elapsed, story.log[started])
 

@@ -153,8 +153,9 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
     committer.on_committed = functools.partial(progress.committed, whole_conversations=cfg.mode == "all_turns")
     committer.on_failures_committed = progress.failures_committed
     committer.footer = functools.partial(part_footer, whole_conversations=cfg.mode == "all_turns")
-    log.info("dispatch: %d %s to %d endpoints", len(pending), "prompts" if cfg.samples_per_prompt == 1 else
-             f"samples ({cfg.samples_per_prompt} per prompt)", len(dispatcher.slots))
+    log.info("%s", dispatch_line(len(pending), "prompts" if cfg.samples_per_prompt == 1 else
+                                 f"samples ({cfg.samples_per_prompt} per prompt)", list(dispatcher.slots),
+                                 fleet.unreachable, fleet.refused))
     progress.begin()
     try:
         dispatcher.run()
@@ -175,3 +176,15 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
                       "fleet_changes": dispatcher.fleet_changes, "held_out": sorted(dispatcher.refused),
                       "prompt_groups_read": builder.reader.groups_read if builder.reader is not None else 0}
     return "interrupted" if stop() else "complete"
+
+
+def dispatch_line(count: int, unit: str, endpoints: list[str], unreachable: Any, refused: Any) -> str:
+    """The session's first dispatch line: how many endpoints take work now, and the ones the preflight holds out
+    (unreachable, or refused under --start-with-passing) until they pass it."""
+    held = [label for label in endpoints if label in unreachable or label in refused]
+    if not held:
+        return f"dispatch: {count} {unit} to {len(endpoints)} endpoints"
+    why = ", ".join(f"{label} ({'unreachable' if label in unreachable else 'refused'})" for label in held)
+    return (f"dispatch: {count} {unit} to {len(endpoints) - len(held)} of {len(endpoints)} endpoints; "
+            f"{len(held)} held out by the preflight, joining once {'it passes' if len(held) == 1 else 'they pass'}: "
+            f"{why}")
