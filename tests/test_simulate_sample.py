@@ -30,3 +30,18 @@ def test_the_first_line_counts_prompts_and_samples_apart():
     assert line.startswith("sampled 200 of 300 prompts (400 samples, 2 per prompt), 150 of them sent with their "
                            "tools;")
     assert Prediction(300, 200, 1.0, 10.0, 5, 1).table().startswith("sampled 200 of 300 prompts;")
+
+
+def test_the_last_line_names_the_tool_call_parser_among_what_the_preflight_checks(tmp_path):
+    """Walk of issue 31: the line listed "(model, weights, context, reasoning parser)", without the tool-call parser
+    the preflight checks for a prompt set with tools (and the image input for one with images)."""
+    from pipeline.tools.simulate import emulated_only
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"run_name": "sim", "model": "m", "sources": [{"spec": str(SAMPLE_TOOLS)}],
+                                      "endpoints": [{"url": "http://10.0.0.7:30000", "name": "node-a"}]}))
+    line = emulated_only(str(config), 2)
+    assert "none of the config's real endpoints (node-a) was contacted or checked" in line
+    assert (f"`regen preflight {config}` checks them (model, weights, context, reasoning parser, the tool-call "
+            "parser for prompts with tools, image input for prompts with images, the server's batch) without "
+            "sending a prompt") in line

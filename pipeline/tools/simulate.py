@@ -207,5 +207,5 @@ def emulated_only(config: str, endpoints: int) -> str:
     named = ", ".join(real[:4]) + (f" and {len(real) - 4} more" if len(real) > 4 else "")
     return (f"this ran against {endpoints} emulated SGLang endpoint{'s' if endpoints != 1 else ''} on 127.0.0.1, "
             f"serving {cfg.model}: none of the config's real endpoints ({named}) was contacted or checked. "
-            f"`regen preflight {config}` checks them (model, weights, context, reasoning parser) without sending a "
-            "prompt")
+            f"`regen preflight {config}` checks them (model, weights, context, reasoning parser, the tool-call parser "
+            "for prompts with tools, image input for prompts with images, the server's batch) without sending a prompt")
