@@ -5,10 +5,10 @@ output token.
 The worker keeps `concurrency_cap` coroutines; each holds a permit of the gate while it works, so at most `limit`
 run. The poll reads the server's limits at start, after each recovery and every minute (a restart may bring a
 smaller pool or another data-parallel size: the controller restarts slowly from them), and its gauges every
-`interval_s / 10` while the limit ramps up (each raise waits for a reading that shows it) and every `interval_s / 2`
-after. While
-the circuit is not healthy nothing changes: the breaker owns the endpoint then. Hedged duplicates and prefix
-affinity change which prompts come, not how many run: the gate counts requests, whatever they are.
+`interval_s / 10` while the limit ramps up (each raise waits for a reading that shows it) and every
+`interval_s / 2` after. While the circuit is not healthy nothing changes: the breaker owns the endpoint then.
+Hedged duplicates and prefix affinity change which prompts come, not how many run: the gate counts requests,
+whatever they are.
 """
 from __future__ import annotations
 
@@ -78,6 +78,8 @@ class AutoLimit:
 
     def start(self, healthy: Callable[[], bool], in_flight: Callable[[], int]) -> None:
         if self._task is None:
+            self._t0 = time.monotonic()     # settle times count from the first work, not the actor start
+            self.ctl.begin(self._t0)
             self._task = asyncio.create_task(self._poll(healthy, in_flight))
 
     async def _poll(self, healthy: Callable[[], bool], in_flight: Callable[[], int]) -> None:

@@ -16,12 +16,13 @@ The rules with gauges:
   running (nearly) all of it with no waiting queue, so it climbs at the pace of the gauges' refresh, not of a
   fixed interval.
 - **Cut**: a retraction (the KV pool is full) or a waiting queue longer than `queue_target` in two readings in a
-  row (in one alone it may be a burst of arrivals between two scheduler steps) cuts the limit to what the server runs (never below `floor`) and ends the ramp. The limit it cut from is remembered (`too_many`).
+  row (in one alone it may be a burst of arrivals between two scheduler steps) cuts the limit to what the server
+  runs (never below `floor`) and ends the ramp. The limit it cut from is remembered (`too_many`).
 - **After a cut**: while the server keeps up, the limit grows each interval by half its distance to one below
-  `too_many` and holds there; after `HOLDS` intervals it tries `too_many` once more (a probe). A probe that is cut goes back to the held
-  limit and doubles the hold (up to `MAX_HOLDS` intervals); a probe that holds for an interval forgets `too_many`
-  (the server takes more now) and the limit grows by 5% an interval. So it settles instead of oscillating around
-  the server's limit.
+  `too_many` and holds there; after `HOLDS` intervals it tries `too_many` once more (a probe). A probe that is cut
+  goes back to the held limit and doubles the hold (up to `MAX_HOLDS` intervals); a probe that holds for an
+  interval forgets `too_many` (the server takes more now) and the limit grows by 5% an interval. So it settles
+  instead of oscillating around the server's limit.
 Never above `cap` (the user's), the server's batch plus a headroom, nor its batch plus its `max_queued_requests`
 (503s past it). `reset` re-starts it from the limits of a restarted server (a smaller pool, another data-parallel
 size). `settled_at` is when the limit last entered the band of ±`SETTLE_BAND` around its current value and stayed.
@@ -70,6 +71,11 @@ class AutoConcurrency:
         self._set(min(self.limit, self.start), now, "server restarted")
         self.before = 0                            # no raise to confirm: the new server's first reading will do
         return self.limit
+
+    def begin(self, now: float) -> None:
+        """The first request goes now: the clock of `changed_at` and `settled_at` starts here."""
+        self.changed_at = now
+        self.changes[0] = (now, self.limit)
 
     @property
     def ceiling(self) -> int:
