@@ -195,6 +195,35 @@ def test_curve_batch_throughput_rises_flattens_and_retracts():
     assert retracted > 0
 
 
+def test_emulator_gauges_count_as_waiting_only_what_its_batch_could_not_admit(monkeypatch):
+    """SGLang logs its gauges after a decode batch, once the iteration has admitted what fits: arrivals it could
+    admit are never counted as waiting, however late its loop runs (a starved emulator counted them, and `auto`
+    cut the large server's limit on that queue)."""
+    from types import SimpleNamespace
+
+    import pipeline.emulator.batch as batch_module
+
+    clock = [0.0]
+    monkeypatch.setattr(batch_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    async def scenario() -> tuple:
+        batch = Batch(0.001, 8, 10**6, 256, log_interval=1)
+        tasks = [asyncio.ensure_future(batch.run(20, 20, 10_000, 10_000, None))]
+        while len(batch.running) < 1:
+            await asyncio.sleep(0)
+        clock[0] += 1.0                              # 1,000 steps pass before the loop next runs
+        tasks += [asyncio.ensure_future(batch.run(20, 20, 10_000, 10_000, None)) for _ in range(10)]
+        while len(batch.running) < 11:
+            await asyncio.sleep(0)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        batch.close()
+        return batch.gauges[:2]
+
+    assert asyncio.run(scenario()) == (11, 0)
+
+
 def test_limits_gauges_and_the_preflight_line():
     info = {"max_running_requests": None, "dp_size": 2, "max_total_num_tokens": 900_000, "max_queued_requests": None,
             "internal_states": [{"effective_max_running_requests_per_dp": 256}, {}]}
