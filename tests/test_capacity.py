@@ -82,6 +82,90 @@ def test_gauges_that_predate_a_change_are_not_acted_on():
     assert ctl.on_gauges(Gauges(8, 50, 0, at=5.0), grown, 9.0) == grown
 
 
+def test_the_ramp_doubles_as_soon_as_the_gauges_show_the_raise_not_once_an_interval():
+    """Readings every 0.25 s that show the server running all it is sent: 8 -> 160 in well under one 2.5 s
+    interval per doubling, never more than doubling at once."""
+    ctl = AutoConcurrency(cap=1000, limits=Limits(max_running=160), start=8, interval_s=2.5)
+    seen, t = [8], 0.0
+    while t < 3.0:
+        t += 0.25
+        seen.append(ctl.on_gauges(FakeServer(160).gauges(ctl.limit, t), ctl.limit, t))
+    assert seen[-1] >= 160
+    assert all(b <= 2 * a for a, b in zip(seen, seen[1:]))
+
+
+def test_the_ramp_waits_for_a_reading_that_shows_the_raise():
+    """Lagging gauges: readings still showing the batch from before a raise change nothing; the first one in which
+    the server runs more than the old limit allows the next doubling, before the interval has passed."""
+    ctl = AutoConcurrency(cap=1000, limits=Limits(max_running=500), start=8, interval_s=2.5)
+    assert ctl.on_gauges(Gauges(8, 0, 0, at=2.5), 8, 2.5) == 16       # the first raise: an aged reading
+    for t in (2.75, 3.0, 3.25):                                         # snapshots from before it: 8 running
+        assert ctl.on_gauges(Gauges(8, 0, 0, at=t), 16, t) == 16
+    assert ctl.on_gauges(Gauges(16, 0, 0, at=3.5), 16, 3.5) == 32      # 1 s after the raise, not 2.5
+
+
+def test_a_retraction_while_ramping_ends_the_ramp_at_once():
+    """Ramping up, the limit has only risen: a retraction in the next reading cuts it without waiting an interval."""
+    ctl = AutoConcurrency(cap=1000, limits=Limits(max_running=500), start=8, interval_s=2.5)
+    ctl.on_gauges(Gauges(8, 0, 0, at=2.5), 8, 2.5)
+    ctl.on_gauges(Gauges(16, 0, 0, at=3.0), 16, 3.0)
+    assert ctl.limit == 32
+    assert ctl.on_gauges(Gauges(20, 0, 3, at=3.25), 32, 3.25) == 20
+    assert not ctl.slow_start and ctl.reason == "retractions"
+
+
+def test_a_queue_in_one_reading_alone_is_no_cut():
+    """A snapshot taken while a burst of arrivals waits for the next scheduler step shows a queue once; the limit
+    is cut only when the next reading shows it still."""
+    ctl = AutoConcurrency(cap=1000, limits=Limits(max_running=160), start=168, interval_s=2.5)
+    assert ctl.on_gauges(Gauges(109, 35, 0, at=3.0), 168, 3.0) == 168
+    assert ctl.on_gauges(Gauges(160, 8, 0, at=4.0), 168, 4.0) == 168      # gone: it was a burst
+    assert ctl.on_gauges(Gauges(120, 40, 0, at=5.0), 168, 5.0) == 168
+    assert ctl.on_gauges(Gauges(118, 42, 0, at=6.0), 168, 6.0) < 168      # twice in a row: a queue
+    assert ctl.reason == "server queue"
+
+
+def test_after_a_cut_auto_holds_below_the_limit_that_was_cut_instead_of_oscillating():
+    """A pool that holds 24 requests (more retract): after its first cut the limit climbs back to just below the
+    limit the cut came from and stays there, trying that limit again rarely (4, then 8, then 16 intervals)."""
+    ctl = AutoConcurrency(cap=1000, limits=Limits(max_running=48), start=8, interval_s=2.5)
+    server = FakeServer(48, admits=24)
+    seen: list[int] = []
+    t = drive(ctl, server, 0.0, 100, seen)
+    changes = len(ctl.changes)
+    tail: list[int] = []
+    drive(ctl, server, t, 200, tail)
+    assert len(ctl.changes) - changes <= 12          # a probe and its cut every 40 s at most
+    assert max(tail) <= 25 and sum(v <= 24 for v in tail) >= 0.9 * len(tail)
+    assert min(tail) >= 20
+
+
+def test_a_held_limit_grows_again_once_a_probe_holds():
+    """The held limit is no ceiling: held below a pool of 24, once the pool holds more (a long run's prompts get
+    shorter) the next probe holds and the limit grows past the old cut."""
+    ctl = AutoConcurrency(cap=1000, limits=Limits(max_running=96), start=8, interval_s=2.5)
+    server = FakeServer(96, admits=24)
+    seen: list[int] = []
+    t = drive(ctl, server, 0.0, 100, seen)
+    held = seen[30:]                                 # held at 24, trying 25 rarely, not climbing past the pool
+    assert max(held) <= 25 and sum(v <= 24 for v in held) >= 0.85 * len(held)
+    server.admits = 64
+    drive(ctl, server, t, 200, seen)
+    assert 56 <= ctl.limit <= 65                     # 64, or a probe of 65
+
+
+def test_settled_is_when_the_limit_entered_its_final_band_not_its_last_probe():
+    """Probes within 10% of the held limit do not move the settle time; a cut out of the band does."""
+    ctl = AutoConcurrency(cap=1000, limits=Limits(max_running=48), start=8, interval_s=2.5)
+    server = FakeServer(48, admits=24)
+    seen: list[int] = []
+    drive(ctl, server, 0.0, 300, seen)
+    last_change = ctl.changes[-1][0]
+    assert ctl.settled_at is not None and ctl.settled_at < 60 < last_change
+    ctl.on_gauges(Gauges(10, 0, server.retracted + 1, at=400.0), 24, 400.0)   # the pool shrank: a real cut
+    assert ctl.settled_at == 400.0
+
+
 def test_latency_mode_settles_past_the_knee():
     """No gauges: the time per token grows past the knee (the emulator's curve); the limit settles near it."""
     knee, step = 32, 0.02
@@ -109,6 +193,35 @@ def test_curve_batch_throughput_rises_flattens_and_retracts():
     assert big > knee * 2.5                          # compute-bound: 4x the batch, ~4x the time
     _, retracted = asyncio.run(run(Batch(0.002, 8, 1200, 256), 32, 50))
     assert retracted > 0
+
+
+def test_emulator_gauges_count_as_waiting_only_what_its_batch_could_not_admit(monkeypatch):
+    """SGLang logs its gauges after a decode batch, once the iteration has admitted what fits: arrivals it could
+    admit are never counted as waiting, however late its loop runs (a starved emulator counted them, and `auto`
+    cut the large server's limit on that queue)."""
+    from types import SimpleNamespace
+
+    import pipeline.emulator.batch as batch_module
+
+    clock = [0.0]
+    monkeypatch.setattr(batch_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    async def scenario() -> tuple:
+        batch = Batch(0.001, 8, 10**6, 256, log_interval=1)
+        tasks = [asyncio.ensure_future(batch.run(20, 20, 10_000, 10_000, None))]
+        while len(batch.running) < 1:
+            await asyncio.sleep(0)
+        clock[0] += 1.0                              # 1,000 steps pass before the loop next runs
+        tasks += [asyncio.ensure_future(batch.run(20, 20, 10_000, 10_000, None)) for _ in range(10)]
+        while len(batch.running) < 11:
+            await asyncio.sleep(0)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        batch.close()
+        return batch.gauges[:2]
+
+    assert asyncio.run(scenario()) == (11, 0)
 
 
 def test_limits_gauges_and_the_preflight_line():

@@ -4,7 +4,8 @@ Three emulators (--throughput-curve, /metrics on): a small one (its KV pool admi
 when driven hard), a large one (batch 160, knee 64) and a slow one (steps twice as long, knee 32). The same prompts
 go through regen at concurrency 8, 64, each server's best fixed value (a sweep of each emulator alone with the load
 generator, in this run), and `auto`. Reported: fleet completions/s ÷ the best fixed run's, request timeouts and
-other errors, retractions, the time auto took to settle (its last change), and the emulators' own CPU use (kept
+other errors, retractions, the time auto took to settle (per endpoint: when its limit entered ±10% of its final
+value and stayed; its last change and count of changes beside it), and the emulators' own CPU use (kept
 far from the two cores' limit by steps of 5-10 ms and answers of ~200 tokens).
 """
 from __future__ import annotations
@@ -56,18 +57,22 @@ def _sweep(url: str, max_tokens: int, quick: bool) -> tuple[int, float]:
     return best
 
 
-def _errors(folder: Path) -> tuple[int, int, float | None]:
-    """(timeouts, other errors, seconds auto took to settle: the latest last change over the endpoints)."""
+def _errors(folder: Path) -> tuple[int, int, str]:
+    """(timeouts, other errors, how auto settled: per endpoint, when its limit entered ±10% of its final value
+    and stayed, its last change and how many changes it made)."""
     status = orjson.loads((folder / "out" / "bench" / "status.json").read_bytes())
     timeouts = errors = 0
     settled = []
-    for stats in (status.get("endpoints") or {}).values():
+    for label, stats in (status.get("endpoints") or {}).items():
         for kind, n in (stats.get("errors") or {}).items():
             errors += n
         timeouts += int("timeout" in (stats.get("last_error") or "").lower())
         if stats.get("concurrency_settled_s") is not None:
-            settled.append(stats["concurrency_settled_s"])
-    return timeouts, errors, max(settled) if settled else None
+            name = dict((f"e{i}", n) for i, (n, _) in enumerate(SERVERS)).get(label, label)
+            settled.append(f"{name} at {stats['concurrency']} after {stats['concurrency_settled_s']:.1f} s "
+                           f"(last change {stats['concurrency_last_change_s']:.1f} s, "
+                           f"{stats['concurrency_changes']} changes)")
+    return timeouts, errors, "; ".join(settled)
 
 
 def _steady_rate(folder: Path) -> float:
@@ -108,7 +113,8 @@ def capacity(ctx: Ctx) -> Result:
                              f"{fmt(rates[label], 1)}; {fmt(steady[label], 1)}", "", None))
             res.notes.append(f"concurrency {label}: {run.makespan_s:.1f} s, {int(retracted)} retractions, "
                              f"{errors} errors ({timeouts} timeouts), emulators' CPU {cpu / run.makespan_s:.2f} "
-                             f"cores of 2" + (f", auto settled after {settled:.1f} s" if settled is not None else ""))
+                             f"cores of 2" + (f"; auto settled within 10% of its final limit: {settled}"
+                                              if settled else ""))
         ratio = rates["auto"] / rates["best fixed"]
         res.rows.insert(0, ("auto ÷ each server's best fixed concurrency (fleet completions/s)", f"{fmt(ratio)}×",
                             "≥ 0.95×", ratio >= 0.95))

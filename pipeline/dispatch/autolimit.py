@@ -3,10 +3,12 @@ controller (capacity.py) the server's limits and gauges, or, where it has no /me
 output token.
 
 The worker keeps `concurrency_cap` coroutines; each holds a permit of the gate while it works, so at most `limit`
-run. The poll reads the server's limits at start and after each recovery (a restart may bring a smaller pool or
-another data-parallel size: the controller restarts slowly from them), and its gauges every `interval_s / 2`. While
-the circuit is not healthy nothing changes: the breaker owns the endpoint then. Hedged duplicates and prefix
-affinity change which prompts come, not how many run: the gate counts requests, whatever they are.
+run. The poll reads the server's limits at start, after each recovery and every minute (a restart may bring a
+smaller pool or another data-parallel size: the controller restarts slowly from them), and its gauges every
+`interval_s / 10` while the limit ramps up (each raise waits for a reading that shows it) and every
+`interval_s / 2` after. While the circuit is not healthy nothing changes: the breaker owns the endpoint then.
+Hedged duplicates and prefix affinity change which prompts come, not how many run: the gate counts requests,
+whatever they are.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from ..endpoints.capacity import Gauges, Limits, parse_gauges, read_limits
 from .capacity import AutoConcurrency
 
 log = logging.getLogger("regen.dispatch")
-LIMITS_EVERY = 48                          # polls between readings of the server's limits (1 min)
+LIMITS_EVERY_S = 60.0                      # between readings of the server's limits
 
 
 class AutoLimit:
@@ -76,19 +78,24 @@ class AutoLimit:
 
     def start(self, healthy: Callable[[], bool], in_flight: Callable[[], int]) -> None:
         if self._task is None:
+            self._t0 = time.monotonic()     # settle times count from the first work, not the actor start
+            self.ctl.begin(self._t0)
             self._task = asyncio.create_task(self._poll(healthy, in_flight))
 
     async def _poll(self, healthy: Callable[[], bool], in_flight: Callable[[], int]) -> None:
-        polls = 0
+        limits_at = time.monotonic()
+        first = True
         while True:
-            await asyncio.sleep(self.ctl.interval_s / 2)
+            if not first:
+                await asyncio.sleep(self.ctl.interval_s / (10 if self.ctl.ramping else 2))
+            first = False
             if not healthy():
                 continue
-            polls += 1
-            if polls % LIMITS_EVERY == 0:
+            if time.monotonic() - limits_at >= LIMITS_EVERY_S:
                 self._stale_limits = True   # a server restarted between two polls keeps its circuit closed
             try:
                 if self._stale_limits:
+                    limits_at = time.monotonic()
                     before = self.ctl.limit
                     engine = getattr(self.client.engine, "engine", "")
                     limits = await read_limits(self.client, engine if engine in ("sglang", "vllm") else "sglang")
@@ -114,9 +121,12 @@ class AutoLimit:
 
     def stats(self) -> dict:
         running, waiting, batch = self._server()
-        return {"concurrency": self.ctl.limit, "concurrency_reason": self.ctl.reason, "server_running": running, "server_waiting": waiting,
-                "server_batch": batch, "concurrency_settled_s": None if self.ctl.settled_at is None else
-                round(self.ctl.settled_at - self._t0, 1)}
+        settled, last = self.ctl.settled_at, self.ctl.changes[-1][0] if len(self.ctl.changes) > 1 else None
+        return {"concurrency": self.ctl.limit, "concurrency_reason": self.ctl.reason, "server_running": running,
+                "server_waiting": waiting, "server_batch": batch,
+                "concurrency_settled_s": None if settled is None else round(settled - self._t0, 1),
+                "concurrency_last_change_s": None if last is None else round(last - self._t0, 1),
+                "concurrency_changes": len(self.ctl.changes) - 1}
 
     def close(self) -> None:
         if self._task is not None:

@@ -5,22 +5,37 @@ The worker feeds it what it sees and applies the limit it returns:
   `dp_size`, `max_queued_requests`, `max_total_num_tokens`; vLLM dev-mode `max_num_seqs`).
 - `Gauges`: the server's running and waiting counts and its retraction counter (SGLang `/metrics` with
   --enable-metrics; vLLM `vllm:num_requests_running`/`_waiting`). They lag (SGLang refreshes them every
-  decode_log_interval steps), so the controller acts at most once per `interval_s`, and only on a reading taken
-  at least `interval_s` after its last change.
+  decode_log_interval steps), so the controller acts on a reading only once it is known to postdate its last
+  change: taken at least `interval_s` after it, or, while ramping up, one where the server runs more requests than
+  the limit before the raise allowed (it cannot have seen that before the raise).
 - Where there are no gauges, the time per output token of each completion: a gradient limiter in the manner of
   Netflix's concurrency-limits (Gradient2): `limit * clamp(tolerance * baseline / now) + sqrt(limit)`, smoothed.
 
-The rules with gauges: a retraction (the KV pool is full) or a waiting queue longer than `queue_target` cuts the
-limit to what the server runs (never below `floor`); a server that runs all we send grows it, twofold while no cut
-has happened yet (slow start from `start`, doubling, so no burst) and by a tenth after. Never above `cap` (the user's), the
-server's batch plus a headroom, nor its batch plus its `max_queued_requests` (503s past it). `reset` re-starts
-it from the limits of a restarted server (a smaller pool, another data-parallel size).
+The rules with gauges:
+- **Ramp** (slow start from `start`, so no burst): the limit doubles each time a confirmed reading shows the server
+  running (nearly) all of it with no waiting queue, so it climbs at the pace of the gauges' refresh, not of a
+  fixed interval.
+- **Cut**: a retraction (the KV pool is full) or a waiting queue longer than `queue_target` in two readings in a
+  row (in one alone it may be a burst of arrivals between two scheduler steps) cuts the limit to what the server
+  runs (never below `floor`) and ends the ramp. The limit it cut from is remembered (`too_many`).
+- **After a cut**: while the server keeps up, the limit grows each interval by half its distance to one below
+  `too_many` and holds there; after `HOLDS` intervals it tries `too_many` once more (a probe). A probe that is cut
+  goes back to the held limit and doubles the hold (up to `MAX_HOLDS` intervals); a probe that holds for an
+  interval forgets `too_many` (the server takes more now) and the limit grows by 5% an interval. So it settles
+  instead of oscillating around the server's limit.
+Never above `cap` (the user's), the server's batch plus a headroom, nor its batch plus its `max_queued_requests`
+(503s past it). `reset` re-starts it from the limits of a restarted server (a smaller pool, another data-parallel
+size). `settled_at` is when the limit last entered the band of ±`SETTLE_BAND` around its current value and stayed.
 """
 from __future__ import annotations
 
+import collections
 import math
 
 from ..endpoints.capacity import Gauges, Limits
+
+HOLDS, MAX_HOLDS = 4, 16      # intervals spent below `too_many` before a probe of it: first, longest
+SETTLE_BAND = 0.1             # `settled_at`: the limit has stayed within 10% of its current value since then
 
 
 class AutoConcurrency:
@@ -30,10 +45,15 @@ class AutoConcurrency:
         self.start = start
         self.limits = limits
         self.limit = min(start, limits.ceiling(cap))
+        self.before = 0                            # the limit before the last change
         self.changed_at = now
         self.slow_start = True
+        self.too_many: int | None = None           # the limit the last cut came from: growth stays below it
+        self.probe_from: int | None = None         # the held limit while a probe of `too_many` runs
+        self.holds = HOLDS
         self.last_retracted: float | None = None
-        self.settled_at: float | None = None       # the last change (the time auto took to settle)
+        self._queued = False                       # the last reading showed a waiting queue
+        self.changes: collections.deque[tuple[float, int]] = collections.deque([(now, self.limit)], maxlen=512)
         self.baseline: float | None = None         # per-token seconds of a light batch (latency mode)
         self._samples: list[float] = []
         self.reason = "start"
@@ -46,16 +66,43 @@ class AutoConcurrency:
         self.baseline = None
         self._samples.clear()
         self.slow_start = True
-        return self._set(min(self.limit, self.start), now, "server restarted")
+        self.too_many = self.probe_from = None
+        self.holds, self._queued = HOLDS, False
+        self._set(min(self.limit, self.start), now, "server restarted")
+        self.before = 0                            # no raise to confirm: the new server's first reading will do
+        return self.limit
+
+    def begin(self, now: float) -> None:
+        """The first request goes now: the clock of `changed_at` and `settled_at` starts here."""
+        self.changed_at = now
+        self.changes[0] = (now, self.limit)
 
     @property
     def ceiling(self) -> int:
         return self.limits.ceiling(self.cap)
 
+    @property
+    def ramping(self) -> bool:
+        """In slow start below the ceiling: each raise waits only for a reading that shows it."""
+        return self.slow_start and self.limit < self.ceiling
+
+    @property
+    def settled_at(self) -> float | None:
+        """When the limit last entered ±SETTLE_BAND of its current value (None: it never changed)."""
+        if len(self.changes) < 2:
+            return None
+        lo, hi = self.limit * (1 - SETTLE_BAND), self.limit * (1 + SETTLE_BAND)
+        entered = self.changes[0][0]
+        for (_, before), (t, _) in zip(self.changes, list(self.changes)[1:]):
+            if not lo <= before <= hi:
+                entered = t
+        return entered
+
     def _set(self, value: int, now: float, reason: str) -> int:
         value = max(self.floor, min(self.ceiling, int(value)))
         if value != self.limit:
-            self.limit, self.changed_at, self.settled_at, self.reason = value, now, now, reason
+            self.before, self.limit, self.changed_at, self.reason = self.limit, value, now, reason
+            self.changes.append((now, value))
         return self.limit
 
     # -- from the server's gauges ---------------------------------------------------------------------------
@@ -65,19 +112,49 @@ class AutoConcurrency:
             if self.last_retracted is not None and g.retracted_total >= self.last_retracted:
                 retracted = g.retracted_total - self.last_retracted
             self.last_retracted = g.retracted_total          # a smaller counter: the server restarted
-        if g.at - self.changed_at < self.interval_s or now - self.changed_at < self.interval_s:
+        queued = self._queued
+        self._queued = g.waiting > queue_target(g.running)
+        aged = g.at - self.changed_at >= self.interval_s and now - self.changed_at >= self.interval_s
+        if retracted > 0 and (aged or self.slow_start):     # ramping, the limit has only risen: it is too high
+            return self._cut(min(self.limit * 0.8, max(g.running, self.floor)), now, "retractions")
+        # ramping up: the server running more than the limit before the raise has seen the raise
+        confirmed = self.slow_start and g.at > self.changed_at and g.running > self.before
+        if not aged and not (confirmed and self._keeps_up(g, in_flight)):
             return self.limit                                 # the gauges may predate the last change
-        if retracted > 0:
-            self.slow_start = False
-            return self._set(min(self.limit * 0.8, max(g.running, self.floor)), now, "retractions")
-        if g.waiting > queue_target(g.running):
-            self.slow_start = False
-            return self._set(max(g.running + queue_target(g.running), self.limit * 0.7), now, "server queue")
-        if (in_flight >= self.limit * 0.8 and g.running >= min(in_flight, self.limit) * 0.8
-                and g.waiting < queue_target(g.running)):
-            step = self.limit if self.slow_start else max(1.0, self.limit * 0.1)
-            return self._set(math.ceil(self.limit + step), now, "server keeps up")
+        if self._queued and queued:
+            return self._cut(max(g.running + queue_target(g.running), self.limit * 0.7), now, "server queue")
+        if self._keeps_up(g, in_flight):
+            return self._grow(now)
         return self.limit
+
+    def _keeps_up(self, g: Gauges, in_flight: int) -> bool:
+        return (in_flight >= self.limit * 0.8 and g.running >= min(in_flight, self.limit) * 0.8
+                and g.waiting < queue_target(g.running))
+
+    def _cut(self, value: float, now: float, reason: str) -> int:
+        self.slow_start = False
+        if self.probe_from is not None:               # the probe failed: back to the held limit, hold longer
+            value, self.holds = self.probe_from, min(MAX_HOLDS, self.holds * 2)
+            reason += " (probe)"
+        else:
+            self.too_many, self.holds = self.limit, HOLDS
+        self.probe_from = None
+        return self._set(int(value), now, reason)
+
+    def _grow(self, now: float) -> int:
+        if self.slow_start:
+            return self._set(self.limit * 2, now, "server keeps up")
+        if self.probe_from is not None:               # the probe held an interval: the server takes more now
+            self.too_many = self.probe_from = None
+            self.holds = HOLDS
+        if self.too_many is None:
+            return self._set(self.limit + max(1, self.limit // 20), now, "server keeps up")
+        if self.limit < self.too_many - 1:            # halfway to one below the cut's limit: quick, then slow
+            return self._set(self.limit + max(1, (self.too_many - 1 - self.limit) // 2), now, "server keeps up")
+        if now - self.changed_at < self.holds * self.interval_s:
+            return self.limit                         # held just below the limit a cut came from
+        self.probe_from = self.limit
+        return self._set(self.too_many, now, "probe")
 
     # -- from latency alone (no gauges) -------------------------------------------------------------------
     def on_completion(self, seconds_per_token: float, in_flight: int, now: float) -> int:

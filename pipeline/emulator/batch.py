@@ -19,7 +19,8 @@ The shape and its sources:
   admitted, they prefill their prompt and what they had generated again. Each one counts in
   `sglang:num_retracted_requests_total`. Past the pool, throughput therefore falls: prefill redone, steps lost.
 - **Gauges** (`num_running_reqs`, `num_queue_reqs`, `token_usage`) are snapshots taken every
-  `decode_log_interval` steps (SGLang's default: 40), so they lag as SGLang's do.
+  `decode_log_interval` steps (SGLang's default: 40), so they lag as SGLang's do, and, as SGLang's
+  (`log_decode_stats` after a decode batch, whose iteration admitted what fit first), after the admissions.
 
 Cost: the batch advances a virtual step counter V at 1/step(B) per second; a request finishes when V passes its
 mark, and the pool's use is linear in V between events, so the one scheduler task wakes only at a finish, a full
@@ -110,11 +111,13 @@ class Batch:
             self.v += dv
             self.steps += dv
             self.ratio = max(self.min_ratio, self.ratio - self.decay * dv)
-            if self.steps - self._logged_at >= self.log_interval:
-                self._snapshot()
         self.t = now
 
     def _snapshot(self) -> None:
+        """Every `log_interval` steps, after the iteration's admissions (SGLang logs its decode stats once a
+        decode batch has run, so arrivals it could admit are never counted as waiting)."""
+        if self.steps - self._logged_at < self.log_interval:
+            return
         self._logged_at = self.steps
         self.gauges = (len(self.running), len(self.waiting), min(1.0, self.used() / max(1, self.pool)))
 
@@ -183,6 +186,7 @@ class Batch:
             self._finish_due()
             self._retract()
             self._fill()
+            self._snapshot()
             due = self._next_event()
             self._wake.clear()
             timeout = None if due is None else max(0.0, due - time.monotonic())
