@@ -155,7 +155,7 @@ def test_a_prompt_that_always_gets_a_retryable_fails_alone_and_the_others_are_ca
     assert calls.count("p2") == 3 and calls[:4] == ["p0,p1", "p2,p3", "p0b,p1b", "p2b,p3b"]  # split: behind the rest
 
 
-def test_a_pass_stopped_after_failing_a_prompt_records_the_failed_prompt_in_status(tmp_path, ray_cluster, tok):
+def test_a_pass_stopped_after_failing_a_prompt_names_it_and_leaves_no_capture_directory(tmp_path, ray_cluster, tok):
     proc, run, calls = capture_with_fault(tmp_path, tok, """
         from pipeline.core.errors import EndpointDown
         from pipeline.hidden.errors import CaptureSampleError
@@ -164,6 +164,8 @@ def test_a_pass_stopped_after_failing_a_prompt_records_the_failed_prompt_in_stat
         raise EndpointDown("connection refused", endpoint="http://127.0.0.1:9")
     """, down_deadline_s=1.5)
     assert proc.returncode == 1 and "has not answered for" in proc.stderr, proc.stderr[-3000:]
-    status = capture_run_dir(run).read_status()
-    assert status["state"] == "stopped"
-    assert (status["failed_prompts"], status["failed_prompt_ids"]) == (1, ["p0"])
+    # the pass committed nothing: its new capture directory is not left behind (a command that fails before its
+    # first commit leaves the run as it was); the failed prompt is named on the console, and the next pass tries it
+    assert "capture of prompt p0 failed: token id 60000" in proc.stderr, proc.stderr[-3000:]
+    assert capture_run_dir(run).read_status() is None
+    assert capture_run_dir(run).committed_ids() == set()
