@@ -24,6 +24,7 @@ from ..core.errors import (  # noqa: F401 (RETRYABLE_STATUS: named here before i
     RETRYABLE_STATUS, ConnectionDropped, ContractError, EndpointDown, EndpointFatal, RequestError, Retryable,
     TerminalForPrompt, Unexpected,
 )
+from .connections import connection_limits
 from .lookups import resolver
 from .engines import OpenAIAdapter, Sampling, error_texts
 from .toolcalls import ToolCallFragments, tool_calls_of
@@ -263,7 +264,8 @@ class EndpointClient:
         self._api_key = api_key
         self.engine = settings.engines.get(label) or OpenAIAdapter()  # the preflight may set it
         self._openai = openai.AsyncOpenAI(
-            base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0, timeout=settings.timeout_s
+            base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0, timeout=settings.timeout_s,
+            http_client=openai.DefaultAsyncHttpxClient(limits=connection_limits()),
         )
         self._http: aiohttp.ClientSession | None = None
 
