@@ -242,3 +242,30 @@ def left_as_a_kill_leaves_it():
 
     with mock.patch("pipeline.store.untouched.Untouched.undo_after", return_value=False):
         yield
+
+
+def one_source_config(tmp_path, name: str, spec_fields: dict) -> str:
+    """A config of one source (its spec written beside it) and a dead endpoint: for reading the sources only."""
+    import yaml
+
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(yaml.safe_dump({"name": name, **spec_fields}))
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"run_name": name, "model": "m", "sources": [{"spec": str(spec)}],
+                                      "endpoints": [{"url": "http://127.0.0.1:1"}]}))
+    return str(config)
+
+
+def staged_by_source_ref(config: str):
+    """The prompt set the config's sources stage (discarded after): ({source_ref: row}, the first source's report)."""
+    import pyarrow.parquet as pq
+
+    from pipeline.core.config import load_config
+    from pipeline.store.promptset import stage_prompt_set
+
+    result = stage_prompt_set(load_config(config))
+    try:
+        rows = pq.read_table(str(result.prompts.path)).to_pylist()
+        return {r["source_ref"]: r for r in rows}, result.result.reports[0]
+    finally:
+        result.discard()

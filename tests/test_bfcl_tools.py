@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from pipeline.cli import main as regen_main
+from tests.helpers import one_source_config, staged_by_source_ref
 from pipeline.core.config import load_config
 from pipeline.prompts.adapters import at_path
 from pipeline.prompts.errors import SourceError
@@ -22,24 +23,11 @@ RECORDS = [json.loads(line) for line in BFCL.read_text().splitlines()]
 
 
 def setup(tmp_path: Path, **spec_keys) -> str:
-    spec = tmp_path / "bfcl.yaml"
-    spec.write_text(yaml.safe_dump({"name": "bfcl", "kind": "jsonl", "path": str(BFCL), "format": "openai",
-                                    "id_field": "id", "field": "question.0", **spec_keys}))
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"run_name": "bfcl", "model": "m", "sources": [{"spec": str(spec)}],
-                                      "endpoints": [{"url": "http://127.0.0.1:1"}]}))
-    return str(config)
+    return one_source_config(tmp_path, "bfcl", {"kind": "jsonl", "path": str(BFCL), "format": "openai",
+                                                "id_field": "id", "field": "question.0", **spec_keys})
 
 
-def staged(config: str):
-    result = stage_prompt_set(load_config(config))
-    try:
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(str(result.prompts.path)).to_pylist()
-        return {r["source_ref"]: r for r in rows}, result.result.reports[0]
-    finally:
-        result.discard()
+staged = staged_by_source_ref
 
 
 def test_a_column_of_tool_schemas_not_carried_is_warned_by_validate_and_refused_by_generate(tmp_path, capsys):

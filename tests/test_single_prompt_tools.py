@@ -7,12 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import yaml
 
 from pipeline.cli import main as regen_main
-from pipeline.core.config import load_config
-from pipeline.store.promptset import stage_prompt_set
+from tests.helpers import one_source_config, staged_by_source_ref
 
 TOOLS = [{"name": "peers", "description": "Retrieves a list of company peers given a stock symbol.",
           "parameters": {"symbol": {"description": "The stock symbol for the company.", "type": "str",
@@ -27,22 +25,11 @@ XLAM = [{"id": i, "query": q, "answers": json.dumps([{"name": "peers", "argument
 def setup(tmp_path: Path, fmt: str = "prompt", field: str = "query", **spec_keys) -> str:
     data = tmp_path / "xlam.json"
     data.write_text(json.dumps(XLAM))
-    spec = tmp_path / "xlam.yaml"
-    spec.write_text(yaml.safe_dump({"name": "xlam", "kind": "json", "path": str(data), "format": fmt,
-                                    "field": field, "id_field": "id", **spec_keys}))
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"run_name": "xlam", "model": "m", "sources": [{"spec": str(spec)}],
-                                      "endpoints": [{"url": "http://127.0.0.1:1"}]}))
-    return str(config)
+    return one_source_config(tmp_path, "xlam", {"kind": "json", "path": str(data), "format": fmt, "field": field,
+                                                "id_field": "id", **spec_keys})
 
 
-def staged(config: str):
-    result = stage_prompt_set(load_config(config))
-    try:
-        rows = pq.read_table(str(result.prompts.path)).to_pylist()
-        return {r["source_ref"]: r for r in rows}, result.result.reports[0]
-    finally:
-        result.discard()
+staged = staged_by_source_ref
 
 
 def test_the_hint_of_validate_is_taken_by_a_prompt_source_whose_tools_are_a_column(tmp_path, capsys):
