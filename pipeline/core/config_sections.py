@@ -18,7 +18,8 @@ class Endpoint(_Strict):
         "Requests in flight on this endpoint at most (1 to 4096), or `auto`: a controller keeps the server's batch "
         "full and its waiting queue short, from the server's /metrics gauges or, without them, from the time per "
         "output token; it starts at 8, never goes past `concurrency_cap`, the server's batch or its "
-        "max_queued_requests, and its value is in the log, status and /metrics."))
+        "max_queued_requests, and its value is in the log, status and /metrics. Not set: `auto` on a server that "
+        "reports its batch (SGLang's /server_info, vLLM's dev-mode /server_info), else 8."))
     concurrency_cap: int = Field(512, ge=1, le=4096, description=(
         "With `concurrency: auto`: the most requests in flight the controller may reach."))
     api_key_env: str | None = Field(None, description=(
@@ -52,6 +53,12 @@ class Endpoint(_Strict):
     @property
     def auto(self) -> bool:
         return self.concurrency == "auto"
+
+    @property
+    def auto_by_default(self) -> bool:
+        """`concurrency` not set: `auto` if the server reports its batch, else 8 (the worker decides it once it has
+        read the server's limits: dispatch/autolimit.py)."""
+        return "concurrency" not in self.model_fields_set
 
     @property
     def max_in_flight(self) -> int:

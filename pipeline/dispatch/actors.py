@@ -122,7 +122,8 @@ def make_actor_factory(cfg: RunConfig, settings: ClientSettings, api_key: Callab
         handle.begin.remote(
             e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
             cfg.circuit_failures, readmission=cfg, start_open=start_open, concurrency_cap=e.concurrency_cap,
-            tool_reasoning_history=cfg.tool_reasoning_history, tool_result_match=cfg.tool_result_match,
+            auto_by_default=e.auto_by_default, tool_reasoning_history=cfg.tool_reasoning_history,
+            tool_result_match=cfg.tool_result_match,
             run_uri=run_uri, images_send_as=cfg.images.send_as,
         )
         return handle
@@ -139,7 +140,7 @@ def local_worker_factory(cfg: RunConfig, settings: ClientSettings, api_key: Call
     def factory(e: Endpoint, start_open: bool) -> EndpointWorker:
         return EndpointWorker(e.url, e.label, e.concurrency, settings, api_key(e), cfg.mode, cfg.attempts_per_endpoint,
                               cfg.circuit_failures, readmission=cfg, start_open=start_open,
-                              concurrency_cap=e.concurrency_cap,
+                              concurrency_cap=e.concurrency_cap, auto_by_default=e.auto_by_default,
                               tool_reasoning_history=cfg.tool_reasoning_history,
                               tool_result_match=cfg.tool_result_match, images_send_as=cfg.images.send_as,
                               **worker_options)

@@ -26,8 +26,12 @@ LIMITS_EVERY_S = 60.0                      # between readings of the server's li
 
 
 class AutoLimit:
-    def __init__(self, client: Any, label: str, cap: int, interval_s: float = 2.5, start: int = 8):
+    def __init__(self, client: Any, label: str, cap: int, interval_s: float = 2.5, start: int = 8,
+                 fallback: int | None = None):
         self.client, self.label = client, label
+        # `concurrency` not set: auto on a server that reports its batch, else pinned to `fallback` (8) once its
+        # limits are read (before: the controller's start, 8)
+        self.fallback = fallback
         self.ctl = AutoConcurrency(cap, Limits(), start=start, interval_s=interval_s, now=time.monotonic())
         self.active = 0
         self._room = asyncio.Event()
@@ -99,6 +103,13 @@ class AutoLimit:
                     before = self.ctl.limit
                     engine = getattr(self.client.engine, "engine", "")
                     limits = await read_limits(self.client, engine if engine in ("sglang", "vllm") else "sglang")
+                    if self.fallback is not None:
+                        if limits.max_running is None:
+                            self._pin(self.fallback)
+                            return
+                        log.info("endpoint %s: concurrency auto (not set, and the server batches up to %d)",
+                                 self.label, limits.max_running)
+                        self.fallback = None
                     if limits != self.ctl.limits:
                         self.ctl.reset(limits, time.monotonic())
                         self._changed(before)
@@ -107,6 +118,15 @@ class AutoLimit:
                     await self._read_gauges(in_flight)
             except EndpointDown:
                 continue
+
+    def _pin(self, concurrency: int) -> None:
+        """`concurrency` not set on a server that reports no batch: a fixed concurrency, as before auto existed."""
+        self.ctl.cap = self.ctl.start = concurrency
+        self.ctl.limit, self.ctl.reason = min(concurrency, self.ctl.ceiling), "not set; no batch reported"
+        self.has_metrics = True  # nothing feeds the controller any more: latency included
+        self._room.set()
+        log.info("endpoint %s: concurrency %d (not set, and the server reports no batch limit; `concurrency: auto` "
+                 "would drive it from the time per token)", self.label, self.ctl.limit)
 
     async def _read_gauges(self, in_flight: Callable[[], int]) -> None:
         status, body = await self.client.get_text("/metrics", timeout_s=5.0)

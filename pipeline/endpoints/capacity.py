@@ -142,3 +142,11 @@ def capacity_line(concurrency: int | str, limits: Limits) -> str:
 
 def far_below(concurrency: int | str, limits: Limits) -> bool:
     return concurrency != "auto" and bool(limits.max_running) and int(concurrency) < FAR_BELOW * limits.max_running
+
+
+def shown_concurrency(endpoint: Any, limits: Limits | None) -> int | str:
+    """The concurrency an endpoint will run at, as the preflight says it: `auto` where it is not set and the
+    server reports its batch (config_sections.Endpoint.auto_by_default), else the configured value."""
+    if getattr(endpoint, "auto_by_default", False) and limits is not None and limits.max_running is not None:
+        return "auto"
+    return endpoint.concurrency

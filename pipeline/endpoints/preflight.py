@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ..core import exits
 from ..core.config import RunConfig
-from .capacity import capacity_line, far_below
+from .capacity import capacity_line, far_below, shown_concurrency
 from .client import ClientSettings, EndpointClient
 from ..core.errors import ConfigError, PreflightError, RegenError
 from .engines import OpenAIAdapter, SGLangAdapter
@@ -221,8 +221,9 @@ def announce_capacity(r: EndpointReport, cfg: RunConfig) -> None:
     e = next((e for e in cfg.all_endpoints() if e.label == r.label), None)
     if e is None or r.limits is None or not r.reachable:
         return
-    line = capacity_line(e.concurrency, r.limits)
-    if far_below(e.concurrency, r.limits):
+    concurrency = shown_concurrency(e, r.limits)
+    line = capacity_line(concurrency, r.limits)
+    if far_below(concurrency, r.limits):
         log.warning("endpoint %s: %s; raise `concurrency` (or set it to auto) to use the server's batch", r.label,
                     line)
     else:

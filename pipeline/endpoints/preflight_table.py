@@ -58,9 +58,9 @@ def _row(r: "EndpointReport", cfg: "RunConfig") -> tuple[str, ...]:
 
 def _batch(r: "EndpointReport", cfg: "RunConfig") -> str:
     """The configured concurrency over the server's batch (capacity.py)."""
-    from .capacity import batch_cell
+    from .capacity import batch_cell, shown_concurrency
     e = next((e for e in cfg.all_endpoints() if e.label == r.label), None)
-    return batch_cell(e.concurrency if e is not None else "?", r.limits)
+    return batch_cell(shown_concurrency(e, r.limits) if e is not None else "?", r.limits)
 
 
 def render_table(reports: list["EndpointReport"], cfg: "RunConfig", fleet_problems: list[str] = ()) -> str:
