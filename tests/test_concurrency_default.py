@@ -87,3 +87,29 @@ def test_an_unset_concurrency_on_an_emulated_sglang_climbs_past_8():
                         decode_log_interval=5) as server:
         limit, batch = asyncio.run(scenario(server))
     assert batch == 40 and 8 < limit <= 42
+
+
+class DownThenBatchServer(NoBatchServer):
+    """/server_info fails twice (the server down for a moment), then reports a batch of 256."""
+
+    async def get_json(self, path: str, timeout_s: float = 10.0):
+        from pipeline.core.errors import EndpointDown
+
+        self.asked.append(path)
+        if len(self.asked) <= 2:
+            raise EndpointDown("connection refused", endpoint="http://127.0.0.1:9")
+        return 200, {"internal_states": [{"effective_max_running_requests_per_dp": 256}], "dp_size": 1}
+
+
+def test_a_server_down_at_the_first_reading_of_its_limits_is_read_again_not_pinned_to_8():
+    async def scenario():
+        client = DownThenBatchServer()
+        auto = AutoLimit(client, "sgl", cap=512, interval_s=0.1, fallback=8)
+        auto.start(lambda: True, lambda: 0)
+        while auto.fallback is not None and not auto._task.done():
+            await asyncio.sleep(0.01)  # each poll is an await on the fake client: no clock involved
+        auto.close()
+        return auto
+
+    auto = asyncio.run(scenario())
+    assert auto.fallback is None and auto.ctl.limits.max_running == 256 and auto.ctl.cap == 512

@@ -103,6 +103,8 @@ class AutoLimit:
                     before = self.ctl.limit
                     engine = getattr(self.client.engine, "engine", "")
                     limits = await read_limits(self.client, engine if engine in ("sglang", "vllm") else "sglang")
+                    if limits is None:
+                        continue            # not read (down, a 5xx): asked again, the limits in force kept
                     if self.fallback is not None:
                         if limits.max_running is None:
                             self._pin(self.fallback)

@@ -72,8 +72,9 @@ def vllm_limits(info: dict) -> Limits:
     return Limits(_int(sched.get("max_num_seqs")), None, blocks * size if blocks and size else None)
 
 
-async def read_limits(client: Any, engine: str) -> Limits:
-    """The server's limits, or empty Limits where it does not say (no dev mode, another engine, down)."""
+async def read_limits(client: Any, engine: str) -> Limits | None:
+    """The server's limits, empty Limits where it answers without them (no dev mode, another engine), None where
+    it could not be asked (down, a 5xx): a reading to take again, never "no limits"."""
     path = {"sglang": "/server_info", "vllm": "/server_info?config_format=json"}.get(engine)
     if path is None:
         return Limits()
@@ -82,7 +83,9 @@ async def read_limits(client: Any, engine: str) -> Limits:
         if status == 404 and engine == "sglang":
             status, body = await client.get_json("/get_server_info", timeout_s=10.0)
     except EndpointDown:
-        return Limits()
+        return None
+    if status >= 500:
+        return None
     if status != 200 or not isinstance(body, dict):
         return Limits()
     return sglang_limits(body) if engine == "sglang" else vllm_limits(body)
@@ -92,7 +95,7 @@ async def server_limits(client: Any, engine: str, sglang_info: dict | None) -> L
     """The preflight's reading: SGLang's from the /server_info it has already read, vLLM's from its dev mode."""
     if engine == "sglang" and isinstance(sglang_info, dict):
         return sglang_limits(sglang_info)
-    return await read_limits(client, engine) if engine == "vllm" else Limits()
+    return (await read_limits(client, engine) or Limits()) if engine == "vllm" else Limits()
 
 
 def batch_cell(concurrency: int | str, limits: Limits | None) -> str:
