@@ -290,3 +290,14 @@ def test_an_endpoints_file_line_may_say_auto(tmp_path):
     path.write_text("http://10.0.0.1:30000 auto\nhttp://10.0.0.2:30000 16\nhttp://10.0.0.3:30000\n")
     got = [(e.concurrency, e.max_in_flight) for e in read_endpoints_file(path, "auto")]
     assert got == [("auto", 512), (16, 16), ("auto", 512)]
+
+
+def test_a_server_info_of_another_shape_reads_as_no_batch_reported():
+    from pipeline.endpoints.capacity import vllm_limits
+
+    for odd in ({"internal_states": 5}, {"internal_states": "x", "dp_size": "2"}, {"max_queued_requests": True}):
+        assert sglang_limits(odd) == Limits(), odd
+    for odd in ({"vllm_config": {"scheduler_config": 5, "cache_config": []}}, {"vllm_config": []}):
+        assert vllm_limits(odd) == Limits(), odd
+    assert sglang_limits(dict(internal_states=[{"effective_max_running_requests_per_dp": 64}], dp_size=2)) == \
+        Limits(max_running=128)

@@ -115,3 +115,15 @@ def test_card_examples_without_a_source_id_on_their_records_take_it_from_the_pro
     text = Path(card.write_card(run)).read_text()
     assert "- `a` (source `chat`, source id `conv-7`):\n  - prompt: q\n  - reply: one two three" in text
     assert "- `b` (source `chat`):" in text and "## Images" not in text
+
+
+def test_the_card_says_fixed_not_auto_reached_for_an_unset_concurrency_pinned_to_8():
+    from tests.test_concurrency_default import decided_auto_stats, pinned_stats
+
+    class Run:
+        def read_status(self):
+            return {"endpoints": {"llama-0": pinned_stats(), "sgl-0": decided_auto_stats()}}
+
+    lines = card._concurrency_lines(Run())
+    assert lines[0] == "- llama-0: concurrency 8 (not set, and the server reports no batch)", lines
+    assert lines[1].startswith("- sgl-0: concurrency auto reached ") and "batches up to 256" in lines[1], lines

@@ -48,8 +48,9 @@ class RunMetrics:
                            ["run", "endpoint", "state"], registry=registry)
         self.in_flight = Gauge("regen_endpoint_in_flight", "Requests the endpoint's actor has in flight",
                                ["run", "endpoint"], registry=registry)
-        self.capacity = Gauge("regen_endpoint_capacity", "concurrency: auto, per endpoint: the concurrency reached "
-                              "(what), the server's running and waiting counts and the batch regen believes",
+        self.capacity = Gauge("regen_endpoint_capacity", "concurrency auto or not set, per endpoint (what): the "
+                              "concurrency, auto (1: auto drives it, 0: not set and pinned, the server reports no "
+                              "batch), the server's running and waiting counts and the batch regen believes",
                               ["run", "endpoint", "what"], registry=registry)
         self.latency = Histogram("regen_request_latency_seconds", "Latency of each committed request (one turn)",
                                  ["run", "endpoint"], buckets=LATENCY_BUCKETS, registry=registry)
@@ -100,6 +101,8 @@ class RunMetrics:
             for what in ("concurrency", "server_running", "server_waiting", "server_batch"):
                 if stats.get(what) is not None:
                     self.capacity.labels(self.run, label, what).set(stats[what])
+            if stats.get("concurrency_mode") in ("auto", "pinned"):
+                self.capacity.labels(self.run, label, "auto").set(stats["concurrency_mode"] == "auto")
         for label in set(self._errors_seen) - set(endpoints):
             self._endpoint(label, "left", 0)
 

@@ -28,12 +28,27 @@ def log_change(label: str, old: str, old_stats: dict, new: str, stats: dict) -> 
 
 
 def log_concurrency(label: str, old_stats: dict, stats: dict) -> None:
-    """`concurrency: auto`: a move of a fifth or more since the last logged value, or another reason."""
+    """`concurrency: auto`: what an unset concurrency became, an error of the actor's poll, a move of a fifth or
+    more since the last logged value, or another reason. The driver logs it: the actor's log reaches no file."""
     limit, before = stats.get("concurrency"), old_stats.get("concurrency")
-    if limit is None or before is None or limit == before:
+    if limit is None:
+        return
+    error = stats.get("concurrency_poll_error")
+    if error and error != old_stats.get("concurrency_poll_error"):
+        log.warning("endpoint %s: the poll of its concurrency failed (it goes on): %s", label, error)
+    mode, reason = stats.get("concurrency_mode"), stats.get("concurrency_reason")
+    if stats.get("concurrency_unset") and mode != old_stats.get("concurrency_mode") and mode in ("auto", "pinned"):
+        _SHOWN[label] = (limit, reason)
+        if mode == "auto":
+            log.info("endpoint %s: concurrency auto (not set, and the server batches up to %s)", label,
+                     stats.get("server_batch"))
+        else:
+            log.info("endpoint %s: concurrency %s (not set, and the server reports no batch limit; `concurrency: "
+                     "auto` would drive it from the time per token)", label, limit)
+        return
+    if before is None or (limit == before and reason == old_stats.get("concurrency_reason")):
         return
     shown = _SHOWN.get(label)
-    reason = stats.get("concurrency_reason")
     if shown is not None and abs(limit - shown[0]) < 0.2 * shown[0] and reason == shown[1]:
         return
     _SHOWN[label] = (limit, reason)

@@ -77,14 +77,14 @@ class EndpointWorker:
         auto_by_default: bool = False,
     ):
         self.mode = mode
-        # concurrency not set (auto_by_default): auto's workers, pinned to `concurrency` (8) once the server proves
-        # to report no batch (autolimit.py)
+        # concurrency not set (auto_by_default): auto's workers, pinned to `concurrency` (8; at most
+        # `concurrency_cap`, the workers there are) once the server proves to report no batch (autolimit.py)
         auto = concurrency == "auto" or auto_by_default
         self.label, self.concurrency = label, concurrency_cap if auto else int(concurrency)
         self.tool_reasoning_history, self.tool_result_match = tool_reasoning_history, tool_result_match
         # images: read from the run directory (or their own path) when sent, as images.send_as says (images.py)
         self.run_uri, self.images_send_as = run_uri, images_send_as
-        self.client = EndpointClient(url, label, settings, api_key)
+        self.client = EndpointClient(url, label, settings, api_key, max_in_flight=self.concurrency)
         # concurrency: auto (autolimit.py): `concurrency_cap` workers, at most the controller's limit at work
         self.auto = (AutoLimit(self.client, label, self.concurrency,
                                fallback=None if concurrency == "auto" else int(concurrency)) if auto else None)

@@ -52,29 +52,39 @@ def _int(v: Any) -> int | None:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
 
 
+def _dict(v: Any) -> dict:
+    return v if isinstance(v, dict) else {}
+
+
 def sglang_limits(info: dict) -> Limits:
-    states = info.get("internal_states") or []
-    per_dp = [_int(s.get("effective_max_running_requests_per_dp")) for s in states if isinstance(s, dict)]
+    """Empty Limits (no batch reported) where a field has another shape than SGLang's."""
+    states = info.get("internal_states")
+    per_dp = [_int(s.get("effective_max_running_requests_per_dp"))
+              for s in (states if isinstance(states, list) else []) if isinstance(s, dict)]
     per_dp = [p for p in per_dp if p]
     dp = _int(info.get("dp_size")) or 1
     running = per_dp[0] * dp if per_dp else _int(info.get("max_running_requests"))
     queued = info.get("max_queued_requests")
-    return Limits(running, int(queued) if isinstance(queued, int) and queued >= 0 else None,
-                  _int(info.get("max_total_num_tokens")))
+    return Limits(running, queued if isinstance(queued, int) and not isinstance(queued, bool) and queued >= 0
+                  else None, _int(info.get("max_total_num_tokens")))
 
 
 def vllm_limits(info: dict) -> Limits:
     cfg = info.get("vllm_config")
     if not isinstance(cfg, dict):
         return Limits()
-    sched, cache = cfg.get("scheduler_config") or {}, cfg.get("cache_config") or {}
+    sched, cache = _dict(cfg.get("scheduler_config")), _dict(cfg.get("cache_config"))
     blocks, size = _int(cache.get("num_gpu_blocks")), _int(cache.get("block_size"))
     return Limits(_int(sched.get("max_num_seqs")), None, blocks * size if blocks and size else None)
 
 
+# a reading to take again: the server busy or a gateway before it timing out or limiting the rate
+_READ_AGAIN = (408, 429)
+
+
 async def read_limits(client: Any, engine: str) -> Limits | None:
     """The server's limits, empty Limits where it answers without them (no dev mode, another engine), None where
-    it could not be asked (down, a 5xx): a reading to take again, never "no limits"."""
+    it could not be asked (down, a 5xx, 408, 429): a reading to take again, never "no limits"."""
     path = {"sglang": "/server_info", "vllm": "/server_info?config_format=json"}.get(engine)
     if path is None:
         return Limits()
@@ -84,7 +94,7 @@ async def read_limits(client: Any, engine: str) -> Limits | None:
             status, body = await client.get_json("/get_server_info", timeout_s=10.0)
     except EndpointDown:
         return None
-    if status >= 500:
+    if status >= 500 or status in _READ_AGAIN:
         return None
     if status != 200 or not isinstance(body, dict):
         return Limits()

@@ -287,12 +287,22 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
 
 
 def _concurrency_lines(run_dir: RunDir) -> list[str]:
-    """`concurrency: auto`: the concurrency each endpoint reached and the batch its server reported (status.json)."""
+    """`concurrency: auto` or unset: what each endpoint's concurrency was decided to be, the value it reached and
+    the batch its server reported (status.json)."""
     endpoints = (run_dir.read_status() or {}).get("endpoints") or {}
-    reached = [f"- {label}: concurrency auto reached {stats['concurrency']}"
-               + (f" (the server batches up to {stats['server_batch']})" if stats.get("server_batch") else "")
-               for label, stats in sorted(endpoints.items()) if stats.get("concurrency") is not None]
-    return [*reached, ""] if reached else []
+    lines = [_concurrency_line(label, stats) for label, stats in sorted(endpoints.items())
+             if stats.get("concurrency") is not None]
+    return [*lines, ""] if lines else []
+
+
+def _concurrency_line(label: str, stats: dict) -> str:
+    mode = stats.get("concurrency_mode", "auto")  # an older status.json: only auto's endpoints had the figure
+    if mode == "pinned":
+        return f"- {label}: concurrency {stats['concurrency']} (not set, and the server reports no batch)"
+    if mode == "deciding":
+        return f"- {label}: concurrency {stats['concurrency']} (not set; the server's limits were never read)"
+    return (f"- {label}: concurrency auto reached {stats['concurrency']}"
+            + (f" (the server batches up to {stats['server_batch']})" if stats.get("server_batch") else ""))
 
 
 def _goodput_lines(run_dir: RunDir, contents: RunContents) -> list[str]:

@@ -159,8 +159,14 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
 
 
 def _auto(stats: dict) -> str:
-    """`concurrency: auto`: the limit reached, the server's running and waiting counts, the batch regen believes."""
+    """The concurrency of `auto` or of an unset one: the limit, whether auto drives it (a status.json of an older
+    regen says nothing: auto), the server's running and waiting counts, the batch regen believes."""
     if stats.get("concurrency") is None:
         return ""
+    mode = stats.get("concurrency_mode", "auto")
+    if mode == "pinned":
+        return f"  concurrency {stats['concurrency']} (not set; the server reports no batch)"
+    if mode == "deciding":
+        return f"  concurrency {stats['concurrency']} (not set; auto or 8 once the server's limits are read)"
     return (f"  concurrency auto {stats['concurrency']} (server running {stats.get('server_running')}, waiting "
             f"{stats.get('server_waiting')}, batch {stats.get('server_batch')})")
