@@ -8,6 +8,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+MAX_CONCURRENCY = 4096   # the most requests in flight an endpoint may be given: `concurrency`, `concurrency_cap`
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -19,9 +22,10 @@ class Endpoint(_Strict):
         "full and its waiting queue short, from the server's /metrics gauges or, without them, from the time per "
         "output token; it starts at 8, never goes past `concurrency_cap`, the server's batch or its "
         "max_queued_requests, and its value is in the log, status and /metrics. Not set: `auto` on a server that "
-        "reports its batch (SGLang's /server_info, vLLM's dev-mode /server_info), else 8."))
-    concurrency_cap: int = Field(512, ge=1, le=4096, description=(
-        "With `concurrency: auto`: the most requests in flight the controller may reach."))
+        "reports its batch (SGLang's /server_info, vLLM's dev-mode /server_info), else 8 (never more than "
+        "`concurrency_cap`)."), json_schema_extra={"shown_default": "`auto`, else `8`"})
+    concurrency_cap: int = Field(512, ge=1, le=MAX_CONCURRENCY, description=(
+        "With `concurrency: auto` or not set: the most requests in flight the controller may reach."))
     api_key_env: str | None = Field(None, description=(
         "Name of an environment variable holding the API key; the key itself never enters the config."))
     name: str | None = Field(None, description="The endpoint's label in logs and status (default: host:port).")
@@ -42,7 +46,7 @@ class Endpoint(_Strict):
     @field_validator("concurrency")
     @classmethod
     def _concurrency(cls, value: int | str) -> int | str:
-        if value != "auto" and not 1 <= int(value) <= 4096:
+        if value != "auto" and not 1 <= int(value) <= MAX_CONCURRENCY:
             raise ValueError(f"concurrency must be `auto` or 1 to 4096, got {value!r}")
         return value
 

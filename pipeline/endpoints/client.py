@@ -24,7 +24,7 @@ from ..core.errors import (  # noqa: F401 (RETRYABLE_STATUS: named here before i
     RETRYABLE_STATUS, ConnectionDropped, ContractError, EndpointDown, EndpointFatal, RequestError, Retryable,
     TerminalForPrompt, Unexpected,
 )
-from .connections import connection_limits
+from .connections import KEEPALIVE_EXPIRY_S, MAX_CONCURRENCY, connection_limits
 from .lookups import resolver
 from .engines import OpenAIAdapter, Sampling, error_texts
 from .toolcalls import ToolCallFragments, tool_calls_of
@@ -259,13 +259,14 @@ def _untransformed(request: dict[str, Any]) -> dict[str, Any]:
 class EndpointClient:
     """Async client of one endpoint. Raises only classes of the error taxonomy."""
 
-    def __init__(self, url: str, label: str, settings: ClientSettings, api_key: str | None = None):
+    def __init__(self, url: str, label: str, settings: ClientSettings, api_key: str | None = None,
+                 max_in_flight: int = MAX_CONCURRENCY):
         self.url, self.label, self.settings = url, label, settings
         self._api_key = api_key
         self.engine = settings.engines.get(label) or OpenAIAdapter()  # the preflight may set it
         self._openai = openai.AsyncOpenAI(
             base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0, timeout=settings.timeout_s,
-            http_client=openai.DefaultAsyncHttpxClient(limits=connection_limits()),
+            http_client=openai.DefaultAsyncHttpxClient(limits=connection_limits(max_in_flight)),
         )
         self._http: aiohttp.ClientSession | None = None
 
@@ -374,9 +375,10 @@ class EndpointClient:
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
             headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-            # no connection cap of aiohttp's own (100): the worker's concurrency bounds the requests
-            self._http = aiohttp.ClientSession(headers=headers,  # lookups that never hold a stopped driver
-                                               connector=aiohttp.TCPConnector(limit=0, resolver=resolver()))
+            # no connection cap of aiohttp's own (100): the worker's concurrency bounds the requests; the
+            # resolver's lookups never hold a stopped driver; idle connections go before the server closes them
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S, resolver=resolver())
+            self._http = aiohttp.ClientSession(headers=headers, connector=connector)
         return self._http
 
     async def healthy(self) -> bool:
