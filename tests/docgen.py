@@ -68,6 +68,9 @@ def bounds(field: FieldInfo) -> str:
 
 
 def default_text(field: FieldInfo) -> str:
+    extra = field.json_schema_extra
+    if isinstance(extra, dict) and "shown_default" in extra:  # a default the run decides (Endpoint.concurrency)
+        return str(extra["shown_default"])
     if field.default_factory is not None:
         value = field.default_factory()
     elif field.default is PydanticUndefined:

@@ -45,3 +45,45 @@ def test_the_last_line_names_the_tool_call_parser_among_what_the_preflight_check
     assert (f"`regen preflight {config}` checks them (model, weights, context, reasoning parser, the tool-call "
             "parser for prompts with tools, image input for prompts with images, the server's batch) without "
             "sending a prompt") in line
+
+
+def test_simulate_leaves_an_unset_concurrency_unset_as_the_real_run_would(tmp_path, monkeypatch):
+    """The emulated SGLang servers report their batch: an unset concurrency is auto there, never a fixed 8 (nor
+    emulators of capacity 8)."""
+    import subprocess
+
+    import pytest
+
+    import pipeline.emulator
+    from pipeline.tools import simulate
+    from tests.helpers import prompt_source
+
+    spec = prompt_source(tmp_path, 5)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"run_name": "sim", "model": "m", "sources": [{"spec": str(spec)}],
+                                      "endpoints": [{"url": "http://10.0.0.1:30000"}]}))
+    started, written = [], []
+
+    class Emulator:
+        url = "http://127.0.0.1:9"
+
+        def stop(self):
+            pass
+
+    def start_emulator(**options):
+        started.append(options)
+        return Emulator()
+
+    class Stop(Exception):
+        pass
+
+    def run(args, **kwargs):
+        written.append(yaml.safe_load(Path(args[args.index("--config") + 1]).read_text()))
+        raise Stop
+
+    monkeypatch.setattr(pipeline.emulator, "start_emulator", start_emulator)
+    monkeypatch.setattr(subprocess, "run", run)
+    with pytest.raises(Stop):
+        simulate.simulate(str(config), endpoints=1, tok_s=50.0, sample=5, batch=256)
+    endpoint = written[0]["endpoints"][0]
+    assert "concurrency" not in endpoint and started[0]["capacity"] == 256, (endpoint, started[0])

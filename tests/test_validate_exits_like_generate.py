@@ -2,7 +2,8 @@
 api_key_env are exit 2 for both, with generate's own words; `--no-secrets` skips the secrets check; a hub that
 does not answer a short connect (or HF_HUB_OFFLINE) is looked for in the local cache only, at once, instead of after
 a minute of the hub client's retries; --offline contacts nothing and skips hub datasets with a note; the production
-config's "check it without contacting anything" line is true."""
+config's "check it without contacting anything" line is true; an unset concurrency is shown as what the run makes
+of it, never as a fixed 8."""
 from __future__ import annotations
 
 import json
@@ -97,6 +98,22 @@ def test_an_unset_api_key_env_is_exit_2_unless_no_secrets(tmp_path, monkeypatch)
     assert laptop.returncode == 0 and "is valid" in laptop.stdout, laptop.stderr
     assert "key from $REGEN_TEST_UNSET_KEY (not set; not checked: --no-secrets)" in laptop.stdout
     assert run_regen("validate", str(config), env={"REGEN_TEST_UNSET_KEY": "k"}).returncode == 0
+
+
+def test_validate_says_an_unset_concurrency_is_auto_else_8_and_a_set_8_is_8(capsys):
+    from pipeline.core.config_sections import Endpoint
+    from pipeline.prompts.validate import _missing_secrets
+
+    class Config:
+        def all_endpoints(self):
+            return [Endpoint(url="http://10.0.0.1:30000", name="unset"),
+                    Endpoint(url="http://10.0.0.2:30000", name="set", concurrency=8)]
+
+    _missing_secrets(Config(), check=False)
+    unset, fixed = capsys.readouterr().out.splitlines()
+    assert unset == ("endpoint unset: http://10.0.0.1:30000, concurrency not set: auto where the server reports its "
+                     "batch, else 8"), unset
+    assert fixed == "endpoint set: http://10.0.0.2:30000, concurrency 8", fixed
 
 
 class CountingListener:

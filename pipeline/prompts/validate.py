@@ -95,5 +95,7 @@ def _missing_secrets(cfg: RunConfig, check: bool) -> list[str]:
                 secret = f", key from ${endpoint.api_key_env} (NOT SET: regen generate refuses it)"
             else:
                 secret = f", key from ${endpoint.api_key_env} (not set; not checked: --no-secrets)"
-        print(f"endpoint {endpoint.label}: {endpoint.url}, concurrency {endpoint.concurrency}{secret}")
+        concurrency = (f"not set: auto where the server reports its batch, else {endpoint.concurrency}"
+                       if endpoint.auto_by_default else endpoint.concurrency)
+        print(f"endpoint {endpoint.label}: {endpoint.url}, concurrency {concurrency}{secret}")
     return missing

@@ -95,8 +95,11 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
     with tempfile.TemporaryDirectory(prefix="regen-simulate-") as tmp:
         work = Path(tmp)
         spec, total, cfg, sampled, with_tools = write_sample(cfg_path, sample, work)
-        per_endpoint = concurrency or (cfg.all_endpoints()[0].concurrency if cfg.all_endpoints() else 64)
-        cap = cfg.all_endpoints()[0].concurrency_cap if cfg.all_endpoints() else 512
+        first = cfg.all_endpoints()[0] if cfg.all_endpoints() else None
+        # not set: auto on the emulators, which report their batch (left unset: the run decides it as it would)
+        unset = concurrency is None and first is not None and first.auto_by_default
+        per_endpoint = concurrency or ("auto" if unset else first.concurrency if first else 64)
+        cap = first.concurrency_cap if first else 512
         reach = min(cap, batch) if per_endpoint == "auto" else int(per_endpoint)  # what auto climbs to
         curve = {"throughput_curve": True, "step_ms": 1000.0 / (tok_s * speedup), "knee": knee} if knee else {
             "tok_per_s": tok_s * speedup}
@@ -108,7 +111,8 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
             for key in ("endpoints", "endpoints_file", "local_fleet", "ray"):
                 raw.pop(key, None)
             raw.update(output_dir=str(work / "out"), run_name="simulated", sources=[{"spec": str(spec)}],
-                       endpoints=[{"url": s.url, "concurrency": per_endpoint} for s in servers])
+                       endpoints=[{"url": s.url, "concurrency_cap": cap,
+                                   **({} if unset else {"concurrency": per_endpoint})} for s in servers])
             if raw.get("tokenizer"):  # the copy lives elsewhere: a tokenizer folder is named whole
                 raw["tokenizer"] = cfg.tokenizer_path()
             sim_cfg = work / "config.yaml"
