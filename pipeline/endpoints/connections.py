@@ -19,5 +19,8 @@ def connection_limits(max_in_flight: int = MAX_CONCURRENCY) -> Any:
     each request the endpoint may have in flight (`concurrency`, or auto's `concurrency_cap`)."""
     from openai._constants import DEFAULT_CONNECTION_LIMITS
 
-    return type(DEFAULT_CONNECTION_LIMITS)(max_connections=max_in_flight, max_keepalive_connections=max_in_flight,
+    # never fewer than the SDK's own 1000 open: a cancelled request's connection may still be closing
+    return type(DEFAULT_CONNECTION_LIMITS)(max_connections=max(DEFAULT_CONNECTION_LIMITS.max_connections or 0,
+                                                               max_in_flight),
+                                           max_keepalive_connections=max_in_flight,
                                            keepalive_expiry=KEEPALIVE_EXPIRY_S)
