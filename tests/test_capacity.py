@@ -114,6 +114,16 @@ def test_a_retraction_while_ramping_ends_the_ramp_at_once():
     assert not ctl.slow_start and ctl.reason == "retractions"
 
 
+def test_a_retraction_cuts_to_what_the_server_runs_but_never_below_half_the_limit():
+    """SGLang's retraction sends running requests back to its queue: the reading that shows it can show a running
+    count far below what the pool holds. Cutting to it made a pool-bound server's limit swing; half is the floor."""
+    ctl = AutoConcurrency(cap=1000, limits=Limits(max_running=500), start=64, interval_s=2.5)
+    ctl.on_gauges(Gauges(64, 0, 0, at=2.5), 64, 2.5)
+    assert ctl.limit == 128
+    assert ctl.on_gauges(Gauges(6, 100, 5, at=3.0), 128, 3.0) == 64
+    assert ctl.reason == "retractions" and ctl.too_many == 128
+
+
 def test_a_queue_in_one_reading_alone_is_no_cut():
     """A snapshot taken while a burst of arrivals waits for the next scheduler step shows a queue once; the limit
     is cut only when the next reading shows it still."""

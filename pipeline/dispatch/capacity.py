@@ -17,7 +17,8 @@ The rules with gauges:
   fixed interval.
 - **Cut**: a retraction (the KV pool is full) or a waiting queue longer than `queue_target` in two readings in a
   row (in one alone it may be a burst of arrivals between two scheduler steps) cuts the limit to what the server
-  runs (never below `floor`) and ends the ramp. The limit it cut from is remembered (`too_many`).
+  runs (a retraction: never below half the limit, as the retracted requests have just left the running count;
+  never below `floor`) and ends the ramp. The limit it cut from is remembered (`too_many`).
 - **After a cut**: while the server keeps up, the limit grows each interval by half its distance to one below
   `too_many` and holds there; after `HOLDS` intervals it tries `too_many` once more (a probe). A probe that is cut
   goes back to the held limit and doubles the hold (up to `MAX_HOLDS` intervals); a probe that holds for an
@@ -116,7 +117,9 @@ class AutoConcurrency:
         self._queued = g.waiting > queue_target(g.running)
         aged = g.at - self.changed_at >= self.interval_s and now - self.changed_at >= self.interval_s
         if retracted > 0 and (aged or self.slow_start):     # ramping, the limit has only risen: it is too high
-            return self._cut(min(self.limit * 0.8, max(g.running, self.floor)), now, "retractions")
+            # to what the server runs, but at most halved: a retraction has just sent running requests back to its
+            # queue, so the running count of that reading can be far below what the pool holds
+            return self._cut(max(self.limit * 0.5, min(self.limit * 0.8, g.running)), now, "retractions")
         # ramping up: the server running more than the limit before the raise has seen the raise
         confirmed = self.slow_start and g.at > self.changed_at and g.running > self.before
         if not aged and not (confirmed and self._keeps_up(g, in_flight)):
