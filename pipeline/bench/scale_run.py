@@ -143,6 +143,7 @@ def set_done(run: Path, fraction: float) -> tuple[int, int]:
         removed += len(ids)
     need = target - len(committed)
     if need <= 0:
+        index_as_committed(rd)
         return 0, removed
     todo = [p.prompt_id for p in reader.pending(committed, set(), True, 0).pending[:need]]
     now = now_utc()
@@ -156,7 +157,22 @@ def set_done(run: Path, fraction: float) -> tuple[int, int]:
                 "created_at": pa.array([now] * k, pa.timestamp("ms", tz="UTC"))}
         rd.write_part(rd.data, pa.Table.from_arrays(
             [cols[f.name] if f.name in cols else pa.nulls(k, f.type) for f in records_schema], schema=records_schema))
+    index_as_committed(rd)
     return len(todo), removed
+
+
+def index_as_committed(rd) -> int:
+    """The ledger index as the committer would have left it had it committed these parts: a segment per 128 parts
+    in order, the tail read part by part (parts written or removed here bypass the committer). Returns segments."""
+    from ..store.ledger_index import SEGMENT_PARTS, index_folder, write_segment
+
+    for segment in index_folder(rd.data).iterdir():
+        segment.unlink()
+    parts = rd.ledger(rd.data).unindexed
+    whole = len(parts) - len(parts) % SEGMENT_PARTS
+    for start in range(0, whole, SEGMENT_PARTS):
+        write_segment(rd.data, parts[start:start + SEGMENT_PARTS])
+    return whole // SEGMENT_PARTS
 
 
 _PENDING_BYTES = r"""

@@ -6,6 +6,7 @@ Layout of `outputs/<run>/`:
     rejects/            invalid inputs with their reason, one file per materialisation
     data/part-*.parquet committed records
     failures/part-*.parquet  terminal failures with the server's message
+    index/data/, index/failures/  the ledger index: segments derived from the parts (ledger_index.py)
     images/<sha[:2]>/<sha>   each image of the prompt set once, by its content (images.store: copy; run_images.py)
     capture/            `regen capture`'s hidden states, a run directory of its own (store/capture_ledger.py)
     status.json         progress, rewritten atomically
