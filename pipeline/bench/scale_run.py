@@ -373,7 +373,8 @@ def scale(ctx: Ctx) -> Result:
         f"New run: {new['wall']:.0f} s, of which materialising the prompt set {new['dispatch_t0']:.0f} s; "
         + (f"stopped by the budget ({ctx.scale_budget_s:.0f} s) with {made} records made"
            if new["rc"] == 130 else f"complete, {made} records")
-        + f". Then set to 90% done: {written} ledger-only records written, {removed} removed. "
+        + f". Then set to 90% done: {written} ledger-only records written, {removed} removed, and the ledger index "
+        f"left as the committer would have (a segment per 128 parts, the rest read part by part). "
         + (f"The resume ran the last {tail} prompts in {resumed['wall']:.0f} s." if finish is None else
            f"The resume was stopped by its budget ({ctx.scale_resume_budget_s:.0f} s, from the command); then all but "
            f"{min(FINAL_TAIL, n // 10)} prompts were set done ({finish['written']} more ledger-only records) and a "
