@@ -8,6 +8,7 @@ import sys
 
 from .core import exits
 from .core.errors import RegenError
+from .store.memory import choose_arrow_pool
 
 
 def _interrupt(_signum: int, _frame: object) -> None:
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             args = argparse.Namespace(func=PASSTHROUGH[argv[0]], rest=argv[1:])
         else:
             args = build_parser().parse_args(argv)
+            choose_arrow_pool()  # before the command's first Arrow read (store/memory.py says why)
         return args.func(args)
     except RegenError as exc:
         print(f"regen: error: {exc}", file=sys.stderr)

@@ -179,8 +179,8 @@ def generate_in(cfg: RunConfig, opts: GenerateOptions, chosen: ChosenRun, stop: 
             if lock.previous_holder:
                 log.warning("took over a stale lock left by pid %s", lock.previous_holder.get("pid"))
             log.info("run directory %s", run_dir.path)
-            log.info("%.2f s since the process started (imports, the config, the run's lock)",
-                     time.monotonic() - IMPORTED_AT, extra={"file_only": True})
+            log.info("%.2f s since the process started (imports, the config, the run's lock); Arrow's memory pool: %s",
+                     time.monotonic() - IMPORTED_AT, pa.default_memory_pool().backend_name, extra={"file_only": True})
             flags = OpenFlags(opts.refresh_prompts, opts.add_samples and not opts.new_run)
             opened = open_run(cfg, flags, run_dir, lambda: manifest_for(cfg, opts.config))
             prompts = materialise(cfg, run_dir, opts.refresh_prompts or opened.restage, staged)
@@ -240,12 +240,15 @@ def pending_scan(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, prompts
     pinned prompt set. A few bytes per pending unit (its id, row and routing key); messages are read as work is
     handed out. Each prompt is samples_per_prompt units; committed and failed are unit ids."""
     started = time.monotonic()
-    committed, failed = run_dir.committed_units(), run_dir.failed_units()
+    committed, failed = run_dir.ledger(run_dir.data), run_dir.ledger(run_dir.failures)
     read = time.monotonic()
-    scan = prompts.pending(committed, failed, not opts.retry_failures, cfg.prefix_affinity_chars,
+    scan = prompts.pending(committed.ids, failed.ids, not opts.retry_failures, cfg.prefix_affinity_chars,
                            samples=cfg.samples_per_prompt)
-    log.info("ledger read in %.2f s (%d committed, %d failed rows), pending scan in %.2f s", read - started,
-             len(committed), len(failed), time.monotonic() - read, extra={"file_only": True})
+    scan.unindexed = {run_dir.data.name: committed.unindexed, run_dir.failures.name: failed.unindexed}
+    log.info("ledger read in %.2f s (%d committed, %d failed rows; %d parts from %d index segments, %d read one "
+             "by one), pending scan in %.2f s", read - started, len(committed.ids), len(failed.ids),
+             committed.covered + failed.covered, committed.segments + failed.segments,
+             len(committed.unindexed) + len(failed.unindexed), time.monotonic() - read, extra={"file_only": True})
     del committed, failed
     pa.default_memory_pool().release_unused()  # the reads' buffers, kept by the allocator: a resume's peak RSS
     return scan
@@ -285,7 +288,8 @@ def dispatch_started(cfg: RunConfig, opts: GenerateOptions, run_dir: RunDir, man
         # the committer's duplicate check starts from this session's commits: the ledger's units are never handed
         # out (the scan leaves them out, and the dispatcher finishes only the work it was given)
         committer = Committer(run_dir, set(), cfg.flush_records, cfg.flush_interval_s,  # no lease: no commit
-                              schema.records_schema(manifest.get("schema_version")), lock=lock)
+                              schema.records_schema(manifest.get("schema_version")), lock=lock,
+                              unindexed=scan.unindexed)
         try:
             state = run_dispatch(cfg, run_dir, builder, pending, committer, run_progress, stop, fleet, early,
                                  metrics)

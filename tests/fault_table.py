@@ -20,7 +20,7 @@ HEADERS = {("EIO·ENOSPC·EACCES", "once"): "EIO · ENOSPC · EACCES", ("EIO·EN
            ("short", "once"): "short write", ("interrupt", "once"): "2nd SIGINT", ("SIGKILL", "once"): "SIGKILL",
            ("500", "retried"): "500", ("500", "no retry"): "500, retries out", ("500", "outage"): "500 from then on",
            ("403", "retried"): "403", ("503", "no retry"): "503, retries out", ("reset", "outage"): "reset from then on"}
-SCENARIOS = ["data commit", "failure commit", "hidden part", "prompt set", "run.json", "status.json", "lock/lease"]
+SCENARIOS = ["data commit", "failure commit", "index segment", "hidden part", "prompt set", "run.json", "status.json", "lock/lease"]
 # what an S3 request or a seam primitive is, in the table's words
 PRIMITIVE = {"LIST": "list", "HEAD": "stat", "GET": "read", "PUT": "upload", "PUT-MARKER": "folder marker of",
              "COPY": "copy (publish)", "DELETE": "delete",

@@ -24,6 +24,7 @@ from pipeline.hidden.parts import HiddenPartWriter, garbage_hidden_parts, hidden
 from pipeline.store import schema
 from pipeline.store.lock import RunLock
 from pipeline.store.committer import Committer
+from pipeline.store.ledger_index import SEGMENT_RE, index_folder
 from pipeline.store.rundir import PART_RE, RunDir
 
 CREATED = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -156,6 +157,32 @@ class FailureCommit(DataCommit):
     def expected(self, pid: str) -> dict:
         row = failure(pid)
         return {k: row[k] for k in ("prompt_id", "message", "status")}
+
+
+class IndexSegment(DataCommit):
+    """A data commit that completes a ledger index segment (store/ledger_index.py): the part, then the segment
+    covering it and the part committed before it. The resume and the check read the ledger through the index."""
+
+    name = "index segment"
+
+    def prepare(self, run: RunDir) -> None:
+        create(run)
+        first = Committer(run, set(), 100, 3600)
+        self.add(first, PRIOR[0])
+        first.flush()
+        read = run.ledger(run.data)  # the part just committed: not in a segment yet
+        self.committer = Committer(run, set(read.ids.to_pylist()), 100, 3600,
+                                   unindexed={run.data.name: read.unindexed})
+        self.committer.index["records"].every = 2  # this flush's part completes a segment
+        for pid in PRIOR[1:] + NEW:
+            self.add(self.committer, pid)
+
+    def check(self, run: RunDir) -> None:
+        super().check(run)
+        from_parts = sorted(row["prompt_id"] for row in part_rows(run, run.data))
+        assert sorted(run.committed_ids()) == sorted(set(from_parts)), "the index says other than the parts"
+        index = index_folder(run.data)
+        assert all(SEGMENT_RE.match(p.name) for p in index.iterdir()), f"left in {index}: {index.iterdir()}"
 
 
 def hidden_samples() -> dict[str, tuple[list[int], int, np.ndarray]]:
@@ -363,4 +390,4 @@ class Lock(Scenario):
             raise AssertionError(exc) from exc
 
 
-SCENARIOS = {cls.name: cls for cls in (DataCommit, FailureCommit, HiddenPart, PromptSet, Manifest, Status, Lock)}
+SCENARIOS = {cls.name: cls for cls in (DataCommit, FailureCommit, IndexSegment, HiddenPart, PromptSet, Manifest, Status, Lock)}

@@ -143,6 +143,7 @@ def set_done(run: Path, fraction: float) -> tuple[int, int]:
         removed += len(ids)
     need = target - len(committed)
     if need <= 0:
+        index_as_committed(rd)
         return 0, removed
     todo = [p.prompt_id for p in reader.pending(committed, set(), True, 0).pending[:need]]
     now = now_utc()
@@ -156,7 +157,22 @@ def set_done(run: Path, fraction: float) -> tuple[int, int]:
                 "created_at": pa.array([now] * k, pa.timestamp("ms", tz="UTC"))}
         rd.write_part(rd.data, pa.Table.from_arrays(
             [cols[f.name] if f.name in cols else pa.nulls(k, f.type) for f in records_schema], schema=records_schema))
+    index_as_committed(rd)
     return len(todo), removed
+
+
+def index_as_committed(rd) -> int:
+    """The ledger index as the committer would have left it had it committed these parts: a segment per 128 parts
+    in order, the tail read part by part (parts written or removed here bypass the committer). Returns segments."""
+    from ..store.ledger_index import SEGMENT_PARTS, index_folder, write_segment
+
+    for segment in index_folder(rd.data).iterdir():
+        segment.unlink()
+    parts = rd.ledger(rd.data).unindexed
+    whole = len(parts) - len(parts) % SEGMENT_PARTS
+    for start in range(0, whole, SEGMENT_PARTS):
+        write_segment(rd.data, parts[start:start + SEGMENT_PARTS])
+    return whole // SEGMENT_PARTS
 
 
 _PENDING_BYTES = r"""
@@ -357,7 +373,8 @@ def scale(ctx: Ctx) -> Result:
         f"New run: {new['wall']:.0f} s, of which materialising the prompt set {new['dispatch_t0']:.0f} s; "
         + (f"stopped by the budget ({ctx.scale_budget_s:.0f} s) with {made} records made"
            if new["rc"] == 130 else f"complete, {made} records")
-        + f". Then set to 90% done: {written} ledger-only records written, {removed} removed. "
+        + f". Then set to 90% done: {written} ledger-only records written, {removed} removed, and the ledger index "
+        f"left as the committer would have (a segment per 128 parts, the rest read part by part). "
         + (f"The resume ran the last {tail} prompts in {resumed['wall']:.0f} s." if finish is None else
            f"The resume was stopped by its budget ({ctx.scale_resume_budget_s:.0f} s, from the command); then all but "
            f"{min(FINAL_TAIL, n // 10)} prompts were set done ({finish['written']} more ledger-only records) and a "

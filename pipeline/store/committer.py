@@ -17,6 +17,7 @@ from . import schema
 from ..core.errors import PartExists, StorageError
 from ..core.work import record_unit
 from .lock import RunLock
+from .ledger_index import PartUnits, SegmentWriter
 from .rundir import RunDir, committed_part
 
 log = logging.getLogger("regen.commit")
@@ -53,8 +54,10 @@ class Committer:
     buffered, and commits a part when the buffer is full or old enough. A SIGKILL loses only the buffer."""
 
     def __init__(self, run_dir: RunDir, done: set[str], flush_records: int, flush_interval_s: float,
-                 records_schema: pa.Schema = schema.RECORDS, lock: RunLock | None = None):
-        """`lock`: the run's lock; a driver that has lost it (a lease taken over or expired) commits nothing."""
+                 records_schema: pa.Schema = schema.RECORDS, lock: RunLock | None = None,
+                 unindexed: dict[str, list[PartUnits]] | None = None):
+        """`lock`: the run's lock; a driver that has lost it (a lease taken over or expired) commits nothing.
+        `unindexed`: by folder name, the parts the resume read one by one (ledger_index.py): the first segments'."""
         self.run_dir, self.lock = run_dir, lock
         self.records_schema = records_schema  # the run's own (schema.records_schema of its run.json)
         self.done = done  # unit ids committed (data + terminal failures): this session's, or from the ledger too
@@ -74,6 +77,9 @@ class Committer:
         self.on_failures_committed: Callable[[list[dict[str, Any]]], None] | None = None  # and of a failures part
         # a records part's footer metadata, from its rows, committed with them (goodput.part_footer)
         self.footer: Callable[[list[dict[str, Any]]], dict[bytes, bytes]] | None = None
+        carried = unindexed or {}
+        self.index = {kind: SegmentWriter(folder, carried.get(folder.name))
+                      for kind, folder in (("records", run_dir.data), ("failures", run_dir.failures))}
 
     def _accept(self, unit: str) -> bool:
         """`unit`: the unit's id, so that sample 1 of a prompt is not a duplicate of its sample 0."""
@@ -156,6 +162,7 @@ class Committer:
                 self._settle(kind, ids, len(rows))
             self._unsettled.pop(kind, None)
             raise
+        self.index[kind].committed(path, table)
 
     def _settle(self, kind: str, ids: frozenset[str], n_rows: int) -> None:
         """Idempotent, so that a settle interrupted by a signal can simply be done again."""

@@ -6,6 +6,7 @@ Layout of `outputs/<run>/`:
     rejects/            invalid inputs with their reason, one file per materialisation
     data/part-*.parquet committed records
     failures/part-*.parquet  terminal failures with the server's message
+    index/data/, index/failures/  the ledger index: segments derived from the parts (ledger_index.py)
     images/<sha[:2]>/<sha>   each image of the prompt set once, by its content (images.store: copy; run_images.py)
     capture/            `regen capture`'s hidden states, a run directory of its own (store/capture_ledger.py)
     status.json         progress, rewritten atomically
@@ -27,22 +28,34 @@ from typing import Any, Callable
 
 import orjson
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schema
 from ..core.errors import StorageError
 from ..core.images import IMAGES_DIR
-from ..core.work import SAMPLE_SEP
 from .lock import RunLock  # the run's lock lives with its directory
 from .prompt_reader import PromptSetReader, pinned_reader
-from .storage import TMP_PREFIX, Location, read_columns
+from .ledger_index import LedgerRead, index_folder, read_ledger, units_of
+from .storage import TMP_PREFIX, Location, read_part_columns
 
 log = logging.getLogger("regen")
 
 PART_RE = re.compile(r"^part-(\d{6})-[0-9a-f]{8}\.parquet$")
 VERSION_RE = re.compile(r"^prompts-(\d{6})\.parquet$")
 PROMPT_GROUP_ROWS = 1024
+
+
+def _part_units(parts: list[Location]) -> list[pa.Array]:
+    """The unit ids of each part, reading the id columns only (every part of one run has its run's columns: the
+    first one's say whether records name samples)."""
+    with_samples = "sample_index" in parts[0].parquet_schema().names
+    tables = read_part_columns(parts, ["prompt_id", "sample_index"] if with_samples else ["prompt_id"])
+    ids = units_of(pa.concat_tables(tables, promote_options="default"))  # a column a part lacks: nulls
+    out, start = [], 0
+    for table in tables:
+        out.append(ids.slice(start, table.num_rows))
+        start += table.num_rows
+    return out
 
 
 def atomic_write(where: str | PathLike[str] | Location, data: bytes) -> None:
@@ -147,7 +160,8 @@ class RunDir:
     def cleanup_temp(self) -> list[Location]:
         """Remove temporary files a killed writer left behind; they were never committed."""
         removed = []
-        for folder in (self.path, self.data, self.failures, self.rejects, self.prompts, self.logs, self.images):
+        for folder in (self.path, self.data, self.failures, self.rejects, self.prompts, self.logs, self.images,
+                       index_folder(self.data), index_folder(self.failures)):
             for tmp in folder.iterdir():
                 if tmp.name.startswith(TMP_PREFIX):
                     tmp.unlink()
@@ -180,25 +194,18 @@ class RunDir:
         return set(self.unit_ids(folder).to_pylist())
 
     def unit_ids(self, folder: Location) -> pa.Array:
-        """The ledger: the unit ids (core/work.py unit_id) of committed parts, reading the id columns only, as one
-        Arrow array (a unit of several rows, e.g. the turns of an all_turns record, is there as often). A record of
-        sample j > 0 (`sample_index`) is `<prompt_id>#s<j>`; a failure row's prompt_id is its unit's id; a record
-        whose sample_index is null or 0 is its prompt's sample 0, the prompt's own id. Built in Arrow: a few bytes
-        per id, and no Python object per committed unit."""
-        parts = self.parts(folder)
-        if not parts:
-            return pa.array([], pa.string())
-        # every part of one run has its run's columns: the first one's say whether records name samples
-        with_samples = "sample_index" in parts[0].parquet_schema().names
-        table = read_columns(parts, ["prompt_id", "sample_index"] if with_samples else ["prompt_id"])
-        ids = table.column(0).combine_chunks()
-        if with_samples:
-            later = pc.fill_null(pc.greater(table.column(1), 0), False).combine_chunks()
-            if pc.any(later).as_py():
-                suffixed = pc.binary_join_element_wise(ids, pc.cast(table.column(1), pa.string()).combine_chunks(),
-                                                       SAMPLE_SEP)
-                ids = pc.if_else(later, suffixed, ids)
-        return ids
+        """The ledger: the unit ids (core/work.py unit_id) of committed parts, as one Arrow array (a unit of several
+        rows, e.g. the turns of an all_turns record, is there as often). Built in Arrow from the id columns only
+        (`units_of`), and from the ledger index's segments where they are valid (ledger_index.py)."""
+        return self.ledger(folder).ids
+
+    def ledger(self, folder: Location) -> LedgerRead:
+        """`unit_ids`, with the parts no index segment covered (read one by one: the committer's next segment)."""
+        read = read_ledger(folder, self.parts(folder), _part_units)
+        for why in read.passed_over:
+            log.info("ledger index of %s: passed over %s; its parts are read one by one", folder.name, why,
+                     extra={"file_only": True})
+        return read
 
     def committed_ids(self) -> set[str]:
         return self.ids_in(self.data)
