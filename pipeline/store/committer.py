@@ -57,7 +57,8 @@ class Committer:
                  records_schema: pa.Schema = schema.RECORDS, lock: RunLock | None = None,
                  unindexed: dict[str, list[PartUnits]] | None = None):
         """`lock`: the run's lock; a driver that has lost it (a lease taken over or expired) commits nothing.
-        `unindexed`: by folder name, the parts the resume read one by one (ledger_index.py): the first segments'."""
+        `unindexed`: by folder name, the parts the resume read one by one (ledger_index.py): the first segments'.
+        The committer takes them: the dict is emptied."""
         self.run_dir, self.lock = run_dir, lock
         self.records_schema = records_schema  # the run's own (schema.records_schema of its run.json)
         self.done = done  # unit ids committed (data + terminal failures): this session's, or from the ledger too
@@ -77,7 +78,9 @@ class Committer:
         self.on_failures_committed: Callable[[list[dict[str, Any]]], None] | None = None  # and of a failures part
         # a records part's footer metadata, from its rows, committed with them (goodput.part_footer)
         self.footer: Callable[[list[dict[str, Any]]], dict[bytes, bytes]] | None = None
-        carried = unindexed or {}
+        carried = dict(unindexed or {})
+        if unindexed is not None:
+            unindexed.clear()  # taken: what handed them over (the pending scan) may live as long as the session
         self.index = {kind: SegmentWriter(folder, carried.get(folder.name))
                       for kind, folder in (("records", run_dir.data), ("failures", run_dir.failures))}
 

@@ -3,8 +3,8 @@ segments instead of every part's footer and id column (a million prompts in 1,76
 first 5, in a run sharing two cores with Ray's start).
 
 Never the truth (DESIGN invariants 3 and 4): the parts are. A segment, `RUN/index/<folder>/segment-*.parquet`,
-names each part it covers with its size; it is used only when every one of those parts is there at that size and
-no segment read before it covers one of them. Otherwise it is passed over and its parts are read one by one. A
+names each part it covers with its size and modification time (from a listing); it is used only when every one of
+those parts is there with that size and time and no segment read before it covers one of them. Otherwise it is passed over and its parts are read one by one. A
 segment is written whole under a temporary name, then renamed (storage.Location.write_atomic): a SIGKILL at any
 point leaves either no segment or a whole one, and the parts it would have covered are read as before.
 Segments are written only by the committer, after a commit, so a refused command never writes one. Deleting
@@ -30,17 +30,16 @@ log = logging.getLogger("regen")
 
 INDEX_DIR = "index"
 SEGMENT_RE = re.compile(r"^segment-(\d{6})-(\d{6})-[0-9a-f]{8}\.parquet$")
-PARTS_KEY = b"regen.index.parts"  # the footer's list of [part name, size in bytes] the segment covers
+PARTS_KEY = b"regen.index.parts"  # the footer's list of [part name, size in bytes, mtime in ns] it covers
 SEGMENT_PARTS = 128  # parts a segment covers when the committer writes one (a 128-part tail is read part by part)
 UNIT_ID = "unit_id"
 
 
 @dataclass
 class PartUnits:
-    """One part as the index knows it: its name, its size, the unit ids of its rows (one per row)."""
+    """One part as the index knows it: its name and the unit ids of its rows (one per row)."""
 
     name: str
-    size: int
     ids: pa.Array
 
 
@@ -77,38 +76,43 @@ def index_folder(folder: Location) -> Location:
 def read_ledger(folder: Location, parts: list[Location], read_parts: Callable[[list[Location]], list[pa.Array]],
                 id_type: pa.DataType = pa.string()) -> LedgerRead:
     """The unit ids of `parts` (the folder's listing): from the valid segments, and from `read_parts` (one array
-    of unit ids per part, in order) for the parts they do not cover."""
+    of unit ids per part, in order) for the parts they do not cover. Nothing in the index can fail the read: an
+    index that cannot be read is passed over, and every part is read."""
     if not parts:
         return LedgerRead(pa.array([], id_type))
-    sizes = folder.entry_sizes()
     wanted = {part.name for part in parts}
     covered: set[str] = set()
     chunks: list[pa.Array] = []
     used, passed_over = 0, []
-    for segment in _segments(folder):
+    try:
+        segments, stamps = _segments(folder), folder.entry_stamps()
+    except (StorageError, OSError) as exc:
+        segments, stamps = [], {}
+        passed_over.append(f"{index_folder(folder)}: not readable ({exc})")
+    for segment in segments:
         try:
             listed = _covered_parts(segment)
-        except (StorageError, OSError, ValueError, pa.ArrowException) as exc:
-            passed_over.append(f"{segment.name}: not readable ({exc})")
+            why = _invalid(listed, stamps, wanted, covered)
+            if why:
+                passed_over.append(f"{segment.name}: {why}")
+                continue
+            ids = segment.read_parquet([UNIT_ID]).column(0).combine_chunks()
+            chunks.append(ids.cast(id_type) if ids.type != id_type else ids)
+        except _UNREADABLE as exc:
+            passed_over.append(f"{segment.name}: not readable ({type(exc).__name__}: {exc})")
             continue
-        why = _invalid(listed, sizes, wanted, covered)
-        if why:
-            passed_over.append(f"{segment.name}: {why}")
-            continue
-        try:
-            chunks.append(segment.read_parquet([UNIT_ID]).column(0).combine_chunks())
-        except (StorageError, OSError, pa.ArrowException) as exc:
-            passed_over.append(f"{segment.name}: not readable ({exc})")
-            continue
-        covered.update(name for name, _ in listed)
+        covered.update(name for name, _, _ in listed)
         used += 1
     rest = [part for part in parts if part.name not in covered]
-    unindexed = [PartUnits(part.name, sizes.get(part.name, -1), ids)
-                 for part, ids in zip(rest, read_parts(rest) if rest else [])]
-    chunks.extend(p.ids for p in unindexed)
-    chunks = [c.cast(id_type) if c.type != id_type else c for c in chunks]
+    unindexed = [PartUnits(part.name, ids) for part, ids in zip(rest, read_parts(rest) if rest else [])]
+    chunks.extend(p.ids.cast(id_type) if p.ids.type != id_type else p.ids for p in unindexed)
     ids = pa.concat_arrays(chunks) if chunks else pa.array([], id_type)
     return LedgerRead(ids, unindexed, used, len(covered), passed_over)
+
+
+# what a file named like a segment may raise when it is not one (torn, another footer, another column)
+_UNREADABLE = (StorageError, OSError, ValueError, TypeError, KeyError, IndexError, pa.ArrowException)
+Stamp = tuple[int, "int | None"]  # a part's size in bytes and its modification time (ns), from a listing
 
 
 def _segments(folder: Location) -> list[Location]:
@@ -116,33 +120,45 @@ def _segments(folder: Location) -> list[Location]:
     return sorted(p for p in where.iterdir() if SEGMENT_RE.match(p.name))
 
 
-def _covered_parts(segment: Location) -> list[tuple[str, int]]:
+def _covered_parts(segment: Location) -> list[tuple[str, int, int | None]]:
     metadata = segment.parquet_schema().metadata or {}
     if PARTS_KEY not in metadata:
         raise ValueError("no list of parts in its footer")
-    return [(str(name), int(size)) for name, size in orjson.loads(metadata[PARTS_KEY])]
+    listed = orjson.loads(metadata[PARTS_KEY])
+    if not isinstance(listed, list) or not all(
+            isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and isinstance(e[1], int)
+            and (e[2] is None or isinstance(e[2], int)) for e in listed):
+        raise ValueError("its list of parts is not [name, size, mtime] entries")
+    return [(name, size, mtime) for name, size, mtime in listed]
 
 
-def _invalid(listed: list[tuple[str, int]], sizes: dict[str, int], wanted: set[str], covered: set[str]) -> str:
-    for name, size in listed:
+def _invalid(listed: list[tuple[str, int, int | None]], stamps: dict[str, Stamp], wanted: set[str],
+             covered: set[str]) -> str:
+    """Why the segment cannot stand for its parts: one is gone, or was rewritten (another size or mtime)."""
+    for name, size, mtime in listed:
         if name not in wanted:
             return f"its part {name} is not in the folder"
-        if sizes.get(name) != size:
-            return f"its part {name} is {sizes.get(name)} bytes, it indexed {size}"
+        if stamps.get(name) != (size, mtime):
+            return f"its part {name} is {stamps.get(name)} (size, mtime), it indexed {(size, mtime)}"
         if name in covered:
             return f"its part {name} is covered by an earlier segment"
     return ""
 
 
-def write_segment(folder: Location, parts: list[PartUnits]) -> Location:
-    """One segment covering `parts` (ascending part names), written whole or not at all."""
+def write_segment(folder: Location, parts: list[PartUnits], stamps: dict[str, Stamp] | None = None) -> Location:
+    """One segment covering `parts` (ascending part names), written whole or not at all. `stamps`: a listing of
+    the folder (taken here if not given), so that a resume's listing compares like with like."""
+    stamps = folder.entry_stamps() if stamps is None else stamps
+    missing = [p.name for p in parts if p.name not in stamps]
+    if missing:
+        raise ValueError(f"part {missing[0]} is not in {folder}")
     numbers = [int(p.name.split("-")[1]) for p in parts]
     where = index_folder(folder)
     where.mkdir()
     path = where / f"segment-{min(numbers):06d}-{max(numbers):06d}-{uuid.uuid4().hex[:8]}.parquet"
     ids = pa.concat_arrays([p.ids.cast(pa.string()) if p.ids.type != pa.string() else p.ids for p in parts])
     table = pa.table({UNIT_ID: ids}).replace_schema_metadata(
-        {PARTS_KEY: orjson.dumps([[p.name, p.size] for p in parts])})
+        {PARTS_KEY: orjson.dumps([[p.name, *stamps[p.name]] for p in parts])})
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
     path.write_atomic(sink.getvalue().to_pybytes())
@@ -150,25 +166,31 @@ def write_segment(folder: Location, parts: list[PartUnits]) -> Location:
 
 
 class SegmentWriter:
-    """The committer's side: the parts committed (and those a resume read one by one) gather until there are
-    SEGMENT_PARTS of them, then become one segment. A failed write is logged and changes nothing else: the parts
-    are read one by one, as without an index."""
+    """The committer's side: the parts committed (after those a resume read one by one) gather until there are
+    `every` of them, then become one segment (a resume's backlog: several, at its first commit). A failed write
+    is logged and changes nothing else: those parts are read one by one, as without an index."""
 
     def __init__(self, folder: Location, carried: list[PartUnits] | None = None, every: int = SEGMENT_PARTS):
         self.folder, self.every = folder, every
-        self.waiting: list[PartUnits] = [p for p in (carried or []) if p.size >= 0]
+        carried = list(carried or [])
+        # the tail left waiting after the backlog's whole segments: copied, so that the resume's one large array of
+        # unit ids is freed once those segments are written
+        whole = len(carried) - len(carried) % every
+        self.waiting = carried[:whole] + [PartUnits(p.name, pa.concat_arrays([p.ids])) for p in carried[whole:]]
         self.written = 0
 
     def committed(self, part: Location, table: pa.Table) -> None:
         """`table`: the part's rows, as committed."""
+        self.waiting.append(PartUnits(part.name, units_of(table)))
+        if len(self.waiting) < self.every:
+            return
         try:
-            self.waiting.append(PartUnits(part.name, part.size(), units_of(table)))
-            if len(self.waiting) >= self.every:
-                path = write_segment(self.folder, self.waiting)
-                log.info("ledger index: %s covers %d parts", path.name, len(self.waiting),
-                         extra={"file_only": True})
-                self.waiting, self.written = [], self.written + 1
-        except (StorageError, OSError, ValueError, pa.ArrowException) as exc:  # derived: the commit stands without it
+            stamps = self.folder.entry_stamps()
+            while len(self.waiting) >= self.every:
+                path = write_segment(self.folder, self.waiting[:self.every], stamps)
+                log.info("ledger index: %s covers %d parts", path.name, self.every, extra={"file_only": True})
+                self.waiting, self.written = self.waiting[self.every:], self.written + 1
+        except _UNREADABLE as exc:  # derived: the commit stands without it
             log.warning("ledger index: could not write a segment for %d parts of %s (%s); a resume reads them "
                         "one by one", len(self.waiting), self.folder, exc)
             self.waiting = []

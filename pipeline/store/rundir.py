@@ -45,6 +45,13 @@ VERSION_RE = re.compile(r"^prompts-(\d{6})\.parquet$")
 PROMPT_GROUP_ROWS = 1024
 
 
+def _remove_temp(folder: Location) -> list[Location]:
+    removed = [tmp for tmp in folder.iterdir() if tmp.name.startswith(TMP_PREFIX)]
+    for tmp in removed:
+        tmp.unlink()
+    return removed
+
+
 def _part_units(parts: list[Location]) -> list[pa.Array]:
     """The unit ids of each part, reading the id columns only (every part of one run has its run's columns: the
     first one's say whether records name samples)."""
@@ -160,12 +167,13 @@ class RunDir:
     def cleanup_temp(self) -> list[Location]:
         """Remove temporary files a killed writer left behind; they were never committed."""
         removed = []
-        for folder in (self.path, self.data, self.failures, self.rejects, self.prompts, self.logs, self.images,
-                       index_folder(self.data), index_folder(self.failures)):
-            for tmp in folder.iterdir():
-                if tmp.name.startswith(TMP_PREFIX):
-                    tmp.unlink()
-                    removed.append(tmp)
+        for folder in (self.path, self.data, self.failures, self.rejects, self.prompts, self.logs, self.images):
+            removed += _remove_temp(folder)
+        for folder in (index_folder(self.data), index_folder(self.failures)):
+            try:
+                removed += _remove_temp(folder)
+            except (StorageError, OSError) as exc:  # derived: a resume reads the parts instead (ledger_index.py)
+                log.warning("could not clean %s (%s); the ledger index there is passed over", folder, exc)
         return removed
 
     @staticmethod

@@ -136,12 +136,14 @@ class Location:
             infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
         return [Location(info.path, self.scheme, self.query, self.fs) for info in infos]
 
-    def entry_sizes(self) -> dict[str, int]:
-        """The size of each file in the folder, by name, from one listing (none if it does not exist)."""
+    def entry_stamps(self) -> dict[str, tuple[int, int | None]]:
+        """(size, modification time in ns) of each file in the folder, by name, from one listing (none if it does
+        not exist)."""
         with _errors("list", self):
             _io("list", self.path)
             infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
-        return {posixpath.basename(info.path): info.size for info in infos if info.type == pafs.FileType.File}
+        return {posixpath.basename(info.path): (info.size, info.mtime_ns) for info in infos
+                if info.type == pafs.FileType.File}
 
     def read_bytes(self) -> bytes:
         """Raises FileNotFoundError on every backend when the file is missing (pyarrow maps it so)."""
