@@ -277,6 +277,14 @@ def test_run_preflight_command(servers, tmp_path, capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert "REFUSED" in out and "preflight refused" in err and label(bad) in err and "--reasoning-parser" in err
 
+    # A concurrency far below the server's batch: the warning `regen generate` logs is printed under the table.
+    assert run_preflight_command(write_config(tmp_path, [good.url],
+                                              endpoints=[{"url": good.url, "concurrency": 1}])) == 0
+    out, err = capsys.readouterr()
+    warned = [line.strip() for line in out.splitlines() if "raise `concurrency`" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"endpoint {label(good)}: concurrency 1, the server batches "
+                                                     "up to "), out
+
     # Secrets are checked before anything is contacted.
     monkeypatch.delenv("REGEN_TEST_MISSING_KEY", raising=False)
     path = write_config(tmp_path, [good.url], endpoints=[{"url": good.url, "api_key_env": "REGEN_TEST_MISSING_KEY"}])

@@ -218,16 +218,22 @@ def announce_reports(reports: list[EndpointReport], cfg: RunConfig, start_with_p
 
 def announce_capacity(r: EndpointReport, cfg: RunConfig) -> None:
     """The capacity line: how the configured concurrency compares with the server's batch (capacity.py)."""
+    said = capacity_said(r, cfg)
+    if said is not None:
+        log.log(logging.WARNING if said[0] else logging.INFO, "%s", said[1])
+
+
+def capacity_said(r: EndpointReport, cfg: RunConfig) -> tuple[bool, str] | None:
+    """(a warning, the line) of an endpoint whose server's limits were read; a warning where the concurrency is far
+    below the server's batch."""
     e = next((e for e in cfg.all_endpoints() if e.label == r.label), None)
     if e is None or r.limits is None or not r.reachable:
-        return
+        return None
     concurrency = shown_concurrency(e, r.limits)
-    line = capacity_line(concurrency, r.limits)
+    line = f"endpoint {r.label}: {capacity_line(concurrency, r.limits)}"
     if far_below(concurrency, r.limits):
-        log.warning("endpoint %s: %s; raise `concurrency` (or set it to auto) to use the server's batch", r.label,
-                    line)
-    else:
-        log.info("endpoint %s: %s", r.label, line)
+        return True, f"{line}; raise `concurrency` (or set it to auto) to use the server's batch"
+    return False, line
 
 
 def _passing_hint(reports: list[EndpointReport], cfg: RunConfig) -> str:
@@ -296,6 +302,9 @@ def run_preflight_command(config_path: str, needs_of: Callable[[RunConfig], Any]
     print(render_table(reports, cfg, []))
     for note in fleet_notes(reports, cfg):
         print(f"  fleet: {note}")
+    for warning, line in filter(None, (capacity_said(r, cfg) for r in reports)):
+        if warning:  # the table's batch column has the rest
+            print(f"  {line}")
     ready = sum(r.ok for r in reports)
     print(f"preflight passed: {ready} of {len(reports)} endpoints ready for {cfg.model}")
     return exits.OK.code
