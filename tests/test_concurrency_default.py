@@ -314,3 +314,32 @@ def test_an_exception_in_the_poll_is_in_the_stats_and_the_drivers_log_and_the_po
         log_concurrency("sgl-0", {"concurrency": 8}, failed)
     assert "endpoint sgl-0: the poll of its concurrency failed (it goes on): RuntimeError: an odd answer" in \
         caplog.text
+
+
+def test_an_unset_concurrency_on_a_real_llama_cpp_is_pinned_to_8(llama_fleet):
+    """llama.cpp serves no batch on /server_info (its own answer, not a fake's): the worker of an endpoint without
+    a concurrency runs a fixed 8 there, says so in its stats, and no gauge or latency moves it."""
+    from pipeline.core.work import WorkItem
+    from pipeline.dispatch.worker import EndpointWorker
+    from pipeline.endpoints.client import ClientSettings
+
+    settings = ClientSettings(model="SmolLM2-135M-Instruct", temperature=0.0, top_p=1.0, max_tokens=4)
+    url = llama_fleet.endpoints()[0].url
+
+    async def scenario() -> dict:
+        worker = EndpointWorker(url, "llama", 8, settings, concurrency_cap=64, auto_by_default=True)
+        try:
+            n = 0
+            while worker.auto.mode == "deciding":  # the poll reads the limits once the first work is in
+                work = [WorkItem(f"p{n + i}", orjson.dumps([{"role": "user", "content": "hi"}]), None)
+                        for i in range(max(1, worker.demand()))]
+                n += len(work)
+                await worker.exchange(work, wait_s=0.2)
+            await asyncio.wait_for(worker.auto._task, 60)  # a pinned concurrency's poll ends
+            return worker.auto.stats()
+        finally:
+            await worker.close()
+
+    stats = asyncio.run(asyncio.wait_for(scenario(), 120))  # the bound only turns a hang into a failure
+    assert (stats["concurrency"], stats["concurrency_mode"], stats["concurrency_unset"]) == (8, "pinned", True)
+    assert stats["server_batch"] is None
