@@ -24,6 +24,15 @@ def log_lines(run: Path) -> list[str]:
     return (run / "logs" / "regen.log").read_text().splitlines()
 
 
+def serving(run: Path, label: str) -> bool:
+    """status.json shows `label` with requests in flight (it has been sent work and not answered it all)."""
+    try:
+        stats = orjson.loads((run / "status.json").read_bytes())["endpoints"][label]
+    except (OSError, KeyError, orjson.JSONDecodeError):
+        return False
+    return (stats.get("in_flight") or 0) > 0
+
+
 def kill_actor(address: str, label: str) -> None:
     """Kill the Ray actor that serves `label` (the actors are named after their endpoint)."""
     import ray
@@ -61,6 +70,9 @@ def story(tmp_path_factory, ray_cluster):
         try:
             # Each step is taken at once, none waits for the run: on a busy machine the run could end first.
             wait_for(lambda: run.exists() and len(committed_ids(run)) >= 16, 120, 0.2, "a first commit")
+            # emu-2's actor may start last on a busy machine: killed before it serves, it would see only the
+            # restarted server's other weights, never a dropped request
+            wait_for(lambda: serving(run, "emu-2"), 120, 0.2, "emu-2 serving")
             servers[2].kill()  # in-flight requests are dropped: its circuit opens
             servers[3].start()
             servers[2].restart(weight_version="other-weights")
