@@ -199,6 +199,8 @@ def test_simulate_runs_the_real_pipeline_on_a_sample_and_predicts(ray_cluster):
                  .split()[2].replace(",", ""))
     assert tokens > 112, "every prompt is predicted to produce tokens"
     assert "predicted wall time" in result.stdout and "predicted disk" in result.stdout
+    wall = next(line for line in result.stdout.splitlines() if line.startswith("predicted wall time"))
+    assert " at concurrency " in wall and "per endpoint" in wall, wall  # the concurrency it predicted at
     # Issue 23: it says that the real fleet was not checked, and how to check it.
     assert ("this ran against 2 emulated SGLang endpoints on 127.0.0.1, serving SmolLM2-135M-Instruct: none of the "
             "config's real endpoints (local-0, local-1) was contacted or checked. `regen preflight configs/local.yaml` "

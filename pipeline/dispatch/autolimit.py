@@ -35,6 +35,7 @@ class AutoLimit:
         # `concurrency` not set: auto on a server that reports its batch, else pinned to `fallback` (8) once its
         # limits are read (before: the controller's start, 8)
         self.fallback = fallback
+        self.cap = cap                      # the user's `concurrency_cap` (a pin lowers the controller's)
         self.ctl = AutoConcurrency(cap, Limits(), start=start, interval_s=interval_s, now=time.monotonic())
         self.active = 0
         self._room = asyncio.Event()
@@ -45,7 +46,8 @@ class AutoLimit:
         self._stale_limits = True
         self._limits_at = time.monotonic()
         self._limits_due, self._limits_retry_s = 0.0, 0.0   # a failed reading is retried with a backoff
-        # "auto"; "deciding": `concurrency` not set, the limits not read yet; "pinned": set to `fallback`
+        # "auto"; "deciding": `concurrency` not set, the limits not read yet; "pinned": set to `fallback` (a set
+        # number is the worker's "fixed", with no AutoLimit)
         self.mode = "deciding" if fallback is not None else "auto"
         self.unset = fallback is not None
         self.poll_error: str | None = None
@@ -74,8 +76,11 @@ class AutoLimit:
             self._room.set()
 
     def _server(self) -> tuple[Any, Any, Any]:
+        """The server's running and waiting counts (its gauges are floats from the Prometheus text: counts, shown
+        as integers) and its batch."""
         g = self.gauges
-        return (None if g is None else g.running, None if g is None else g.waiting, self.ctl.limits.max_running)
+        return (None if g is None else round(g.running), None if g is None else round(g.waiting),
+                self.ctl.limits.max_running)
 
     # -- what feeds the controller ---------------------------------------------------------------------------
     def completed(self, latency_s: float, tokens: int, in_flight: int) -> None:
@@ -181,6 +186,7 @@ class AutoLimit:
         settled, last = self.ctl.settled_at, self.ctl.changes[-1][0] if len(self.ctl.changes) > 1 else None
         return {"concurrency": self.ctl.limit, "concurrency_reason": self.ctl.reason,
                 "concurrency_mode": self.mode, "concurrency_unset": self.unset,
+                "concurrency_cap": self.cap, "concurrency_highest": self.ctl.highest,
                 "concurrency_poll_error": self.poll_error, "server_running": running,
                 "server_waiting": waiting, "server_batch": batch,
                 "concurrency_settled_s": None if settled is None else round(settled - self._t0, 1),

@@ -24,8 +24,9 @@ The rules with gauges:
   goes back to the held limit and doubles the hold (up to `MAX_HOLDS` intervals); a probe that holds for an
   interval forgets `too_many` (the server takes more now) and the limit grows by 5% an interval. So it settles
   instead of oscillating around the server's limit.
-Never above `cap` (the user's), the server's batch plus a headroom, nor its batch plus its `max_queued_requests`
-(503s past it). `reset` re-starts it from the limits of a restarted server (a smaller pool, another data-parallel
+Never above `cap` (the user's `concurrency_cap`), the server's batch plus a headroom, nor its batch plus its
+`max_queued_requests` (503s past it); a change the cap clamped, where the server would take more, has the reason
+`concurrency_cap`. `reset` re-starts it from the limits of a restarted server (a smaller pool, another data-parallel
 size). `settled_at` is when the limit last entered the band of ±`SETTLE_BAND` around its current value and stayed.
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ import math
 from ..endpoints.capacity import Gauges, Limits
 
 HOLDS, MAX_HOLDS = 4, 16      # intervals spent below `too_many` before a probe of it: first, longest
+UNBOUNDED = 1 << 30           # a cap that bounds nothing: what the server's limits alone allow
 SETTLE_BAND = 0.1             # `settled_at`: the limit has stayed within 10% of its current value since then
 
 
@@ -46,6 +48,7 @@ class AutoConcurrency:
         self.start = start
         self.limits = limits
         self.limit = min(start, limits.ceiling(cap))
+        self.highest = self.limit                  # the highest limit it reached
         self.before = 0                            # the limit before the last change
         self.changed_at = now
         self.slow_start = True
@@ -83,6 +86,11 @@ class AutoConcurrency:
         return self.limits.ceiling(self.cap)
 
     @property
+    def capped(self) -> bool:
+        """`cap` bounds the limit below what the server's limits allow (or it reports none)."""
+        return self.cap < self.limits.ceiling(UNBOUNDED)
+
+    @property
     def ramping(self) -> bool:
         """In slow start below the ceiling: each raise waits only for a reading that shows it."""
         return self.slow_start and self.limit < self.ceiling
@@ -100,9 +108,13 @@ class AutoConcurrency:
         return entered
 
     def _set(self, value: int, now: float, reason: str) -> int:
-        value = max(self.floor, min(self.ceiling, int(value)))
+        wanted = max(self.floor, int(value))
+        value = max(self.floor, min(self.ceiling, wanted))
+        if wanted > value and self.capped:
+            reason = "concurrency_cap"                 # the server would take more: the user's cap is why
         if value != self.limit:
             self.before, self.limit, self.changed_at, self.reason = self.limit, value, now, reason
+            self.highest = max(self.highest, value)
             self.changes.append((now, value))
         return self.limit
 

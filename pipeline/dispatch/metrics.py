@@ -99,7 +99,7 @@ class RunMetrics:
             self._endpoint(label, stats.get("state", "healthy"), stats.get("in_flight", 0))
             self._count_errors(label, stats.get("errors") or {})
             for what in ("concurrency", "server_running", "server_waiting", "server_batch"):
-                if stats.get(what) is not None:
+                if stats.get(what) is not None and stats.get("concurrency_mode") != "fixed":  # auto or unset only
                     self.capacity.labels(self.run, label, what).set(stats[what])
             if stats.get("concurrency_mode") in ("auto", "pinned"):
                 self.capacity.labels(self.run, label, "auto").set(stats["concurrency_mode"] == "auto")

@@ -18,6 +18,7 @@ from ..store.goodput import DUPLICATE, part_footer
 from ..store.prompt_reader import PendingPrompt
 from ..store.records import RecordBuilder
 from ..store.rundir import RunDir
+from ..store.status import concurrency_sessions
 from .cluster import EndpointsFileWatch, embedded_ray, join_ray
 from .startup import EarlyActors, start_concurrency
 from .fleet import FleetFacts
@@ -35,6 +36,9 @@ def run_dispatch(cfg: Any, run_dir: RunDir, builder: RecordBuilder, pending: lis
     if fleet.images:
         check_send_as(cfg.images.send_as, cfg.images.store, run_dir.path.uri)
     stop.graceful = True  # from here a signal ends the dispatch and the buffer is committed
+    # what each endpoint's concurrency ended the earlier sessions at (the card's), from the last status.json: read
+    # before this session writes its own
+    progress.extra["concurrency_sessions"] = concurrency_sessions(run_dir.read_status())
     bound = metrics is None and cfg.metrics is not None  # not bound by session_start (no pending work expected)
     if bound:
         metrics = serve_metrics(cfg, run_dir.read_manifest().get("fingerprint"))
@@ -171,7 +175,8 @@ def dispatch_with_ray(cfg, run_dir: RunDir, builder: RecordBuilder, pending: lis
     if dispatcher.refused:
         log.warning("endpoints held out by the preflight never passed it this session, so the run went on without "
                     "them: %s", "; ".join(f"{label}: {why}" for label, why in dispatcher.refused.items()))
-    progress.extra = {"requeued": dispatcher.requeued, "actor_restarts": dispatcher.actor_restarts,
+    progress.extra = {"concurrency_sessions": progress.extra.get("concurrency_sessions", []),
+                      "requeued": dispatcher.requeued, "actor_restarts": dispatcher.actor_restarts,
                       "hedged": len(dispatcher.hedged), "dropped_duplicates": committer.dropped_duplicates,
                       "fleet_changes": dispatcher.fleet_changes, "held_out": sorted(dispatcher.refused),
                       "prompt_groups_read": builder.reader.groups_read if builder.reader is not None else 0}

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 
+from ..store.status import capped, count
+
 log = logging.getLogger("regen.dispatch")
 
 
@@ -28,8 +30,9 @@ def log_change(label: str, old: str, old_stats: dict, new: str, stats: dict) -> 
 
 
 def log_concurrency(label: str, old_stats: dict, stats: dict) -> None:
-    """`concurrency: auto`: what an unset concurrency became, an error of the actor's poll, a move of a fifth or
-    more since the last logged value, or another reason. The driver logs it: the actor's log reaches no file."""
+    """`concurrency: auto`: what an unset concurrency became, an auto one bounded by `concurrency_cap` below the
+    server's batch, an error of the actor's poll, a move of a fifth or more since the last logged value, or another
+    reason. The driver logs it: the actor's log reaches no file."""
     limit, before = stats.get("concurrency"), old_stats.get("concurrency")
     if limit is None:
         return
@@ -40,20 +43,26 @@ def log_concurrency(label: str, old_stats: dict, stats: dict) -> None:
     if stats.get("concurrency_unset") and mode != old_stats.get("concurrency_mode") and mode in ("auto", "pinned"):
         _SHOWN[label] = (limit, reason)
         if mode == "auto":
-            log.info("endpoint %s: concurrency auto (not set, and the server batches up to %s)", label,
-                     stats.get("server_batch"))
+            log.info("endpoint %s: concurrency auto (not set, and the server batches up to %s%s)", label,
+                     stats.get("server_batch"), capped(stats))
         else:
             log.info("endpoint %s: concurrency %s (not set, and the server reports no batch limit; `concurrency: "
                      "auto` would drive it from the time per token)", label, limit)
         return
+    if (mode == "auto" and not stats.get("concurrency_unset") and capped(stats)
+            and stats.get("server_batch") != old_stats.get("server_batch")):  # its batch read (again): the cap bounds
+        log.info("endpoint %s: concurrency auto (the server batches up to %s%s)", label, stats.get("server_batch"),
+                 capped(stats))
     if before is None or (limit == before and reason == old_stats.get("concurrency_reason")):
         return
     shown = _SHOWN.get(label)
     if shown is not None and abs(limit - shown[0]) < 0.2 * shown[0] and reason == shown[1]:
         return
     _SHOWN[label] = (limit, reason)
+    if reason == "concurrency_cap":  # the server would take more
+        reason = f"capped by concurrency_cap {stats.get('concurrency_cap', limit)}"
     log.info("endpoint %s: concurrency %s -> %s (%s; the server runs %s, %s waiting, batches up to %s)", label,
-             before, limit, reason, stats.get("server_running"), stats.get("server_waiting"),
+             before, limit, reason, count(stats.get("server_running")), count(stats.get("server_waiting")),
              stats.get("server_batch"))
 
 

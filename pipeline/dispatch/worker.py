@@ -154,7 +154,9 @@ class EndpointWorker:
             "tok_s": round(self.completion_tokens / elapsed, 1),
             "errors": dict(self.errors),
             "last_error": self.last_error,
-            **(self.auto.stats() if self.auto is not None else {}),
+            # a set number: "fixed" (status and the card say `concurrency 16 (set)`); else auto's figures
+            **(self.auto.stats() if self.auto is not None else
+               {"concurrency": self.concurrency, "concurrency_mode": "fixed"}),
         }
 
     # --- the workers ------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from ..prompts.report import report_table
 from ..store.capture_ledger import has_part_messages
 from ..store.goodput import ESTIMATED, KEPT, PURPOSES, THROWN_AWAY, Goodput
 from ..store.rundir import RunDir
+from ..store.status import capped
 from ..store.storage import Location
 from ..store.tool_counts import ToolCounts, tool_counts
 from .card_images import EXAMPLES, ImageContents, example_lines, image_lines
@@ -287,22 +288,48 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
 
 
 def _concurrency_lines(run_dir: RunDir) -> list[str]:
-    """`concurrency: auto` or unset: what each endpoint's concurrency was decided to be, the value it reached and
-    the batch its server reported (status.json)."""
-    endpoints = (run_dir.read_status() or {}).get("endpoints") or {}
-    lines = [_concurrency_line(label, stats) for label, stats in sorted(endpoints.items())
-             if stats.get("concurrency") is not None]
+    """Each endpoint's concurrency (status.json): a set number, `auto` or an unset one and which it became; for auto
+    the value the last session ended at, and what the earlier sessions ended at (`concurrency_sessions`: a resume
+    starts auto again from 8, so the last session alone would understate a run whose earlier sessions held more)."""
+    status = run_dir.read_status() or {}
+    endpoints = status.get("endpoints") or {}
+    earlier = [s.get("endpoints") or {} for s in status.get("concurrency_sessions") or [] if isinstance(s, dict)]
+    lines = [_concurrency_line(label, stats, [e[label] for e in earlier if isinstance(e.get(label), dict)])
+             for label, stats in sorted(endpoints.items()) if stats.get("concurrency") is not None]
     return [*lines, ""] if lines else []
 
 
-def _concurrency_line(label: str, stats: dict) -> str:
+def _concurrency_line(label: str, stats: dict, earlier: list[dict] | None = None) -> str:
+    """`earlier`: the endpoint's stats at the end of the earlier sessions, oldest first."""
+    before = ""
+    if earlier:
+        before = f"; earlier sessions ended at {', '.join(_ended_at(s) for s in earlier)}"
+        highest = max([s.get("concurrency_highest") or s["concurrency"] for s in [*earlier, stats]
+                       if s.get("concurrency_mode", "auto") == "auto"], default=None)
+        if highest is not None and highest > (stats.get("concurrency_highest") or stats["concurrency"]):
+            before += f" (the run's highest {highest})"
     mode = stats.get("concurrency_mode", "auto")  # an older status.json: only auto's endpoints had the figure
+    if mode == "fixed":
+        return f"- {label}: concurrency {stats['concurrency']} (set){before}"
     if mode == "pinned":
-        return f"- {label}: concurrency {stats['concurrency']} (not set, and the server reports no batch)"
+        return f"- {label}: concurrency {stats['concurrency']} (not set, and the server reports no batch){before}"
     if mode == "deciding":
-        return f"- {label}: concurrency {stats['concurrency']} (not set; the server's limits were never read)"
-    return (f"- {label}: concurrency auto reached {stats['concurrency']}"
-            + (f" (the server batches up to {stats['server_batch']})" if stats.get("server_batch") else ""))
+        return f"- {label}: concurrency {stats['concurrency']} (not set; the server's limits were never read){before}"
+    batch = stats.get("server_batch")
+    server = f"the server batches up to {batch}{capped(stats)}" if batch else ""
+    if stats.get("concurrency_unset"):
+        why = f" (not set, and {server})" if batch else " (not set)"
+    else:
+        why = f" ({server})" if batch else ""
+    highest = stats.get("concurrency_highest")
+    return (f"- {label}: concurrency auto{why}: {stats['concurrency']} at the end of the last session"
+            + (f" (its highest {highest})" if highest and highest > stats["concurrency"] else "") + before)
+
+
+def _ended_at(stats: dict) -> str:
+    mode = stats.get("concurrency_mode", "auto")
+    return {"fixed": f"{stats['concurrency']} (set)", "pinned": f"{stats['concurrency']} (not set, no batch)",
+            "deciding": f"{stats['concurrency']} (undecided)"}.get(mode, str(stats["concurrency"]))
 
 
 def _goodput_lines(run_dir: RunDir, contents: RunContents) -> list[str]:

@@ -98,7 +98,9 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
               "capture": capture_counts(run_dir),
               # counted from the parts, as the card counts: a driver killed after a commit wrote none of it
               "goodput": run_goodput(run_dir, live).as_dict() if counts["parts"] or live.get("goodput") else None,
-              "quality_gate": live.get("quality_gate")}
+              "quality_gate": live.get("quality_gate"),
+              # each endpoint's concurrency at the end of the earlier sessions (the last one's: `endpoints`)
+              "concurrency_sessions": live.get("concurrency_sessions") or []}
     tools = tool_counts(run_dir)
     report["tools"] = tools.as_dict() if tools is not None else None
     if as_json:
@@ -159,14 +161,49 @@ def print_status(path: str | Path, as_json: bool = False) -> int:
 
 
 def _auto(stats: dict) -> str:
-    """The concurrency of `auto` or of an unset one: the limit, whether auto drives it (a status.json of an older
-    regen says nothing: auto), the server's running and waiting counts, the batch regen believes."""
+    """The concurrency of an endpoint: a set number, `auto` or an unset one (a status.json of an older regen says
+    nothing of a set number, and no mode for auto): the limit, whether auto drives it, the server's running and
+    waiting counts, the batch regen believes and the `concurrency_cap` where it bounds auto below that batch."""
     if stats.get("concurrency") is None:
         return ""
     mode = stats.get("concurrency_mode", "auto")
+    if mode == "fixed":
+        return f"  concurrency {stats['concurrency']} (set)"
     if mode == "pinned":
         return f"  concurrency {stats['concurrency']} (not set; the server reports no batch)"
     if mode == "deciding":
         return f"  concurrency {stats['concurrency']} (not set; auto or 8 once the server's limits are read)"
-    return (f"  concurrency auto {stats['concurrency']} (server running {stats.get('server_running')}, waiting "
-            f"{stats.get('server_waiting')}, batch {stats.get('server_batch')})")
+    return (f"  concurrency auto {stats['concurrency']} ({'not set; ' if stats.get('concurrency_unset') else ''}"
+            f"server running {count(stats.get('server_running'))}, waiting {count(stats.get('server_waiting'))}, "
+            f"batch {stats.get('server_batch')}{capped(stats)})")
+
+
+def count(value: Any) -> Any:
+    """A count from the server's gauges (floats in the Prometheus text, and in an older status.json): an integer."""
+    return round(value) if isinstance(value, float) else value
+
+
+def capped(stats: dict) -> str:
+    """`; capped at 24 by concurrency_cap` where the user's cap bounds auto below the server's batch, else ''."""
+    cap, batch = stats.get("concurrency_cap"), stats.get("server_batch")
+    return f"; capped at {cap} by concurrency_cap" if cap and batch and cap < batch else ""
+
+
+# what an earlier session's concurrency keeps in status.json's `concurrency_sessions` (the card reads it)
+SESSION_KEYS = ("concurrency", "concurrency_mode", "concurrency_unset", "concurrency_highest", "server_batch",
+                "concurrency_cap")
+KEPT_SESSIONS = 8
+
+
+def concurrency_sessions(last: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The concurrency each endpoint ended the earlier sessions at, oldest first, for this session's status.json:
+    the last status.json's own list and its endpoints (the session that wrote it). At most the last 8 sessions; a
+    session whose endpoints reported no concurrency (killed before its first answer, an older regen) adds none."""
+    last = last or {}
+    kept = [s for s in last.get("concurrency_sessions") or [] if isinstance(s, dict)]
+    endpoints = {label: {k: stats[k] for k in SESSION_KEYS if stats.get(k) is not None}
+                 for label, stats in (last.get("endpoints") or {}).items()
+                 if isinstance(stats, dict) and stats.get("concurrency") is not None}
+    if endpoints:
+        kept.append({"ended": last.get("updated_at"), "endpoints": endpoints})
+    return kept[-KEPT_SESSIONS:]

@@ -41,6 +41,7 @@ class Prediction:
     with_tools: int = 0  # of the sampled prompts, those sent with tools
     failed: int = 0  # of the sampled samples, those that failed for good (a refused request: the real run's too)
     failure: str = ""  # the commonest failure's message
+    concurrency: str = ""  # per endpoint, as the prediction assumed it: "auto (reaching about 256 ...)" or "16"
 
     def table(self) -> str:
         k = self.samples_per_prompt
@@ -56,7 +57,8 @@ class Prediction:
                       f"predicted from the rest): the commonest, {self.failure}"]
         return "\n".join([
             f"{what}; the sample ran in {self.sample_wall_s:.1f}s", *failed,
-            f"predicted wall time   {self.wall_s / 3600:.2f} h ({self.wall_s:.0f} s)",
+            f"predicted wall time   {self.wall_s / 3600:.2f} h ({self.wall_s:.0f} s)"
+            + (f" at concurrency {self.concurrency}" if self.concurrency else ""),
             f"predicted tokens      {self.completion_tokens:,} completion tokens",
             f"predicted disk        {self.disk_bytes / 1e9:.2f} GB",
         ])
@@ -150,7 +152,19 @@ def simulate(cfg_path: str, endpoints: int, tok_s: float, sample: int = 400, spe
     return Prediction(prompts=total, sample=sent, sample_wall_s=elapsed, wall_s=startup + generating_real,
                       completion_tokens=int(mean_tokens * stretch * units), disk_bytes=int(disk_total),
                       samples_per_prompt=cfg.samples_per_prompt, with_tools=with_tools, failed=failed,
-                      failure=failure)
+                      failure=failure, concurrency=concurrency_assumed(per_endpoint, unset, cap, batch, knee))
+
+
+def concurrency_assumed(per_endpoint: int | str, unset: bool, cap: int, batch: int, knee: int | None) -> str:
+    """The concurrency the prediction spread the work over, per endpoint: auto climbs to the servers' batch
+    (`--batch`) or `concurrency_cap`, the lower; a number is exact. Past `--knee` a server's tok/s stops growing."""
+    if per_endpoint == "auto":
+        reach = min(cap, batch)
+        why = f"concurrency_cap {cap}" if cap < batch else f"the servers' batch, --batch {batch}"
+        text = f"auto{' (not set)' if unset else ''}, reaching about {reach} per endpoint ({why})"
+    else:
+        reach, text = int(per_endpoint), f"{per_endpoint} per endpoint"
+    return text + (f"; tok/s flat past --knee {knee}" if knee and knee < reach else "")
 
 
 def _failures(run: Path) -> tuple[int, str]:
