@@ -125,6 +125,6 @@ def test_the_card_says_fixed_not_auto_reached_for_an_unset_concurrency_pinned_to
             return {"endpoints": {"llama-0": pinned_stats(), "sgl-0": decided_auto_stats()}}
 
     lines = card._concurrency_lines(Run())
-    assert lines[0] == "- llama-0: concurrency 8 (not set, and the server reports no batch)", lines
+    assert lines[0] == "- llama-0: concurrency 8 (not set; the server reports no batch)", lines
     assert lines[1].startswith("- sgl-0: concurrency auto (not set, and the server batches up to 256): "), lines
     assert lines[1].endswith(" at the end of the last session"), lines

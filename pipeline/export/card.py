@@ -23,7 +23,7 @@ from ..prompts.report import report_table
 from ..store.capture_ledger import has_part_messages
 from ..store.goodput import ESTIMATED, KEPT, PURPOSES, THROWN_AWAY, Goodput
 from ..store.rundir import RunDir
-from ..store.status import capped
+from ..store.status import capped, not_auto
 from ..store.storage import Location
 from ..store.tool_counts import ToolCounts, tool_counts
 from .card_images import EXAMPLES, ImageContents, example_lines, image_lines
@@ -308,13 +308,9 @@ def _concurrency_line(label: str, stats: dict, earlier: list[dict] | None = None
                        if s.get("concurrency_mode", "auto") == "auto"], default=None)
         if highest is not None and highest > (stats.get("concurrency_highest") or stats["concurrency"]):
             before += f" (the run's highest {highest})"
-    mode = stats.get("concurrency_mode", "auto")  # an older status.json: only auto's endpoints had the figure
-    if mode == "fixed":
-        return f"- {label}: concurrency {stats['concurrency']} (set){before}"
-    if mode == "pinned":
-        return f"- {label}: concurrency {stats['concurrency']} (not set, and the server reports no batch){before}"
-    if mode == "deciding":
-        return f"- {label}: concurrency {stats['concurrency']} (not set; the server's limits were never read){before}"
+    fixed = not_auto(stats)
+    if fixed is not None:
+        return f"- {label}: {fixed}{before}"
     batch = stats.get("server_batch")
     server = f"the server batches up to {batch}{capped(stats)}" if batch else ""
     if stats.get("concurrency_unset"):

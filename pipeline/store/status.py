@@ -166,16 +166,21 @@ def _auto(stats: dict) -> str:
     waiting counts, the batch regen believes and the `concurrency_cap` where it bounds auto below that batch."""
     if stats.get("concurrency") is None:
         return ""
-    mode = stats.get("concurrency_mode", "auto")
-    if mode == "fixed":
-        return f"  concurrency {stats['concurrency']} (set)"
-    if mode == "pinned":
-        return f"  concurrency {stats['concurrency']} (not set; the server reports no batch)"
-    if mode == "deciding":
-        return f"  concurrency {stats['concurrency']} (not set; auto or 8 once the server's limits are read)"
+    fixed = not_auto(stats)
+    if fixed is not None:
+        return f"  {fixed}"
     return (f"  concurrency auto {stats['concurrency']} ({'not set; ' if stats.get('concurrency_unset') else ''}"
             f"server running {count(stats.get('server_running'))}, waiting {count(stats.get('server_waiting'))}, "
             f"batch {stats.get('server_batch')}{capped(stats)})")
+
+
+def not_auto(stats: dict) -> str | None:
+    """An endpoint's concurrency where auto does not drive it (a set number; an unset one pinned to 8 or not yet
+    decided), as status and the card say it; None where auto drives it (an older status.json: no mode, auto)."""
+    said = {"fixed": "(set)", "pinned": "(not set; the server reports no batch)",
+            "deciding": "(not set; auto or 8 once the server's limits are read)"}.get(
+        stats.get("concurrency_mode", "auto"))
+    return None if said is None else f"concurrency {stats['concurrency']} {said}"
 
 
 def count(value: Any) -> Any:
