@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.core.config import flat_diff, load_config
-from pipeline.endpoints.client import classify, parse_chat
+from pipeline.endpoints.classify import classify
+from pipeline.endpoints.client import parse_chat
 from pipeline.store import schema
 from pipeline.core.errors import (
     ConfigError, EndpointDown, EndpointFatal, Retryable, RunLocked, SecretMissing, StorageError, TerminalForPrompt,

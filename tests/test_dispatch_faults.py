@@ -265,7 +265,7 @@ def sglang_stream_error(message: str, status: int, err_type: str) -> dict:
     ({"error": {"message": "no code at all"}}, Retryable),
 ])
 def test_stream_error_events_are_classified_by_their_code_and_message(event, expected):
-    from pipeline.endpoints.client import classify_stream_error
+    from pipeline.endpoints.classify import classify_stream_error
 
     error = classify_stream_error(event["error"], "e0")
     assert type(error) is expected and error.endpoint == "e0"

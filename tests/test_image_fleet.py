@@ -22,7 +22,8 @@ from pipeline.core.errors import ContractError, PreflightError
 from pipeline.dispatch.needs import has_images
 from pipeline.dispatch.worker import EndpointWorker
 from pipeline.emulator import start_emulator
-from pipeline.endpoints.client import ClientSettings, classify
+from pipeline.endpoints.classify import classify
+from pipeline.endpoints.client import ClientSettings
 from pipeline.endpoints.engines import SGLangAdapter, VLLMAdapter
 from pipeline.endpoints.preflight import preflight_async
 from pipeline.endpoints.preflight_table import render_table

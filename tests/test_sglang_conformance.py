@@ -24,7 +24,8 @@ import pytest
 from pipeline.core.config import RunConfig
 from pipeline.core.errors import ContractError, Retryable, TerminalForPrompt
 from pipeline.emulator import expected_chat, make_config, start_emulator
-from pipeline.endpoints.client import ClientSettings, EndpointClient, classify
+from pipeline.endpoints.classify import classify
+from pipeline.endpoints.client import ClientSettings, EndpointClient
 from pipeline.endpoints.engines import SGLangAdapter
 from pipeline.endpoints.probes import check_endpoint
 from pipeline.tools.bench_endpoints import one_request

@@ -20,7 +20,8 @@ import pytest
 
 from pipeline.core.config import RunConfig
 from pipeline.core.errors import EndpointFatal, TerminalForPrompt
-from pipeline.endpoints.client import ClientSettings, EndpointClient, classify
+from pipeline.endpoints.classify import classify
+from pipeline.endpoints.client import ClientSettings, EndpointClient
 from pipeline.endpoints.engines import OpenAIAdapter, VLLMAdapter, vllm as vllm_engine
 from pipeline.endpoints.localfleet import vllm_python
 from pipeline.endpoints.probes import check_endpoint

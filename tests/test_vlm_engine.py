@@ -194,7 +194,7 @@ def error(message: str, kind: str, code: int, param: str | None = None) -> dict:
 
 
 def regen_class(status: int, body: dict) -> str:
-    from pipeline.endpoints.client import classify
+    from pipeline.endpoints.classify import classify
     from pipeline.endpoints.engines import VLLMAdapter
 
     return type(classify(status, body["error"]["message"], engine=VLLMAdapter(version="0.32.0"))).__name__

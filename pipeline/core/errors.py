@@ -1,6 +1,6 @@
 """The error taxonomy. Code decides what to do by the class of an exception, never by its text.
 
-Only `classify` (endpoints/client.py) looks at a server's status and message to pick the class.
+Only `classify` (endpoints/classify.py) looks at a server's status and message to pick the class.
 """
 from __future__ import annotations
 

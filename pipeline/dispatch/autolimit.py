@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ..core.errors import EndpointDown
 from ..endpoints.capacity import Gauges, Limits, parse_gauges, read_limits
-from ..endpoints.client import unexpected
+from ..endpoints.classify import unexpected
 from .capacity import AutoConcurrency
 
 log = logging.getLogger("regen.dispatch")

@@ -23,7 +23,8 @@ from ..core.errors import (
 from ..core.work import (
     DONE, DROPPED, ENDPOINT_FATAL, RETRY, RETURNED, TERMINAL, Completion, Exchange, Outcome, WorkItem,
 )
-from ..endpoints.client import ClientSettings, EndpointClient, unexpected
+from ..endpoints.classify import unexpected
+from ..endpoints.client import ClientSettings, EndpointClient
 from ..prompts.conversation import DEFAULT_REASONING_HISTORY, DEFAULT_RESULT_MATCH, AllTurns, normalised
 from .autolimit import AutoLimit
 from .images import ConversationImages

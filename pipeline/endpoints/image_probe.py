@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 from ..core.config import RunConfig
 from ..core.errors import EndpointDown, Retryable
-from .client import EndpointClient, _error_message, classify
+from .classify import classify, error_message
+from .client import EndpointClient
 from .engines import OpenAIAdapter
 from .images import data_url, image_url_part, probe_png
 
@@ -81,14 +82,14 @@ async def probe_images(client: EndpointClient, cfg: RunConfig, rid: Callable[[],
     except EndpointDown as exc:
         return ImageVerdict(None, down=f"a tiny image request got no answer within {timeout_s:g}s ({exc.message})")
     if status != 200:
-        error = classify(status, _error_message(answer, f"HTTP {status}"), client.label, engine=client.engine)
+        error = classify(status, error_message(answer, f"HTTP {status}"), client.label, engine=client.engine)
         if isinstance(error, Retryable):
             return ImageVerdict(None, down=f"a tiny image request failed ({status}: {error.message})")
         return ImageVerdict(False, images_refusal(client.engine, f"a tiny image request ({PROBE_SIDE_TEXT}) was "
-                                                                 f"refused: {status} {_error_message(answer, '')}"))
+                                                                 f"refused: {status} {error_message(answer, '')}"))
     with_image, alone = _prompt_tokens(answer), _prompt_tokens(plain) if plain_status == 200 else None
     if with_image is None or alone is None:  # no evidence the image counted: unknown, never admitted on it
-        why = (f"its text-only twin failed ({plain_status}: {_error_message(plain, '')})" if plain_status != 200
+        why = (f"its text-only twin failed ({plain_status}: {error_message(plain, '')})" if plain_status != 200
                else "an answer carried no usage.prompt_tokens")
         return ImageVerdict(None, down=f"a tiny image request could not tell whether the image was taken ({why})")
     if with_image <= alone:

@@ -20,7 +20,8 @@ from typing import Any
 
 from ..core.config import RunConfig
 from .capacity import server_limits
-from .client import EndpointClient, _error_message, classify
+from .classify import classify, error_message
+from .client import EndpointClient
 from ..core.errors import EndpointDown, RequestError, Retryable
 from .engines import OpenAIAdapter, SGLangAdapter, engine_for, identity_path, owners
 from .identity import INFO_TIMEOUT_S, get_info, info_path, read_sglang_info
@@ -130,7 +131,7 @@ async def check_endpoint(client: EndpointClient, cfg: RunConfig, *, info_timeout
                                "(the endpoint's api_key_env)")
         return report
     if status != 200 or not isinstance(body, dict):
-        report.problems.append(f"/v1/models answered {status}: {_error_message(body, 'no readable body')}")
+        report.problems.append(f"/v1/models answered {status}: {error_message(body, 'no readable body')}")
         return report
     report.models = [str(m.get("id")) for m in body.get("data", []) if isinstance(m, dict)]
     report.context = _context_of(body, cfg.model)
@@ -249,7 +250,7 @@ async def _chat_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
                               f"answer within {timeout_s:g}s ({exc.message}): generation hangs or the server is dying")
         return
     if status != 200:
-        error = classify(status, _error_message(answer, f"HTTP {status}"), client.label, engine=client.engine)
+        error = classify(status, error_message(answer, f"HTTP {status}"), client.label, engine=client.engine)
         if isinstance(error, Retryable):
             report.down_reason = f"a tiny chat generation failed ({status}: {error.message})"
         else:
@@ -329,11 +330,11 @@ async def _tool_probe(client: EndpointClient, cfg: RunConfig, report: EndpointRe
     if status == 200:
         report.tool_call_parser = report.tool_call_parser or "took tools"
         return
-    error = classify(status, _error_message(answer, f"HTTP {status}"), client.label, engine=client.engine)
+    error = classify(status, error_message(answer, f"HTTP {status}"), client.label, engine=client.engine)
     if not isinstance(error, (Retryable, EndpointDown)):
         report.tool_call_parser = "refused tools"
         found.other.append(tool_refusal(report.engine, f"a tiny request with tools was refused: {status} "
-                                                       f"{_error_message(answer, '')}"))
+                                                       f"{error_message(answer, '')}"))
 
 
 async def _images_check(client: EndpointClient, cfg: RunConfig, report: EndpointReport, found: _Findings,

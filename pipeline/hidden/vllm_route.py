@@ -14,7 +14,7 @@ What the server is, is checked, not assumed: `/v1/models` (`root`) once at start
 by regen's connector (the layer ids the server captures, its model, hidden size, layers, dtype), against the
 capture's layout and model. A server that cannot serve this capture (other layers or model, a file of another
 shape, a folder this host cannot see, a path outside its folder or not named after the request) raises
-ContractError; a server that does not answer, EndpointDown or Retryable (endpoints/client.py `classify`); a sample
+ContractError; a server that does not answer, EndpointDown or Retryable (endpoints/classify.py `classify`); a sample
 the server refuses (HTTP 400, e.g. past its context), CaptureSampleError. Only a file in the server's folder named
 after this request (vLLM's `{req_id}.safetensors`, req_id `cmpl-<X-Request-Id>-0-<8 hex>`) is ever deleted.
 
@@ -44,7 +44,7 @@ import numpy as np
 
 from ..core.errors import ConfigError, ContractError, Retryable, TerminalForPrompt
 # the one classifier of server errors, with its helpers for an error body and a lost connection
-from ..endpoints.client import _dropped, _error_message, classify, parse_body, unexpected
+from ..endpoints.classify import classify, error_message, parse_body, unexpected, was_dropped
 from .layout import AUX, FINAL_POST_NORM, LAST_PRE_NORM, CaptureLayout
 from .errors import CaptureSampleError
 from .routes import normalised_model
@@ -109,7 +109,7 @@ class VllmRoute:
             with urllib.request.urlopen(req, timeout=self.opts.timeout_s) as answer:
                 payload = answer.read()
         except urllib.error.HTTPError as exc:
-            error = classify(exc.code, _error_message(parse_body(exc.read()), f"{path} answered {exc.code}"),
+            error = classify(exc.code, error_message(parse_body(exc.read()), f"{path} answered {exc.code}"),
                              self.url)
             if isinstance(error, TerminalForPrompt):  # this sample only (e.g. past the server's context)
                 error = CaptureSampleError(f"{self.url} refused the sample: {error.message}", status=exc.code,
@@ -121,7 +121,7 @@ class VllmRoute:
                 raise Retryable(f"{self.url}{path}: no answer within {self.opts.timeout_s:.0f}s",
                                 endpoint=self.url) from None
             raise classify(None, f"{self.url}{path}: connection failed: {reason or type(reason).__name__}",
-                           self.url, dropped=_dropped(exc)) from None
+                           self.url, dropped=was_dropped(exc)) from None
         try:
             return json.loads(payload)
         except ValueError as exc:

@@ -1,7 +1,7 @@
 """Why a source cannot become prompts. Each error is one line for the user: the source, the cause, what to do.
 
 `read_error` is the one place that maps an exception raised while opening or reading a source to its cause,
-by the exception's type (never by its text), as `endpoints/client.py: classify` does for HTTP.
+by the exception's type (never by its text), as `endpoints/classify.py: classify` does for HTTP.
 """
 from __future__ import annotations
 

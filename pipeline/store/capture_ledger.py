@@ -9,7 +9,7 @@ import pyarrow as pa
 from ..core.images import IMAGE
 from .lock import RunLock
 from .rundir import RunDir
-from .storage import read_columns
+from .partread import read_columns
 
 CAPTURE_DIR = "capture"
 

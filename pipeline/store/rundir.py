@@ -36,7 +36,8 @@ from ..core.images import IMAGES_DIR
 from .lock import RunLock  # the run's lock lives with its directory
 from .prompt_reader import PromptSetReader, pinned_reader
 from .ledger_index import LedgerRead, index_folder, read_ledger, units_of
-from .storage import TMP_PREFIX, Location, read_part_columns
+from .partread import read_part_columns
+from .storage import TMP_PREFIX, Location
 
 log = logging.getLogger("regen")
 

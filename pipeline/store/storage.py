@@ -29,21 +29,19 @@ import posixpath
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ..core.errors import ConfigError, PartExists, StorageError
+from ..core.errors import ConfigError, PartExists
 from ..core.uri import check_uri
 from .seam import arm, storage_error  # noqa: F401 (arm: the tests' switch of the seam)
 from .seam import io_seam as _io, storage_errors as _errors
 
 TMP_PREFIX = ".tmp-"
 WRITE_CHUNK = 1 << 20  # the sink hands the Parquet writer's many small writes to the store in chunks this big
-LOCAL_READ_THREADS = 2  # parts read at once from a local disk: decoding a footer is CPU, and a head node runs Ray too
 
 @functools.lru_cache(maxsize=None)
 def _filesystem(scheme: str, netloc: str, query: str) -> pafs.FileSystem:
@@ -381,39 +379,3 @@ def _delete(where: Location) -> None:
         where.fs.delete_file(where.path)
     except FileNotFoundError:
         pass
-
-
-def read_columns(parts: list[Location], columns: list[str]) -> pa.Table:
-    """Columns of the parts of one folder, as one table (a column a part lacks: nulls, as a dataset has)."""
-    return pa.concat_tables(read_part_columns(parts, columns), promote_options="default")
-
-
-def read_part_columns(parts: list[Location], columns: list[str]) -> list[pa.Table]:
-    """Columns of each part of one folder: on an object store one concurrent dataset scan (reads wait on the
-    network); on a local disk part by part on two threads, faster there and a fifth of the memory (1,760 parts:
-    0.6 s against 1.0 s one after the other and 1.1 s, +255 MB, for the dataset scan)."""
-    with _errors("read", parts[0].parent):
-        for part in parts:
-            _io("read", part.path)
-        if parts[0].local:
-            with ThreadPoolExecutor(LOCAL_READ_THREADS, thread_name_prefix="regen-parts") as pool:
-                return list(pool.map(lambda part: _read_part(part, columns), parts))
-        import numpy as np
-        import pyarrow.compute as pc
-        import pyarrow.dataset as ds  # here: it imports pandas (0.3 to 0.7 s), which a local run never needs
-
-        scanned = ds.dataset([p.path for p in parts], filesystem=parts[0].fs, format="parquet").to_table(
-            columns=columns + ["__fragment_index"])
-        fragment = scanned.column("__fragment_index")
-        scanned = scanned.drop_columns(["__fragment_index"]).take(pc.sort_indices(fragment))  # stable: file order
-        counts = np.bincount(fragment.to_numpy(), minlength=len(parts))
-        starts = np.concatenate([[0], np.cumsum(counts)])
-        return [scanned.slice(int(starts[k]), int(counts[k])) for k in range(len(parts))]
-
-
-def _read_part(part: Location, columns: list[str]) -> pa.Table:
-    """One local part's columns; a part that is not readable Parquet (truncated, overwritten) is named."""
-    try:
-        return pq.ParquetFile(part.path).read(columns=columns, use_threads=False)
-    except pa.ArrowInvalid as exc:
-        raise StorageError(f"cannot read {part}: not a readable Parquet part ({exc})") from exc

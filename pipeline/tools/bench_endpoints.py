@@ -29,7 +29,8 @@ from typing import Any
 from ..core.config import Endpoint, load_config
 from ..core.errors import RegenError, Retryable
 from ..dispatch.actors import client_settings
-from ..endpoints.client import EndpointClient, _error_message, classify
+from ..endpoints.classify import classify, error_message
+from ..endpoints.client import EndpointClient
 from ..endpoints.engines import SGLangAdapter, vllm as vllm_engine
 from ..endpoints.identity import identify
 
@@ -84,7 +85,7 @@ async def prompt_ids(client: EndpointClient, messages: list[dict[str, str]]) -> 
         body["chat_template_kwargs"] = s.chat_template_kwargs
     status, answer = await client.post_json("/v1/chat/completions", body, timeout_s=s.timeout_s)
     if status != 200:
-        raise classify(status, _error_message(answer, f"/v1/chat/completions answered {status}"), client.label)
+        raise classify(status, error_message(answer, f"/v1/chat/completions answered {status}"), client.label)
     choices = answer.get("choices") if isinstance(answer, dict) else None
     ids = choices[0].get("prompt_token_ids") if choices and isinstance(choices[0], dict) else None
     if not ids:
@@ -105,7 +106,7 @@ async def one_request(client: EndpointClient, prompt: int, native: bool) -> Meas
         "max_new_tokens": s.max_tokens, "temperature": 0.0}}, timeout_s=s.timeout_s)
     seconds = time.monotonic() - started
     if status != 200:
-        raise classify(status, _error_message(body, f"/generate answered {status}"), client.label)
+        raise classify(status, error_message(body, f"/generate answered {status}"), client.label)
     meta = body["meta_info"]
     verify = meta.get("spec_verify_ct")
     accept = meta["completion_tokens"] / verify if verify else meta.get("spec_accept_length")

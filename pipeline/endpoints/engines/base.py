@@ -5,7 +5,7 @@ version. `OpenAIAdapter` is the engine-neutral base, used until the preflight ha
 a server it cannot identify): it reads every known spelling of a field and asks for nothing an unknown server
 could misread. Engines subclass it: `sglang.SGLangAdapter` (by version), `vllm.VLLMAdapter` and
 `llamacpp.LlamaCppAdapter`. Each also names its own error texts (`ErrorTexts`), which the one classifier
-(client.classify) reads. Adapters are small frozen dataclasses: they travel to the Ray actors inside the client
+(classify.classify) reads. Adapters are small frozen dataclasses: they travel to the Ray actors inside the client
 settings.
 """
 from __future__ import annotations
