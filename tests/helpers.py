@@ -74,6 +74,21 @@ def write_config(tmp: Path, endpoints: list[dict], specs: list[Path], **override
     return path
 
 
+def post_json(url: str, body: dict, timeout: float = 30) -> tuple[int, Any]:
+    """(status, the JSON answer) of a POST to a server, an error status's body included."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
 def regen_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pipeline", *args]
 

@@ -6,13 +6,12 @@ The emulator took every schema, so xlam's `{"type": {"type": "str", ...}}` (an a
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import pytest
 from jsonschema import Draft202012Validator, SchemaError
 
 from pipeline.emulator import start_emulator
+from tests.helpers import post_json
 
 XLAM_TYPE = {"type": {"description": "The type of giveaways to retrieve (e.g., game, loot, beta).", "type": "str",
                       "default": "game"}}
@@ -32,13 +31,7 @@ def emulator():
 def post(url: str, tools: list) -> tuple[int, dict]:
     body = {"model": "moonshotai/Kimi-K2.5", "messages": [{"role": "user", "content": "giveaways?"}],
             "max_tokens": 8, "tools": tools}
-    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(url + "/v1/chat/completions", body)
 
 
 def test_a_schema_sglang_refuses_is_a_400_with_its_message_and_one_it_rewrites_passes(emulator):

@@ -51,20 +51,25 @@ def snapshot(folder: Path) -> dict[str, str]:
             and not {"logs", "run.lock", "lock.json", "status.json"} & set(path.relative_to(folder).parts)}
 
 
+def completed_run(tmp_path: Path, server, prompts: int, **options) -> Path:
+    """A run of `prompts` prompts done on `server` (named emu); returns its config."""
+    write_prompts(tmp_path / "p.jsonl", prompts)
+    spec = write_source(tmp_path, tmp_path / "p.jsonl")
+    config = write_config(tmp_path, [{"url": server.url, "name": "emu"}], [spec], **options)
+    made = run_regen("generate", "--config", str(config))
+    assert made.returncode == 0, made.stderr
+    return config
+
+
 def test_a_sigterm_while_a_refused_refresh_is_undone_leaves_the_run_as_it_was(tmp_path, ray_cluster):
     """--refresh-prompts commits a new prompt set, then the preflight refuses the fleet; a SIGTERM arrives while the
     undo removes that set (a real signal, sent by the REGEN_FAULT hook at the delete): the undo finishes, then the
     signal stops the command (exit 130), and the run is as it was."""
-    source = tmp_path / "p.jsonl"
-    write_prompts(source, 4)
-    spec = write_source(tmp_path, source)
     with emulators(1, served_model_name=MODEL) as (good,), emulators(1, served_model_name="another") as (bad,):
-        config = write_config(tmp_path, [{"url": good.url, "name": "emu"}], [spec], flush_records=2)
-        made = run_regen("generate", "--config", str(config))
-        assert made.returncode == 0, made.stderr
+        config = completed_run(tmp_path, good, 4, flush_records=2)
         run = tmp_path / "out" / "t"
         data_parts(run)[-1].unlink()  # work pending: the start goes on to the preflight
-        write_prompts(source, 6)
+        write_prompts(tmp_path / "p.jsonl", 6)
         config.write_text(config.read_text().replace(good.url, bad.url))
         before = snapshot(run)
         refused = run_regen("generate", "--config", str(config), "--refresh-prompts",
@@ -81,12 +86,8 @@ def test_a_refused_new_run_on_an_object_store_leaves_nothing_and_the_next_new_ru
     from pipeline.store.storage import Location
 
     out = object_store("refused-new-run")
-    write_prompts(tmp_path / "p.jsonl", 3)
-    spec = write_source(tmp_path, tmp_path / "p.jsonl")
     with emulators(1, served_model_name=MODEL) as (good,), emulators(1, served_model_name="another") as (bad,):
-        config = write_config(tmp_path, [{"url": good.url, "name": "emu"}], [spec], output_dir=out)
-        made = run_regen("generate", "--config", str(config))
-        assert made.returncode == 0, made.stderr
+        config = completed_run(tmp_path, good, 3, output_dir=out)
         changed = config.read_text().replace("max_tokens: 8", "max_tokens: 9")
         config.write_text(changed.replace(good.url, bad.url))
         refused = run_regen("generate", "--config", str(config), "--new-run")
@@ -102,12 +103,8 @@ def test_a_refused_start_in_a_folder_whose_run_json_is_missing_never_deletes_its
     """A folder with committed parts but no run.json (a copy of a run still under way: `aws s3 sync` and rsync write
     run.json after data/; a run.json deleted by hand) is started as a new run; refused, the undo removes what the
     start added, never the parts that were there."""
-    write_prompts(tmp_path / "p.jsonl", 4)
-    spec = write_source(tmp_path, tmp_path / "p.jsonl")
     with emulators(1, served_model_name=MODEL) as (good,), emulators(1, served_model_name="another") as (bad,):
-        config = write_config(tmp_path, [{"url": good.url, "name": "emu"}], [spec], flush_records=2)
-        made = run_regen("generate", "--config", str(config))
-        assert made.returncode == 0, made.stderr
+        config = completed_run(tmp_path, good, 4, flush_records=2)
         run = tmp_path / "out" / "t"
         data_parts(run)[-1].unlink()  # work pending: the start goes on to the preflight
         (run / "run.json").unlink()

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,6 +31,7 @@ from pipeline.tools.bench_endpoints import one_request
 from tests.conformance.sglang_image_checks import drive_images
 from tests.conformance.sglang_source import as_pattern, render, server_arg_fields, templates_with
 from tests.conformance.sglang_tool_checks import CASES as TOOL_CASES, TEXTS as TOOL_TEXTS, drive_tools
+from tests.helpers import post_json
 from tests.image_helpers import data_url, image_chat, image_part, png
 from tests.helpers import prompt_source, run_regen, write_config
 
@@ -275,13 +275,7 @@ def test_emulator_messages_are_the_wheel_texts(version):
     tight = start_emulator(sglang_version=version.name, context_length=64)
     try:
         def post(path: str, body: dict) -> tuple[int, dict]:
-            request = urllib.request.Request(tight.url + path, data=json.dumps(body).encode(), method="POST",
-                                             headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=10) as resp:
-                    return resp.status, json.loads(resp.read())
-            except urllib.error.HTTPError as exc:
-                return exc.code, json.loads(exc.read())
+            return post_json(tight.url + path, body, timeout=10)
 
         prompt = expected_chat({"messages": MESSAGES, "max_tokens": 1}, make_config())["prompt_tokens"]
         status, _ = post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 64 - prompt})
