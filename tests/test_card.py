@@ -6,7 +6,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from pipeline.export import card
+from pipeline.export import card, card_concurrency
 from pipeline.export.jsonl import NotARunDirectory
 from pipeline.store import schema
 from pipeline.store.rundir import RunDir, atomic_write, table_bytes
@@ -124,7 +124,7 @@ def test_the_card_says_fixed_not_auto_reached_for_an_unset_concurrency_pinned_to
         def read_status(self):
             return {"endpoints": {"llama-0": pinned_stats(), "sgl-0": decided_auto_stats()}}
 
-    lines = card._concurrency_lines(Run())
+    lines = card_concurrency.concurrency_lines(Run())
     assert lines[0] == "- llama-0: concurrency 8 (not set; the server reports no batch)", lines
     assert lines[1].startswith("- sgl-0: concurrency auto (not set, and the server batches up to 256): "), lines
     assert lines[1].endswith(" at the end of the last session"), lines

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import io
 import logging
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,10 +16,10 @@ import orjson
 from pipeline.dispatch.autolimit import AutoLimit
 from pipeline.dispatch.capacity import AutoConcurrency
 from pipeline.dispatch.story import log_concurrency
-from pipeline.endpoints.capacity import Limits, parse_gauges
-from pipeline.export import card
+from pipeline.endpoints.capacity import Gauges, Limits, parse_gauges
+from pipeline.export import card, card_concurrency
 from pipeline.store.rundir import RunDir
-from pipeline.store.status import _auto, print_status
+from pipeline.store.status import _auto, capped, print_status
 from tests.test_capacity import FakeServer, drive
 from tests.test_card import known_run
 from tests.test_concurrency_default import BATCH_256, InfoServer, poll_until, started
@@ -96,7 +97,7 @@ def test_the_card_says_which_an_unset_concurrency_became_and_names_the_cap():
         def read_status(self):
             return {"endpoints": {"sgl": auto_stats(24, 24, batch=256, cap=24, unset=True)}}
 
-    assert card._concurrency_lines(Run()) == [
+    assert card_concurrency.concurrency_lines(Run()) == [
         "- sgl: concurrency auto (not set, and the server batches up to 256; capped at 24 by concurrency_cap): 24 at "
         "the end of the last session", ""]
 
@@ -193,3 +194,114 @@ def test_simulate_says_at_what_concurrency_it_predicted():
     assert wall_line(concurrency_assumed("auto", False, 24, 256, 16)).endswith(
         "at concurrency auto, reaching about 24 per endpoint (concurrency_cap 24); tok/s flat past --knee 16")
     assert wall_line(concurrency_assumed(16, False, 512, 256, None)).endswith("at concurrency 16 per endpoint")
+
+
+# --- found by a review that set out to break the reporting -----------------------------------------------------
+
+def test_a_nan_or_inf_gauge_is_no_reading_and_never_makes_the_actors_stats_raise():
+    """Prometheus text may say NaN or +Inf. Taken as a count, round() raised in the actor's stats (every exchange
+    failed, the actor restarted and met the same gauge): such a sample is no count."""
+    for value in ("NaN", "+Inf", "-Inf"):
+        assert parse_gauges(f"sglang:num_running_reqs {value}\nsglang:num_queue_reqs 0\n", 1.0) is None
+        auto = AutoLimit(client=None, label="sgl", cap=64)
+        auto.gauges = parse_gauges(f"sglang:num_running_reqs 3\nsglang:num_queue_reqs {value}\n"
+                                   f"sglang:num_queue_reqs 2\nsglang:num_retracted_requests_total {value}\n", 1.0)
+        stats = auto.stats()
+        assert (stats["server_running"], stats["server_waiting"]) == (3, 2) and auto.gauges.retracted_total is None
+
+
+# --- 2. the card drops an endpoint that is not in the last session ------------------------------------------------
+def test_the_card_names_an_endpoint_that_ran_only_in_earlier_sessions(tmp_path):
+    """Session 1 ran sgl and old-0 (removed, or renamed, before session 2). concurrency_sessions keeps old-0's
+    figures, but the card iterates the last session's endpoints only: old-0, which made records, is not named."""
+    run = RunDir(known_run(tmp_path / "run"))
+    session(run, {"sgl": auto_stats(32, 24), "old-0": auto_stats(48, 40)})
+    session(run, {"sgl": auto_stats(20, 16)})
+    text = Path(card.write_card(run.path)).read_text()
+    assert "- old-0:" in text, text
+
+
+def test_the_card_keeps_earlier_sessions_when_the_last_one_reported_no_endpoint(tmp_path):
+    """A resume that failed before any endpoint answered (Ray would not start, every actor lost) writes status.json
+    with no endpoints but the carried `concurrency_sessions`; the card exported then has no concurrency line at
+    all, though the first session's auto reached 32."""
+    run = RunDir(known_run(tmp_path / "run"))
+    session(run, {"sgl": auto_stats(32, 24)})
+    session(run, {})
+    assert RunDir(run.path).read_status()["concurrency_sessions"]  # the history is there
+    text = Path(card.write_card(run.path)).read_text()
+    assert "- sgl:" in text, text
+
+
+# --- 3. the doc's card example cannot be produced ---------------------------------------------------------------
+def test_the_docs_card_example_is_what_the_card_prints():
+    """docs/preflight-and-fleet.md: `... 64 at the end of the last session (its highest 96); earlier sessions ended
+    at 128`. An earlier session that ended at 128 went higher than 96, so the card always adds `(the run's highest
+    128)`: the documented line is never printed."""
+    doc = " ".join((Path(__file__).resolve().parent.parent / "docs" / "preflight-and-fleet.md").read_text().split())
+    shown = re.search(r"`(- node-a: concurrency auto \(not set.*?earlier sessions ended at 128[^`]*)`", doc).group(1)
+    last = auto_stats(96, 64, batch=256, unset=True)
+    earlier = auto_stats(128, 128, batch=256, unset=True)
+    assert card_concurrency.concurrency_line("node-a", last, [earlier]) == shown
+
+
+# --- 4. a retraction cuts below half the limit ------------------------------------------------------------------
+def test_a_retraction_never_cuts_below_half_the_limit():
+    """capacity.py (b843aa4): 'a retraction: never below half the limit'. The half is truncated by int() in _cut:
+    a limit of 3 is cut to 1, of 5 to 2."""
+    for limit in (3, 5, 7):
+        ctl = AutoConcurrency(cap=512, limits=Limits(max_running=64), start=limit)
+        ctl.on_gauges(Gauges(0, 0, 0.0, 0.0), 0, 0.0)
+        ctl.on_gauges(Gauges(0, 0, 5.0, 10.0), 0, 10.0)  # a retraction; the server's running count shows 0
+        assert ctl.reason == "retractions"
+        assert ctl.limit >= limit / 2, (limit, ctl.limit)
+
+
+# --- 5. a cap equal to the batch: the log blames the cap, status does not --------------------------------------
+def test_a_cap_equal_to_the_servers_batch_is_named_alike_in_the_log_and_status():
+    """cap == batch (48): the controller's `capped` compares the cap with batch + headroom, so the clamp's reason is
+    `concurrency_cap` and the driver logs `capped by concurrency_cap 48 ... batches up to 48`; status and the card
+    (store/status.py capped: cap < batch) say nothing of the cap. The two disagree for the same endpoint."""
+    ctl = AutoConcurrency(cap=48, limits=Limits(max_running=48), start=8)  # 8, 16, 32, 64 -> 48
+    drive(ctl, FakeServer(48), 0.0, 60, [])
+    auto = AutoLimit(client=None, label="sgl", cap=48)
+    auto.ctl = ctl
+    stats = auto.stats()
+    assert ctl.limit == 48
+    assert (stats["concurrency_reason"] == "concurrency_cap") == bool(capped(stats)), (stats, _auto(stats))
+
+
+# --- 6. the card, a record of a finished run, promises a future decision ----------------------------------------
+def test_the_card_does_not_promise_a_decision_for_a_run_that_ended():
+    """47c941a made the card read as `regen status`: an unset endpoint whose limits were never read now says
+    `(not set; auto or 8 once the server's limits are read)` on the card of an ended run (it said `the server's
+    limits were never read`)."""
+    class Run:
+        def read_status(self):
+            return {"endpoints": {"sgl": {"concurrency": 8, "concurrency_mode": "deciding",
+                                          "concurrency_unset": True}}}
+
+    [line, _] = card_concurrency.concurrency_lines(Run())
+    assert "once the server's limits are read" not in line, line
+
+
+# --- 7. regen preflight: the capacity warning is left out when another endpoint fails ----------------------------
+def test_a_failed_preflight_still_prints_the_capacity_warning_under_its_table(tmp_path, capsys):
+    """docs/preflight-and-fleet.md: `regen preflight` prints the warning under its table. On a refusal the table is
+    printed (PreflightError branch of run_preflight_command) but capacity_said is never asked: a healthy endpoint
+    far below its server's batch goes unwarned exactly when the user is editing the config."""
+    from pipeline.emulator import start_emulator
+    from pipeline.endpoints.preflight import run_preflight_command
+    from tests.test_preflight import write_config
+
+    good, bad = start_emulator(preset="kimi-eagle3"), start_emulator(preset="kimi", reasoning_parser="none")
+    try:
+        path = write_config(tmp_path, [good.url, bad.url], thinking=True,
+                            endpoints=[{"url": good.url, "concurrency": 1}, {"url": bad.url}])
+        assert run_preflight_command(path) == 1
+        out, err = capsys.readouterr()
+        assert "REFUSED" in out
+        assert "raise `concurrency`" in out, out
+    finally:
+        good.stop()
+        bad.stop()

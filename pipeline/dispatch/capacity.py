@@ -87,8 +87,9 @@ class AutoConcurrency:
 
     @property
     def capped(self) -> bool:
-        """`cap` bounds the limit below what the server's limits allow (or it reports none)."""
-        return self.cap < self.limits.ceiling(UNBOUNDED)
+        """`cap` bounds the limit below the server's batch (or the server reports none): as status.py `capped` says
+        it."""
+        return self.cap < (self.limits.max_running or UNBOUNDED)
 
     @property
     def ramping(self) -> bool:
@@ -131,7 +132,7 @@ class AutoConcurrency:
         if retracted > 0 and (aged or self.slow_start):     # ramping, the limit has only risen: it is too high
             # to what the server runs, but at most halved: a retraction has just sent running requests back to its
             # queue, so the running count of that reading can be far below what the pool holds
-            return self._cut(max(self.limit * 0.5, min(self.limit * 0.8, g.running)), now, "retractions")
+            return self._cut(max(math.ceil(self.limit * 0.5), min(self.limit * 0.8, g.running)), now, "retractions")
         # ramping up: the server running more than the limit before the raise has seen the raise
         confirmed = self.slow_start and g.at > self.changed_at and g.running > self.before
         if not aged and not (confirmed and self._keeps_up(g, in_flight)):

@@ -11,6 +11,8 @@ gauges (read by `concurrency: auto` while the run goes), for SGLang and vLLM.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,9 +133,11 @@ def parse_gauges(text: str, at: float) -> Gauges | None:
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in _RUNNING or name in _WAITING or name in _RETRACTED:
             try:
-                sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+                value = float(line.rsplit(" ", 1)[1])
             except ValueError:
                 continue
+            if math.isfinite(value):  # Prometheus text may say NaN or +Inf: no count of requests
+                sums[name] = sums.get(name, 0.0) + value
     running = next((sums[n] for n in _RUNNING if n in sums), None)
     waiting = next((sums[n] for n in _WAITING if n in sums), None)
     if running is None or waiting is None:

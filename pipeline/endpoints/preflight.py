@@ -290,6 +290,7 @@ def run_preflight_command(config_path: str, needs_of: Callable[[RunConfig], Any]
         if reports:
             _context_warnings(reports, cfg, needs)
             print(render_table(reports, cfg, getattr(exc, "fleet_problems", [])))
+            _print_capacity_warnings(reports, cfg)
         print(f"regen: error: {exc}", file=sys.stderr)
         return exits.FAILED.code
     except ConfigError as exc:
@@ -302,12 +303,16 @@ def run_preflight_command(config_path: str, needs_of: Callable[[RunConfig], Any]
     print(render_table(reports, cfg, []))
     for note in fleet_notes(reports, cfg):
         print(f"  fleet: {note}")
-    for warning, line in filter(None, (capacity_said(r, cfg) for r in reports)):
-        if warning:  # the table's batch column has the rest
-            print(f"  {line}")
+    _print_capacity_warnings(reports, cfg)
     ready = sum(r.ok for r in reports)
     print(f"preflight passed: {ready} of {len(reports)} endpoints ready for {cfg.model}")
     return exits.OK.code
+
+
+def _print_capacity_warnings(reports: list[EndpointReport], cfg: RunConfig) -> None:
+    for warning, line in filter(None, (capacity_said(r, cfg) for r in reports)):
+        if warning:  # the table's batch column has the rest
+            print(f"  {line}")
 
 
 def _context_warnings(reports: list[EndpointReport], cfg: RunConfig, needs: Any) -> None:

@@ -23,7 +23,7 @@ from ..prompts.report import report_table
 from ..store.capture_ledger import has_part_messages
 from ..store.goodput import ESTIMATED, KEPT, PURPOSES, THROWN_AWAY, Goodput
 from ..store.rundir import RunDir
-from ..store.status import capped, not_auto
+from .card_concurrency import concurrency_lines
 from ..store.storage import Location
 from ..store.tool_counts import ToolCounts, tool_counts
 from .card_images import EXAMPLES, ImageContents, example_lines, image_lines
@@ -269,7 +269,7 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         f"![reasoning length]({CARD_DIR}/reasoning_length.png)", "",
         *image_lines(contents.images, _stats_table, LengthStats.of),
         "## Endpoints", "", *_count_table("endpoint", contents.by_endpoint, contents.records), "",
-        *_concurrency_lines(run_dir),
+        *concurrency_lines(run_dir),
         "## Failures and rejects", "",
         f"- terminal failures ({'prompts' if k == 1 else 'samples'} without a record): {failed}"
         + ("" if not failure_classes else " — " + ", ".join(f"{c} {n}" for c, n in failure_classes.most_common())),
@@ -285,47 +285,6 @@ def render_card(run_dir: RunDir, manifest: dict[str, Any], contents: RunContents
         "",
     ]
     return "\n".join(lines)
-
-
-def _concurrency_lines(run_dir: RunDir) -> list[str]:
-    """Each endpoint's concurrency (status.json): a set number, `auto` or an unset one and which it became; for auto
-    the value the last session ended at, and what the earlier sessions ended at (`concurrency_sessions`: a resume
-    starts auto again from 8, so the last session alone would understate a run whose earlier sessions held more)."""
-    status = run_dir.read_status() or {}
-    endpoints = status.get("endpoints") or {}
-    earlier = [s.get("endpoints") or {} for s in status.get("concurrency_sessions") or [] if isinstance(s, dict)]
-    lines = [_concurrency_line(label, stats, [e[label] for e in earlier if isinstance(e.get(label), dict)])
-             for label, stats in sorted(endpoints.items()) if stats.get("concurrency") is not None]
-    return [*lines, ""] if lines else []
-
-
-def _concurrency_line(label: str, stats: dict, earlier: list[dict] | None = None) -> str:
-    """`earlier`: the endpoint's stats at the end of the earlier sessions, oldest first."""
-    before = ""
-    if earlier:
-        before = f"; earlier sessions ended at {', '.join(_ended_at(s) for s in earlier)}"
-        highest = max([s.get("concurrency_highest") or s["concurrency"] for s in [*earlier, stats]
-                       if s.get("concurrency_mode", "auto") == "auto"], default=None)
-        if highest is not None and highest > (stats.get("concurrency_highest") or stats["concurrency"]):
-            before += f" (the run's highest {highest})"
-    fixed = not_auto(stats)
-    if fixed is not None:
-        return f"- {label}: {fixed}{before}"
-    batch = stats.get("server_batch")
-    server = f"the server batches up to {batch}{capped(stats)}" if batch else ""
-    if stats.get("concurrency_unset"):
-        why = f" (not set, and {server})" if batch else " (not set)"
-    else:
-        why = f" ({server})" if batch else ""
-    highest = stats.get("concurrency_highest")
-    return (f"- {label}: concurrency auto{why}: {stats['concurrency']} at the end of the last session"
-            + (f" (its highest {highest})" if highest and highest > stats["concurrency"] else "") + before)
-
-
-def _ended_at(stats: dict) -> str:
-    mode = stats.get("concurrency_mode", "auto")
-    return {"fixed": f"{stats['concurrency']} (set)", "pinned": f"{stats['concurrency']} (not set, no batch)",
-            "deciding": f"{stats['concurrency']} (undecided)"}.get(mode, str(stats["concurrency"]))
 
 
 def _goodput_lines(run_dir: RunDir, contents: RunContents) -> list[str]:

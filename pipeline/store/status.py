@@ -174,11 +174,13 @@ def _auto(stats: dict) -> str:
             f"batch {stats.get('server_batch')}{capped(stats)})")
 
 
-def not_auto(stats: dict) -> str | None:
+def not_auto(stats: dict, ended: bool = False) -> str | None:
     """An endpoint's concurrency where auto does not drive it (a set number; an unset one pinned to 8 or not yet
-    decided), as status and the card say it; None where auto drives it (an older status.json: no mode, auto)."""
-    said = {"fixed": "(set)", "pinned": "(not set; the server reports no batch)",
-            "deciding": "(not set; auto or 8 once the server's limits are read)"}.get(
+    decided), as status and the card say it; None where auto drives it (an older status.json: no mode, auto).
+    `ended`: of a session that is over (the card), whose undecided endpoint will not decide any more."""
+    undecided = "(not set; the server's limits were never read)" if ended else \
+        "(not set; auto or 8 once the server's limits are read)"
+    said = {"fixed": "(set)", "pinned": "(not set; the server reports no batch)", "deciding": undecided}.get(
         stats.get("concurrency_mode", "auto"))
     return None if said is None else f"concurrency {stats['concurrency']} {said}"
 
