@@ -134,13 +134,17 @@ def test_an_actor_that_dies_on_every_start_trips_the_dead_fleet_deadline(ray_clu
     ray_constants.ENABLE_RAY_CLUSTER = False  # a loopback driver (Ray was imported before the fixture's switch)
     ray.init(address=ray_cluster["address"])
     try:
-        started = time.monotonic()
-        dispatcher = Dispatcher(cfg, [item("p")], lambda o, a: None, lambda s: None,
-                                lambda: time.monotonic() - started > 45, lambda e, start_open: DiesOnStart.remote())
+        made: list = []
+        stopped, stop = spinning_or_endless(time.monotonic(), lambda: made[0] if made else None)
+        dispatcher = Dispatcher(cfg, [item("p")], lambda o, a: None, lambda s: None, stop,
+                                lambda e, start_open: DiesOnStart.remote())
+        made.append(dispatcher)
         with pytest.raises(RunFatal, match="no healthy endpoint"):
-            dispatcher.run()
-        dispatcher.shutdown()
-        assert time.monotonic() - started < 30
+            try:
+                dispatcher.run()
+            finally:
+                dispatcher.shutdown()
+        assert stopped == []
         assert 1 <= dispatcher.actor_restarts <= 10, "restarts back off instead of spinning"
     finally:
         ray.shutdown()
@@ -160,7 +164,28 @@ def crashing_fleet(ray, cfg: RunConfig, crashes_on: bytes):
         e.url, e.label, e.concurrency, SETTINGS, None, "last_turn", 1, 5, backoff_initial_s=0.05)
 
 
-def dispatch_on_ray(ray_cluster, cfg: RunConfig, items: list[WorkItem], crashes_on: bytes, limit_s: float = 60):
+SPINNING_RESTARTS = 12  # far more actor restarts than any of these runs needs: the restarts do not back off
+SAFETY_NET_S = 540  # the run never ended: only a broken build reaches it; an event ends every passing run
+
+
+def spinning_or_endless(started: float, dispatcher_of) -> tuple[list[str], object]:
+    """A stop check that ends a run gone wrong (its actors restarting without backoff, or no end at all) and says
+    so: the tests wait for the run's own end, not for a budget of seconds."""
+    stopped: list[str] = []
+
+    def stop() -> bool:
+        dispatcher = dispatcher_of()
+        if dispatcher is not None and dispatcher.actor_restarts > SPINNING_RESTARTS:
+            stopped.append(f"{dispatcher.actor_restarts} actor restarts: restarts do not back off")
+        elif time.monotonic() - started > SAFETY_NET_S:
+            stopped.append(f"no end after {SAFETY_NET_S}s")
+        return bool(stopped)
+
+    return stopped, stop
+
+
+def dispatch_on_ray(ray_cluster, cfg: RunConfig, items: list[WorkItem], crashes_on: bytes):
+    """(dispatcher, outcomes by prompt, the RunFatal that ended the run or None, why the test stopped it or [])."""
     import ray
     from ray._private import ray_constants
 
@@ -169,15 +194,16 @@ def dispatch_on_ray(ray_cluster, cfg: RunConfig, items: list[WorkItem], crashes_
     ray_constants.ENABLE_RAY_CLUSTER = False  # a loopback driver (Ray was imported before the fixture's switch)
     ray.init(address=ray_cluster["address"])
     finished: dict[str, list] = {}
-    started = time.monotonic()
+    made: list = []
+    stopped, stop = spinning_or_endless(time.monotonic(), lambda: made[0] if made else None)
     dispatcher = Dispatcher(cfg, items, lambda o, a: finished.setdefault(o.prompt_id, []).append(o),
-                            lambda s: None, lambda: time.monotonic() - started > limit_s,
-                            crashing_fleet(ray, cfg, crashes_on))
+                            lambda s: None, stop, crashing_fleet(ray, cfg, crashes_on))
+    made.append(dispatcher)
     try:
         dispatcher.run()
-        return dispatcher, finished, None, time.monotonic() - started
+        return dispatcher, finished, None, stopped
     except RunFatal as exc:
-        return dispatcher, finished, exc, time.monotonic() - started
+        return dispatcher, finished, exc, stopped
     finally:
         dispatcher.shutdown()
         ray.shutdown()
@@ -190,10 +216,12 @@ def test_a_prompt_that_kills_its_actor_is_terminal_and_restarts_back_off(ray_clu
     with emulators(1, preset="kimi") as (server,):
         cfg = RunConfig.model_validate({"run_name": "poison", "model": MODEL, "sources": [{"spec": "unused.yaml"}],
                                         "endpoints": [{"url": server.url, "name": "emu", "concurrency": 4}],
-                                        "max_connection_drops": 3, "dead_fleet_deadline_s": 60})
+                                        # an actor's start takes half a minute on a loaded machine, and the
+                                        # endpoint is down meanwhile: no deadline is what this test is about
+                                        "max_connection_drops": 3, "dead_fleet_deadline_s": 3600})
         items = [item("poison", "[kill-actor] Name one fact.")] + [item(f"p{i}", f"Fact {i}?") for i in range(5)]
-        dispatcher, finished, fatal, seconds = dispatch_on_ray(ray_cluster, cfg, items, b"[kill-actor]")
-    assert fatal is None and seconds < 50, "the run ended on its own"
+        dispatcher, finished, fatal, stopped = dispatch_on_ray(ray_cluster, cfg, items, b"[kill-actor]")
+    assert fatal is None and stopped == [], "the run ended on its own"
     assert {pid: [o.kind for o in outs] for pid, outs in finished.items()} == \
         {"poison": ["terminal"], **{f"p{i}": [DONE] for i in range(5)}}
     assert finished["poison"][0].message.startswith("the actor serving it died 3 times")
@@ -208,9 +236,9 @@ def test_an_actor_that_dies_on_every_prompt_trips_the_dead_fleet_deadline(ray_cl
                                         "endpoints": [{"url": server.url, "name": "emu", "concurrency": 4}],
                                         "dead_fleet_deadline_s": 4})
         items = [item(f"p{i}", f"Fact {i}?") for i in range(12)]
-        dispatcher, finished, fatal, seconds = dispatch_on_ray(ray_cluster, cfg, items, b"Fact")
-    assert fatal is not None and "no healthy endpoint" in str(fatal), finished
-    assert seconds < 30 and 1 <= dispatcher.actor_restarts <= 10, "restarts back off instead of spinning"
+        dispatcher, finished, fatal, stopped = dispatch_on_ray(ray_cluster, cfg, items, b"Fact")
+    assert stopped == [] and fatal is not None and "no healthy endpoint" in str(fatal), finished
+    assert 1 <= dispatcher.actor_restarts <= 10, "restarts back off instead of spinning"
 
 
 # --- 6. all_turns: only failed attempts count -------------------------------------------------------------------

@@ -467,6 +467,13 @@ def test_hang_reset_and_health_trap(fresh):
     t = time.monotonic()
     call(u, "/v1/chat/completions", chat("slow", max_tokens=6, stream=True, ignore_eos=True))
     assert time.monotonic() - t >= 0.25
+    # a slowed server: the decode speed changes at run time, for requests that start after the change
+    assert jcall(u, "/admin/faults", {"slow_stream_s": 0.0, "tok_per_s": 20})[1]["tok_per_s"] == 20.0
+    t = time.monotonic()
+    call(u, "/v1/chat/completions", chat("slowed", max_tokens=6, ignore_eos=True))
+    assert time.monotonic() - t >= 0.25
+    status, answer = jcall(u, "/admin/faults", {"tok_per_s": -1})
+    assert status == 400 and "tok_per_s must be >= 0" in answer["error"]["message"]
     stats = jcall(u, "/admin/stats")[1]
     assert stats["requests"]["/v1/chat/completions"]["hang"] == 1
     assert stats["requests"]["/v1/chat/completions"]["reset"] == 2

@@ -23,8 +23,7 @@ SHORT_CONTEXT = 200  # below max_tokens + min_prompt_tokens: the preflight refus
 
 @pytest.fixture(scope="module")
 def fleet():
-    """Two good emulators and one launched with a context too short for the run; slow enough (40 tok/s a request)
-    that a run of 48 prompts outlasts fixing it."""
+    """Two good emulators and one launched with a context too short for the run (40 tok/s a request)."""
     servers = [start_emulator(preset="kimi", tok_per_s=40) for _ in range(2)]
     servers.append(start_emulator(preset="kimi", tok_per_s=40, context_length=SHORT_CONTEXT))
     yield servers
@@ -47,12 +46,14 @@ def test_one_misconfigured_server_refuses_the_run_by_default_and_names_the_flag(
             "refused above joins once fixed") in out.stderr
 
 
-def fix_context(server) -> None:
-    request = urllib.request.Request(server.url + "/admin/faults", method="POST",
-                                     data=json.dumps({"context_length": 262144}).encode(),
+def set_faults(server, **settings) -> None:
+    request = urllib.request.Request(server.url + "/admin/faults", method="POST", data=json.dumps(settings).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as answer:
         assert answer.status == 200
+
+
+SLOWED_TOK_PER_S = 2  # 16 s a prompt: the good servers cannot finish the run before the fixed one is readmitted
 
 
 def test_start_with_passing_runs_without_the_refused_server_until_it_is_fixed(tmp_path, ray_cluster, fleet):
@@ -61,6 +62,8 @@ def test_start_with_passing_runs_without_the_refused_server_until_it_is_fixed(tm
     config = config_for(tmp_path, fleet)
     run = tmp_path / "out" / "t"
     log = tmp_path / "driver.log"
+    for good in fleet[:2]:  # held slow until the readmission is seen, so the run cannot end before it (an event)
+        set_faults(good, tok_per_s=SLOWED_TOK_PER_S)
     with open(log, "wb") as sink:
         driver = subprocess.Popen(regen_cmd("generate", "--config", str(config), "--start-with-passing"),
                                   stdout=sink, stderr=subprocess.STDOUT)
@@ -73,10 +76,17 @@ def test_start_with_passing_runs_without_the_refused_server_until_it_is_fixed(tm
         wait_for(refused_in_status, 90, 0.2, "status.json to show emu-2 refused")
         entry = orjson.loads((run / "status.json").read_bytes())["endpoints"]["emu-2"]
         assert entry["refused"].startswith("the preflight refused it: ") and "--context-length" in entry["refused"]
-        fix_context(fleet[2])
+        set_faults(fleet[2], context_length=262144)
+        regen_log = run / "logs" / "regen.log"
+        wait_for(lambda: "endpoint emu-2 now passes the preflight" in regen_log.read_text(), 240, 0.2,
+                 "the fixed emu-2 to be readmitted")
+        for good in fleet[:2]:
+            set_faults(good, tok_per_s=40)
         assert driver.wait(timeout=180) == 0, log.read_text()[-3000:]
     finally:
         driver.kill()
+        for good in fleet[:2]:
+            set_faults(good, tok_per_s=40)
 
     said = (run / "logs" / "regen.log").read_text()
     assert "endpoint emu-2 failed the preflight: " in said and "--start-with-passing: the run starts without it" in said

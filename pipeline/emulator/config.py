@@ -2,7 +2,7 @@
 
 Every option of `python -m pipeline.emulator` is a field of `EmulatorConfig`. The run-time fault settings are the
 fields listed in `FAULT_FIELDS`; `POST /admin/faults` may change them (plus a few identity fields that model a
-misconfigured server: served model name, context length).
+misconfigured server: served model name, context length, and the decode speed of a slowed one).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ FAULT_FIELDS = (
     "fault_500", "fault_503", "fault_429", "fault_400",
     "fault_hang", "fault_reset", "fault_abort",
     "slow_stream_s", "health_ok_while_hung", "health_503",
-    "served_model_name", "context_length", "fault_seed", "fault_weight_switch",
+    "served_model_name", "context_length", "fault_seed", "fault_weight_switch", "tok_per_s",
 )
 # The error/behaviour draws, in the order they are tested against one uniform draw per request.
 RATE_FIELDS = ("fault_500", "fault_503", "fault_429", "fault_400", "fault_hang", "fault_reset", "fault_abort",

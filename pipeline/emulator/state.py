@@ -203,6 +203,8 @@ class ServerState:
                 v = float(v)
                 if k in RATE_FIELDS and not 0.0 <= v <= 1.0:
                     raise ValueError(f"{k} must be in [0, 1]")
+                if v < 0.0:
+                    raise ValueError(f"{k} must be >= 0")
             setattr(self.cfg, k, v)
         if "fault_seed" in body:
             self.rng = random.Random(self.cfg.fault_seed)
