@@ -38,6 +38,7 @@ class LocalRun:
     dispatcher: Dispatcher
     finished: dict[str, list[tuple[Outcome, int]]] = field(default_factory=lambda: collections.defaultdict(list))
     seconds: float = 0.0
+    stopped_at_limit: bool = False  # the test's time limit stopped it (a hang), not the run's own end
 
     def kinds(self) -> dict[str, list[str]]:
         return {pid: [o.kind for o, _ in outs] for pid, outs in self.finished.items()}
@@ -47,7 +48,8 @@ def run_local(cfg: RunConfig, items: list[WorkItem], time_limit_s: float = 60.0,
               fleet_watch: Callable | None = None, unreachable: set[str] = frozenset(),
               factory: Callable | None = None, transport: LocalTransport | None = None,
               finished: dict | None = None, probed: set[str] | None = None, **worker_options: Any) -> LocalRun:
-    """Dispatch `items` until every one has a final outcome, or time_limit_s (then the run stops, as on SIGINT).
+    """Dispatch `items` until every one has a final outcome, or time_limit_s (then the run stops, as on SIGINT, and
+    `stopped_at_limit` says so: a safety net, which a test asserts was not what ended the run).
     Raises what the dispatcher raises (RunFatal): `finished`, if given, still holds what was finished before.
     `LocalRun.seconds` is the wall time."""
     worker_options = {"backoff_initial_s": 0.05, "backoff_max_s": 0.5, **worker_options}
@@ -61,8 +63,12 @@ def run_local(cfg: RunConfig, items: list[WorkItem], time_limit_s: float = 60.0,
     def on_outcome(outcome: Outcome, attempts: int) -> None:
         committed.setdefault(outcome.prompt_id, []).append((outcome, attempts))
 
-    dispatcher = Dispatcher(cfg, items, on_outcome, lambda _status: None,
-                            lambda: time.monotonic() - started > time_limit_s, factory, fleet_watch=fleet_watch,
+    def at_limit() -> bool:
+        if time.monotonic() - started > time_limit_s:
+            result.stopped_at_limit = True
+        return result.stopped_at_limit
+
+    dispatcher = Dispatcher(cfg, items, on_outcome, lambda _status: None, at_limit, factory, fleet_watch=fleet_watch,
                             unreachable=unreachable, transport=transport, probed=probed)
     result = LocalRun(dispatcher, committed)
     try:

@@ -146,7 +146,7 @@ def run_until_complete(servers, plan: Plan) -> Runs:
         pending = [work_item(pid, TEXT_OF[pid], cfg) for pid in TEXT_OF if not runs.final[pid]]
         transport, finished = RecordingTransport(), {}
         try:
-            result = run_local(cfg, pending, time_limit_s=45, transport=transport,
+            result = run_local(cfg, pending, time_limit_s=90, transport=transport,
                                finished=finished)
         except errors.RunFatal as exc:
             result = None
@@ -156,7 +156,7 @@ def run_until_complete(servers, plan: Plan) -> Runs:
         for pid, outcomes in finished.items():  # also what a stopped run finished before it stopped
             runs.final[pid] += [o for o, _ in outcomes]
         if result is not None:
-            assert result.seconds < 45, "the run hung: it ended only at the test's time limit"
+            assert not result.stopped_at_limit, "the run hung: it ended only at the test's time limit"
             if result.dispatcher.fleet_changes:
                 runs.lossy.add(number)
             if all(runs.final.values()):
@@ -228,9 +228,9 @@ def test_an_interrupt_raised_inside_a_worker_comes_back_as_the_prompts_error(ser
         worker.client.chat = chat.__get__(worker.client)
         return worker
 
-    result = run_local(cfg, [work_item(p, p, cfg) for p in ("always", "once", "never")], time_limit_s=30,
+    result = run_local(cfg, [work_item(p, p, cfg) for p in ("always", "once", "never")], time_limit_s=240,
                        factory=factory)
-    assert result.seconds < 25, "the run ended on its own"
+    assert not result.stopped_at_limit, "the run ended on its own"
     assert result.kinds() == {"always": ["terminal"], "once": [DONE], "never": [DONE]}
     assert result.finished["always"][0][0].message == f"attempts exhausted (2): {stop.__name__}" + \
         (": raised by a library" if stop is KeyboardInterrupt else ": 3")
