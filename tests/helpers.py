@@ -89,6 +89,17 @@ def post_json(url: str, body: dict, timeout: float = 30) -> tuple[int, Any]:
         return error.code, json.loads(error.read())
 
 
+def set_faults(server, **settings) -> None:
+    """Change an emulator's run-time settings (POST /admin/faults); `reset_faults` puts back its launch values."""
+    status, answer = post_json(server.url + "/admin/faults", settings, timeout=10)
+    assert status == 200, answer
+
+
+def reset_faults(*servers) -> None:
+    for server in servers:
+        post_json(server.url + "/admin/reset", {}, timeout=10)
+
+
 def regen_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pipeline", *args]
 

@@ -6,6 +6,7 @@ import asyncio
 from pipeline.dispatch.capacity import AutoConcurrency
 from pipeline.endpoints.capacity import Gauges, Limits, capacity_line, far_below, parse_gauges, sglang_limits
 from pipeline.emulator.batch import Batch, step_time
+from tests.helpers import post_json
 
 
 class FakeServer:
@@ -291,6 +292,9 @@ def test_auto_on_an_emulated_server_fills_its_batch_and_resettles_after_a_restar
 
     with start_emulator(capacity=40, **opts) as server:
         asyncio.run(scenario(server))
+        # the curve times its steps itself: a per-request decode speed would be accepted and do nothing
+        status, answer = post_json(server.url + "/admin/faults", {"tok_per_s": 2})
+        assert status == 400 and "throughput curve" in answer["error"]["message"]
 
 
 def test_an_endpoints_file_line_may_say_auto(tmp_path):

@@ -162,7 +162,7 @@ def test_a_dying_actor_has_its_work_requeued(tmp_path, ray_cluster):
         def in_flight() -> int:
             return status_of(run).get("endpoints", {}).get("emu-0", {}).get("in_flight", 0)
 
-        wait_for(lambda: in_flight() >= 20, 60, what="20 prompts in flight")
+        wait_for(lambda: in_flight() >= 20, 180, what="20 prompts in flight")
         ray.init(address=ray_cluster["address"], namespace=ACTOR_NAMESPACE)
         try:
             names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -196,7 +196,7 @@ def test_dead_fleet_stops_after_the_deadline_and_resumes(tmp_path, ray_cluster):
                               request_timeout_s=600)  # the hung prompt is not retried before the servers die
         run = tmp_path / "out" / "t"
         proc = start_regen("generate", "--config", str(config), log=tmp_path / "log")
-        wait_for(lambda: len(committed_ids(run)) >= 8, 60, what="first records")
+        wait_for(lambda: len(committed_ids(run)) >= 8, 180, what="first records")
         for server in servers:
             server.kill()
         assert proc.wait(timeout=120) == 1

@@ -17,8 +17,8 @@ import pytest
 from pipeline.emulator import start_emulator
 from tests.conftest import stop_cluster
 from tests.helpers import (
-    committed_ids, data_parts, emulators, free_port, prompt_source, run_regen, start_regen, wait_for, write_config,
-    write_prompts, write_source,
+    committed_ids, data_parts, emulators, free_port, prompt_source, run_regen, set_faults, start_regen, wait_for,
+    write_config, write_prompts, write_source,
 )
 
 MODEL = "moonshotai/Kimi-K2.5"
@@ -117,8 +117,8 @@ def test_endpoints_file_adds_and_drains_endpoints_live(tmp_path, ray_cluster):
     second = start_emulator(preset="kimi", tok_per_s=40)
     try:
         fleet_file = tmp_path / "endpoints.txt"
-        # first at concurrency 2: alone, it has about 44 s of work left when second is listed (at 4 it had 22 s,
-        # and could take every prompt while second's actor started on a loaded machine)
+        # first at concurrency 2, and slowed while second's actor starts: alone, it could take every prompt before
+        # second's actor started on a loaded machine
         fleet_file.write_text(f"# the fleet\n{first.url} 2\n")
         prompts = tmp_path / "p.jsonl"
         write_prompts(prompts, 240)
@@ -130,8 +130,10 @@ def test_endpoints_file_adds_and_drains_endpoints_live(tmp_path, ray_cluster):
         first_label, second_label = first.url.split("://")[1], second.url.split("://")[1]
         proc = start_regen("generate", "--config", str(config), log=tmp_path / "log")
         wait_for(lambda: len(committed_ids(run)) >= 20, 120, what="the first endpoint working")
+        set_faults(first, tok_per_s=4)  # held slow until the new endpoint works: the run cannot end before it joins
         fleet_file.write_text(f"{first.url} 2\n{second.url} 4\n")
-        wait_for(lambda: any(r["endpoint"] == second_label for r in rows_of(run)), 60, what="the new endpoint's work")
+        wait_for(lambda: any(r["endpoint"] == second_label for r in rows_of(run)), 240, what="the new endpoint's work")
+        set_faults(first, tok_per_s=40)
         fleet_file.write_text(f"{second.url} 4\n")
         wait_for(lambda: first_label not in status_of(run).get("endpoints", {}), 60, what="the removed one to drain")
         drained_at = len(committed_ids(run))
@@ -154,8 +156,10 @@ FAMILY_SYSTEM = ("You are assistant number {f}. You work for the {f}th departmen
 
 
 def run_routing(tmp_path: Path, name: str, affinity_chars: int) -> tuple[float, float]:
-    """Cache hit rate (cached / prompt tokens) and makespan of 288 prompts in 48 prefix families."""
-    servers = [start_emulator(preset="kimi", enable_cache_report=True, cache_max_tokens=1500, tok_per_s=400)
+    """Cache hit rate (cached / prompt tokens) and makespan of 288 prompts in 48 prefix families. The servers
+    answer slowly until all four actors are ready: on a loaded machine an actor may start after the run's end,
+    and the endpoints that started first would take every family (an event, not a guess at start-up times)."""
+    servers = [start_emulator(preset="kimi", enable_cache_report=True, cache_max_tokens=1500, tok_per_s=2)
                for _ in range(4)]
     try:
         lines = [orjson.dumps({"messages": [{"role": "system", "content": FAMILY_SYSTEM.format(f=i % 48)},
@@ -168,11 +172,23 @@ def run_routing(tmp_path: Path, name: str, affinity_chars: int) -> tuple[float, 
                                      for i, s in enumerate(servers)],
                               [write_source(work, work / "p.jsonl", fmt="openai")], model=MODEL,
                               prefix_affinity_chars=affinity_chars, sampling={"temperature": 0.0, "max_tokens": 8})
+        run = work / "out" / "t"
         started = time.monotonic()
-        result = run_regen("generate", "--config", str(config))
+        proc = start_regen("generate", "--config", str(config), log=work / "log")
+        try:
+            def all_ready() -> bool:
+                assert proc.poll() is None, (work / "log").read_text()[-3000:]
+                log = run / "logs" / "regen.log"
+                return log.exists() and "4 of 4 endpoint actors ready" in log.read_text()
+
+            wait_for(all_ready, 240, 0.1, "the four endpoint actors")
+            for server in servers:
+                set_faults(server, tok_per_s=400)
+            assert proc.wait(timeout=300) == 0, (work / "log").read_text()[-3000:]
+        finally:
+            proc.kill()
         makespan = time.monotonic() - started
-        assert result.returncode == 0, result.stderr
-        rows = rows_of(work / "out" / "t")
+        rows = rows_of(run)
         assert len(rows) == 288
         return sum(r["cached_tokens"] or 0 for r in rows) / sum(r["prompt_tokens"] for r in rows), makespan
     finally:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from pipeline.endpoints.client import ClientSettings, StreamAccumulator
 from tests.helpers import (
     committed_ids, data_parts, emulators, free_port, run_regen, write_config, write_prompts, write_source,
 )
+from tests.local_dispatch import make_cfg, run_local, work_item
 
 MODEL = "moonshotai/Kimi-K2.5"
 
@@ -135,16 +137,19 @@ def test_an_actor_that_dies_on_every_start_trips_the_dead_fleet_deadline(ray_clu
     ray.init(address=ray_cluster["address"])
     try:
         made: list = []
-        stopped, stop = spinning_or_endless(time.monotonic(), lambda: made[0] if made else None)
+        stopped, stop = spinning_or_endless(time.monotonic(), lambda: made[0] if made else None, max_restarts=10)
         dispatcher = Dispatcher(cfg, [item("p")], lambda o, a: None, lambda s: None, stop,
                                 lambda e, start_open: DiesOnStart.remote())
         made.append(dispatcher)
-        with pytest.raises(RunFatal, match="no healthy endpoint"):
-            try:
-                dispatcher.run()
-            finally:
-                dispatcher.shutdown()
-        assert stopped == []
+        fatal = None
+        try:
+            dispatcher.run()
+        except RunFatal as exc:
+            fatal = exc
+        finally:
+            dispatcher.shutdown()
+        assert stopped == [], f"the test stopped the run: {stopped}"
+        assert fatal is not None and "no healthy endpoint" in str(fatal)
         assert 1 <= dispatcher.actor_restarts <= 10, "restarts back off instead of spinning"
     finally:
         ray.shutdown()
@@ -164,19 +169,18 @@ def crashing_fleet(ray, cfg: RunConfig, crashes_on: bytes):
         e.url, e.label, e.concurrency, SETTINGS, None, "last_turn", 1, 5, backoff_initial_s=0.05)
 
 
-SPINNING_RESTARTS = 12  # far more actor restarts than any of these runs needs: the restarts do not back off
-SAFETY_NET_S = 540  # the run never ended: only a broken build reaches it; an event ends every passing run
+SAFETY_NET_S = 400  # the run never ended: only a broken build reaches it; an event ends every passing run
 
 
-def spinning_or_endless(started: float, dispatcher_of) -> tuple[list[str], object]:
-    """A stop check that ends a run gone wrong (its actors restarting without backoff, or no end at all) and says
-    so: the tests wait for the run's own end, not for a budget of seconds."""
+def spinning_or_endless(started: float, dispatcher_of, max_restarts: int) -> tuple[list[str], object]:
+    """A stop check that ends a run gone wrong (more actor restarts than the run may cause, or no end at all) and
+    says so: the tests wait for the run's own end, not for a budget of seconds."""
     stopped: list[str] = []
 
     def stop() -> bool:
         dispatcher = dispatcher_of()
-        if dispatcher is not None and dispatcher.actor_restarts > SPINNING_RESTARTS:
-            stopped.append(f"{dispatcher.actor_restarts} actor restarts: restarts do not back off")
+        if dispatcher is not None and dispatcher.actor_restarts > max_restarts:
+            stopped.append(f"{dispatcher.actor_restarts} actor restarts, more than this run may cause ({max_restarts})")
         elif time.monotonic() - started > SAFETY_NET_S:
             stopped.append(f"no end after {SAFETY_NET_S}s")
         return bool(stopped)
@@ -184,7 +188,21 @@ def spinning_or_endless(started: float, dispatcher_of) -> tuple[list[str], objec
     return stopped, stop
 
 
-def dispatch_on_ray(ray_cluster, cfg: RunConfig, items: list[WorkItem], crashes_on: bytes):
+def restart_delays(records) -> list[tuple[int, float]]:
+    """(actors lost in a row, the delay before the next one starts) from the dispatcher's log lines."""
+    found = [re.search(r"a new actor starts in ([0-9.]+)s \((\d+) lost in a row\)", r.getMessage()) for r in records]
+    return [(int(m[2]), float(m[1])) for m in found if m]
+
+
+def assert_restarts_back_off(delays: list[tuple[int, float]]) -> None:
+    """The first loss restarts at once; each further loss in a row waits twice as long (to the maximum)."""
+    from pipeline.dispatch.dispatcher import RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S
+
+    expected = [(n, 0.0 if n == 1 else min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (n - 2))) for n, _ in delays]
+    assert delays == expected, "restarts back off"
+
+
+def dispatch_on_ray(ray_cluster, cfg: RunConfig, items: list[WorkItem], crashes_on: bytes, max_restarts: int):
     """(dispatcher, outcomes by prompt, the RunFatal that ended the run or None, why the test stopped it or [])."""
     import ray
     from ray._private import ray_constants
@@ -195,7 +213,7 @@ def dispatch_on_ray(ray_cluster, cfg: RunConfig, items: list[WorkItem], crashes_
     ray.init(address=ray_cluster["address"])
     finished: dict[str, list] = {}
     made: list = []
-    stopped, stop = spinning_or_endless(time.monotonic(), lambda: made[0] if made else None)
+    stopped, stop = spinning_or_endless(time.monotonic(), lambda: made[0] if made else None, max_restarts)
     dispatcher = Dispatcher(cfg, items, lambda o, a: finished.setdefault(o.prompt_id, []).append(o),
                             lambda s: None, stop, crashing_fleet(ray, cfg, crashes_on))
     made.append(dispatcher)
@@ -209,7 +227,7 @@ def dispatch_on_ray(ray_cluster, cfg: RunConfig, items: list[WorkItem], crashes_
         ray.shutdown()
 
 
-def test_a_prompt_that_kills_its_actor_is_terminal_and_restarts_back_off(ray_cluster):
+def test_a_prompt_that_kills_its_actor_is_terminal_and_restarts_back_off(ray_cluster, caplog):
     """The actor's process dies whenever it is handed the poison prompt. Before the fix the replacement answered
     its empty exchange, which reset its backoff, the prompt was charged nothing, and it killed actor after actor
     without end (577 restarts in 12 s): the run never ended."""
@@ -220,25 +238,54 @@ def test_a_prompt_that_kills_its_actor_is_terminal_and_restarts_back_off(ray_clu
                                         # endpoint is down meanwhile: no deadline is what this test is about
                                         "max_connection_drops": 3, "dead_fleet_deadline_s": 3600})
         items = [item("poison", "[kill-actor] Name one fact.")] + [item(f"p{i}", f"Fact {i}?") for i in range(5)]
-        dispatcher, finished, fatal, stopped = dispatch_on_ray(ray_cluster, cfg, items, b"[kill-actor]")
-    assert fatal is None and stopped == [], "the run ended on its own"
+        with caplog.at_level("INFO", logger="regen.dispatch"):
+            # at most two crashes among others, then three alone
+            dispatcher, finished, fatal, stopped = dispatch_on_ray(ray_cluster, cfg, items, b"[kill-actor]", 6)
+    assert stopped == [] and fatal is None, f"the run did not end on its own: {stopped or fatal}"
     assert {pid: [o.kind for o in outs] for pid, outs in finished.items()} == \
         {"poison": ["terminal"], **{f"p{i}": [DONE] for i in range(5)}}
     assert finished["poison"][0].message.startswith("the actor serving it died 3 times")
-    assert dispatcher.actor_restarts <= 6  # two crashes among others, then three alone
+    delays = restart_delays(caplog.records)
+    # one line a loss (the last may end the run before its restart); the poison alone: losses in a row
+    assert dispatcher.actor_restarts <= len(delays) <= dispatcher.actor_restarts + 1
+    assert max(n for n, _ in delays) >= 2
+    assert_restarts_back_off(delays)
 
 
-def test_an_actor_that_dies_on_every_prompt_trips_the_dead_fleet_deadline(ray_cluster):
+def test_an_actor_that_dies_on_every_prompt_trips_the_dead_fleet_deadline_and_its_restarts_back_off(caplog):
     """An endpoint whose actor dies on any prompt it is given (it answers empty exchanges): before the fix it
-    counted as healthy after each empty answer, and the run never stopped."""
+    counted as healthy after each empty answer, and the run never stopped. In this process (an exception out of
+    the exchange is a lost actor, as a Ray actor's death is): a replacement starts at once, so on a loaded machine
+    the deadline cannot trip before the restarts show, as it did while a Ray actor took half a minute to start."""
+    from pipeline.dispatch.actors import client_settings, local_worker_factory
+
     with emulators(1, preset="kimi") as (server,):
-        cfg = RunConfig.model_validate({"run_name": "crashy", "model": MODEL, "sources": [{"spec": "unused.yaml"}],
-                                        "endpoints": [{"url": server.url, "name": "emu", "concurrency": 4}],
-                                        "dead_fleet_deadline_s": 4})
-        items = [item(f"p{i}", f"Fact {i}?") for i in range(12)]
-        dispatcher, finished, fatal, stopped = dispatch_on_ray(ray_cluster, cfg, items, b"Fact")
-    assert stopped == [] and fatal is not None and "no healthy endpoint" in str(fatal), finished
-    assert 1 <= dispatcher.actor_restarts <= 10, "restarts back off instead of spinning"
+        cfg = make_cfg([{"url": server.url, "name": "emu", "concurrency": 4}], dead_fleet_deadline_s=4)
+        base = local_worker_factory(cfg, client_settings(cfg), cfg.api_key)
+
+        def factory(endpoint, start_open):
+            worker = base(endpoint, start_open)
+            answer = worker.exchange
+
+            async def dies_on_every_prompt(work, wait_s=0.5):
+                if work:
+                    raise RuntimeError("the actor's process died")
+                return await answer(work, wait_s)
+
+            worker.exchange = dies_on_every_prompt
+            return worker
+
+        items = [work_item(f"p{i}", f"Fact {i}?", cfg) for i in range(12)]
+        fatal = None
+        with caplog.at_level("INFO", logger="regen.dispatch"):
+            try:
+                run_local(cfg, items, time_limit_s=60, factory=factory)
+            except RunFatal as exc:
+                fatal = exc
+    delays = restart_delays(caplog.records)
+    assert [n for n, _ in delays][:4] == [1, 2, 3, 4], "the replacements count as lost in a row: none ran a prompt"
+    assert_restarts_back_off(delays)
+    assert fatal is not None and "no healthy endpoint" in str(fatal)
 
 
 # --- 6. all_turns: only failed attempts count -------------------------------------------------------------------

@@ -63,7 +63,7 @@ def test_an_endpoint_that_left_for_a_contract_error_stays_out_while_its_entry_is
         items = [work_item(f"p{i}", f"Question {i}", cfg) for i in range(4)]
         # an endpoint that left and rejoined without end would run to the time limit, and nothing would raise
         with pytest.raises(RunFatal, match="every endpoint left the fleet"):
-            run_local(cfg, items, time_limit_s=120, fleet_watch=lambda: listed)
+            run_local(cfg, items, time_limit_s=60, fleet_watch=lambda: listed)
 
 
 def test_an_endpoint_that_left_for_a_contract_error_rejoins_once_its_entry_changes(monkeypatch):

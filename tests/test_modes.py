@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import json
-import urllib.request
 from pathlib import Path
 
 import orjson
@@ -15,7 +14,8 @@ from pipeline.emulator import make_config, start_emulator
 from pipeline.emulator.model import expected_chat
 from pipeline.export.formats import is_truncated, validate_specforge_row
 from tests.helpers import (
-    committed_ids, data_parts, run_regen, sigkill, start_regen, wait_for, write_config, write_prompts, write_source,
+    committed_ids, data_parts, run_regen, set_faults, sigkill, start_regen, wait_for, write_config, write_prompts,
+    write_source,
 )
 
 MODEL = "moonshotai/Kimi-K2.5"
@@ -40,12 +40,6 @@ def write_conversations(path: Path, n: int) -> None:
                       {"from": "gpt", "value": f"SOURCE-WRITTEN answer {k} of {i}."}]
         lines.append(orjson.dumps({"id": f"c{i}", "conversations": turns}))
     path.write_bytes(b"\n".join(lines) + b"\n")
-
-
-def admin(server, **faults) -> None:
-    request = urllib.request.Request(server.url + "/admin/faults", data=json.dumps(faults).encode(),
-                                     headers={"Content-Type": "application/json"})
-    urllib.request.urlopen(request, timeout=5).read()
 
 
 def test_all_turns_history_is_the_targets_own_replies_and_exports(tmp_path, ray_cluster, emulator_fleet):
@@ -156,14 +150,14 @@ def test_retry_failures_sends_terminal_failures_again(tmp_path, ray_cluster):
         prompts.write_text(prompts.read_text() + json.dumps(long) + "\n")
         config = write_config(tmp_path, endpoints([server]), [write_source(tmp_path, prompts)], model=MODEL,
                               sampling={"temperature": 0.0, "max_tokens": 8}, min_prompt_tokens=1)
-        admin(server, context_length=300)
+        set_faults(server, context_length=300)
         assert run_regen("generate", "--config", str(config)).returncode == 0
         run = tmp_path / "out" / "t"
         assert len(committed_ids(run)) == 10
         failures = [r for p in sorted((run / "failures").glob("part-*.parquet")) for r in pq.read_table(p).to_pylist()]
         assert len(failures) == 1 and "context length" in failures[0]["message"] and failures[0]["attempts"] == 1
 
-        admin(server, context_length=262144)
+        set_faults(server, context_length=262144)
         again = run_regen("generate", "--config", str(config))
         assert again.returncode == 0 and "is complete" in again.stderr, "a terminal failure is not retried by default"
         retried = run_regen("generate", "--config", str(config), "--retry-failures")

@@ -5,8 +5,6 @@ Real `regen generate` subprocesses on a real Ray head, against SGLang emulators 
 short for the run), and the run's own files."""
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.emulator import start_emulator
-from tests.helpers import all_prompt_ids, regen_cmd, run_regen, wait_for, write_config, write_prompts, write_source
+from tests.helpers import (
+    all_prompt_ids, regen_cmd, reset_faults, run_regen, set_faults, wait_for, write_config, write_prompts, write_source,
+)
 
 MODEL = "moonshotai/Kimi-K2.5"
 SHORT_CONTEXT = 200  # below max_tokens + min_prompt_tokens: the preflight refuses it
@@ -46,14 +46,7 @@ def test_one_misconfigured_server_refuses_the_run_by_default_and_names_the_flag(
             "refused above joins once fixed") in out.stderr
 
 
-def set_faults(server, **settings) -> None:
-    request = urllib.request.Request(server.url + "/admin/faults", method="POST", data=json.dumps(settings).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        assert answer.status == 200
-
-
-SLOWED_TOK_PER_S = 2  # 16 s a prompt: the good servers cannot finish the run before the fixed one is readmitted
+SLOWED_TOK_PER_S = 2  # ~12 s a prompt (24 of 32 tokens on average): the run outlasts the readmission
 
 
 def test_start_with_passing_runs_without_the_refused_server_until_it_is_fixed(tmp_path, ray_cluster, fleet):
@@ -62,31 +55,38 @@ def test_start_with_passing_runs_without_the_refused_server_until_it_is_fixed(tm
     config = config_for(tmp_path, fleet)
     run = tmp_path / "out" / "t"
     log = tmp_path / "driver.log"
-    for good in fleet[:2]:  # held slow until the readmission is seen, so the run cannot end before it (an event)
-        set_faults(good, tok_per_s=SLOWED_TOK_PER_S)
     with open(log, "wb") as sink:
-        driver = subprocess.Popen(regen_cmd("generate", "--config", str(config), "--start-with-passing"),
-                                  stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        def refused_in_status() -> bool:
-            status = run / "status.json"
-            return status.exists() and orjson.loads(status.read_bytes())["endpoints"].get("emu-2", {}).get(
-                "state") == "refused"
+        try:
+            for good in fleet[:2]:  # held slow until the readmission is seen, so the run cannot end before it
+                set_faults(good, tok_per_s=SLOWED_TOK_PER_S)
+            driver = subprocess.Popen(regen_cmd("generate", "--config", str(config), "--start-with-passing"),
+                                      stdout=sink, stderr=subprocess.STDOUT)
+            try:
+                def refused_in_status() -> bool:
+                    status = run / "status.json"
+                    return status.exists() and orjson.loads(status.read_bytes())["endpoints"].get(
+                        "emu-2", {}).get("state") == "refused"
 
-        wait_for(refused_in_status, 90, 0.2, "status.json to show emu-2 refused")
-        entry = orjson.loads((run / "status.json").read_bytes())["endpoints"]["emu-2"]
-        assert entry["refused"].startswith("the preflight refused it: ") and "--context-length" in entry["refused"]
-        set_faults(fleet[2], context_length=262144)
-        regen_log = run / "logs" / "regen.log"
-        wait_for(lambda: "endpoint emu-2 now passes the preflight" in regen_log.read_text(), 240, 0.2,
-                 "the fixed emu-2 to be readmitted")
-        for good in fleet[:2]:
-            set_faults(good, tok_per_s=40)
-        assert driver.wait(timeout=180) == 0, log.read_text()[-3000:]
-    finally:
-        driver.kill()
-        for good in fleet[:2]:
-            set_faults(good, tok_per_s=40)
+                def readmitted() -> bool:
+                    if "endpoint emu-2 now passes the preflight" in (run / "logs" / "regen.log").read_text():
+                        return True
+                    assert driver.poll() is None, "the run ended before emu-2 was readmitted: " + \
+                        log.read_text()[-3000:]
+                    return False
+
+                wait_for(refused_in_status, 90, 0.2, "status.json to show emu-2 refused")
+                entry = orjson.loads((run / "status.json").read_bytes())["endpoints"]["emu-2"]
+                assert entry["refused"].startswith("the preflight refused it: ") and \
+                    "--context-length" in entry["refused"]
+                set_faults(fleet[2], context_length=262144)
+                wait_for(readmitted, 240, 0.2, "the fixed emu-2 to be readmitted")
+                for good in fleet[:2]:
+                    set_faults(good, tok_per_s=40)
+                assert driver.wait(timeout=180) == 0, log.read_text()[-3000:]
+            finally:
+                driver.kill()
+        finally:
+            reset_faults(*fleet)  # the launch values: the good servers' speed, emu-2's short context
 
     said = (run / "logs" / "regen.log").read_text()
     assert "endpoint emu-2 failed the preflight: " in said and "--start-with-passing: the run starts without it" in said

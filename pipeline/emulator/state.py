@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import math
 import random
 import time
 from typing import Any
@@ -188,28 +189,38 @@ class ServerState:
         return any(getattr(self.cfg, k) for k in RATE_FIELDS)
 
     def update_faults(self, body: dict) -> dict:
+        """Checks every setting of `body` before it applies any: a refused body changes nothing."""
         bad = sorted(set(body) - set(FAULT_FIELDS))
         if bad:
             raise ValueError(f"unknown fault settings {bad}; valid: {list(FAULT_FIELDS)}")
-        for k, v in body.items():
-            cur = getattr(self.cfg, k)
-            if k == "served_model_name":
-                v = str(v)
-            elif isinstance(cur, bool) or k in ("health_ok_while_hung", "health_503"):
-                v = bool(v)
-            elif k in ("context_length", "fault_seed"):
-                v = int(v)
-            else:
-                v = float(v)
-                if k in RATE_FIELDS and not 0.0 <= v <= 1.0:
-                    raise ValueError(f"{k} must be in [0, 1]")
-                if v < 0.0:
-                    raise ValueError(f"{k} must be >= 0")
+        if "tok_per_s" in body and self.cfg.throughput_curve:
+            raise ValueError("tok_per_s has no effect with the throughput curve on (its step_ms times the batch)")
+        checked = {k: self._checked_fault(k, v) for k, v in body.items()}
+        for k, v in checked.items():
             setattr(self.cfg, k, v)
         if "fault_seed" in body:
             self.rng = random.Random(self.cfg.fault_seed)
         self._any_fault = self._compute_any_fault()
         return self.cfg.faults()
+
+    def _checked_fault(self, k: str, v: Any) -> Any:
+        if k == "served_model_name":
+            return str(v)
+        if isinstance(getattr(self.cfg, k), bool) or k in ("health_ok_while_hung", "health_503"):
+            return bool(v)
+        if k in ("context_length", "fault_seed"):
+            v = int(v)
+            if k == "context_length" and v <= 0:
+                raise ValueError("context_length must be > 0")
+            return v
+        v = float(v)
+        if not math.isfinite(v):
+            raise ValueError(f"{k} must be a finite number")
+        if k in RATE_FIELDS and not 0.0 <= v <= 1.0:
+            raise ValueError(f"{k} must be in [0, 1]")
+        if v < 0.0:
+            raise ValueError(f"{k} must be >= 0")
+        return v
 
     def poison(self, body: dict) -> str | None:
         """The poison fault, if this request carries the poison text (and the hits are not used up)."""
