@@ -97,7 +97,8 @@ def set_faults(server, **settings) -> None:
 
 def reset_faults(*servers) -> None:
     for server in servers:
-        post_json(server.url + "/admin/reset", {}, timeout=10)
+        status, answer = post_json(server.url + "/admin/reset", {}, timeout=10)
+        assert status == 200, answer
 
 
 def regen_cmd(*args: str) -> list[str]:

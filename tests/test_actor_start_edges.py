@@ -232,3 +232,23 @@ def test_a_first_actor_ray_cannot_place_does_not_keep_the_rest_from_starting(tmp
     assert code == 0, said[-3000:]
     assert "1 of 2 endpoint actors ready" in said and "(free)" in said
     assert len(committed_ids(tmp_path / "out" / "t")) == 6
+
+
+def test_a_replacement_actor_is_not_counted_again_among_the_ready(caplog):
+    """`_restart_due` clears a slot's `answered`: the replacement's first answer counted as one more actor ready,
+    so "2 of 2 endpoint actors ready" could be logged while the other endpoint's actor had not answered."""
+    from pipeline.core.config import Endpoint
+    from pipeline.dispatch.slot import Slot
+    from pipeline.dispatch.startup import StartGate
+
+    slots = {label: Slot(Endpoint.model_validate({"url": f"http://127.0.0.1:{port}", "name": label}), None)
+             for label, port in (("a", 1), ("b", 2))}
+    gate = StartGate(slots, None, [], None)
+    with caplog.at_level("INFO", logger="regen.dispatch"):
+        gate.answered(slots["a"])
+        slots["a"].answered = True
+        slots["a"].answered = False  # its actor died and a replacement started
+        gate.answered(slots["a"])
+        assert gate.ready == 1 and "2 of 2" not in caplog.text
+        gate.answered(slots["b"])
+    assert gate.ready == 2 and "2 of 2 endpoint actors ready" in caplog.text

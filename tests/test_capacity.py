@@ -295,6 +295,7 @@ def test_auto_on_an_emulated_server_fills_its_batch_and_resettles_after_a_restar
         # the curve times its steps itself: a per-request decode speed would be accepted and do nothing
         status, answer = post_json(server.url + "/admin/faults", {"tok_per_s": 2})
         assert status == 400 and "throughput curve" in answer["error"]["message"]
+        assert post_json(server.url + "/admin/faults", {"tok_per_s": 0})[0] == 200  # its value: no change
 
 
 def test_an_endpoints_file_line_may_say_auto(tmp_path):

@@ -188,18 +188,30 @@ def spinning_or_endless(started: float, dispatcher_of, max_restarts: int) -> tup
     return stopped, stop
 
 
-def restart_delays(records) -> list[tuple[int, float]]:
-    """(actors lost in a row, the delay before the next one starts) from the dispatcher's log lines."""
-    found = [re.search(r"a new actor starts in ([0-9.]+)s \((\d+) lost in a row\)", r.getMessage()) for r in records]
-    return [(int(m[2]), float(m[1])) for m in found if m]
+def restart_delays(records) -> list[tuple[int, float, float | None]]:
+    """From the dispatcher's log: (actors lost in a row, the delay it logs before the next actor starts, the
+    seconds until it logs that start, or None where the run ended first)."""
+    delays = []
+    for i, record in enumerate(records):
+        found = re.search(r"a new actor starts in ([0-9.]+)s \((\d+) lost in a row\)", record.getMessage())
+        if found:
+            start = next((later.created for later in records[i + 1:] if "actor restarted (" in later.getMessage()),
+                         None)
+            delays.append((int(found[2]), float(found[1]), None if start is None else start - record.created))
+    return delays
 
 
-def assert_restarts_back_off(delays: list[tuple[int, float]]) -> None:
-    """The first loss restarts at once; each further loss in a row waits twice as long (to the maximum)."""
-    from pipeline.dispatch.dispatcher import RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S
+def assert_restarts_back_off(delays: list[tuple[int, float, float | None]]) -> None:
+    """The first loss restarts at once; each further loss in a row waits twice as long, to the maximum: as logged,
+    and as the next start's time shows."""
+    from pipeline.dispatch import dispatcher
 
-    expected = [(n, 0.0 if n == 1 else min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (n - 2))) for n, _ in delays]
-    assert delays == expected, "restarts back off"
+    for lost, logged, waited in delays:
+        expected = 0.0 if lost == 1 else min(dispatcher.RESTART_BACKOFF_MAX_S,
+                                             dispatcher.RESTART_BACKOFF_S * 2 ** (lost - 2))
+        assert abs(logged - expected) < 0.05, f"after {lost} lost in a row the delay is {logged}s, not {expected}s"
+        assert waited is None or waited >= expected - 0.05, \
+            f"after {lost} lost in a row the next actor started after {waited:.2f}s, not {expected}s"
 
 
 def dispatch_on_ray(ray_cluster, cfg: RunConfig, items: list[WorkItem], crashes_on: bytes, max_restarts: int):
@@ -248,17 +260,21 @@ def test_a_prompt_that_kills_its_actor_is_terminal_and_restarts_back_off(ray_clu
     delays = restart_delays(caplog.records)
     # one line a loss (the last may end the run before its restart); the poison alone: losses in a row
     assert dispatcher.actor_restarts <= len(delays) <= dispatcher.actor_restarts + 1
-    assert max(n for n, _ in delays) >= 2
+    assert max(lost for lost, *_ in delays) >= 2
     assert_restarts_back_off(delays)
 
 
-def test_an_actor_that_dies_on_every_prompt_trips_the_dead_fleet_deadline_and_its_restarts_back_off(caplog):
+def test_an_actor_that_dies_on_every_prompt_trips_the_dead_fleet_deadline_and_its_restarts_back_off(caplog,
+                                                                                                        monkeypatch):
     """An endpoint whose actor dies on any prompt it is given (it answers empty exchanges): before the fix it
     counted as healthy after each empty answer, and the run never stopped. In this process (an exception out of
     the exchange is a lost actor, as a Ray actor's death is): a replacement starts at once, so on a loaded machine
     the deadline cannot trip before the restarts show, as it did while a Ray actor took half a minute to start."""
+    from pipeline.dispatch import dispatcher
     from pipeline.dispatch.actors import client_settings, local_worker_factory
 
+    # a backoff capped below the deadline: only the endpoint's down time can end the run, never a long delay
+    monkeypatch.setattr(dispatcher, "RESTART_BACKOFF_MAX_S", 1.0)
     with emulators(1, preset="kimi") as (server,):
         cfg = make_cfg([{"url": server.url, "name": "emu", "concurrency": 4}], dead_fleet_deadline_s=4)
         base = local_worker_factory(cfg, client_settings(cfg), cfg.api_key)
@@ -283,9 +299,11 @@ def test_an_actor_that_dies_on_every_prompt_trips_the_dead_fleet_deadline_and_it
             except RunFatal as exc:
                 fatal = exc
     delays = restart_delays(caplog.records)
-    assert [n for n, _ in delays][:4] == [1, 2, 3, 4], "the replacements count as lost in a row: none ran a prompt"
-    assert_restarts_back_off(delays)
-    assert fatal is not None and "no healthy endpoint" in str(fatal)
+    assert [lost for lost, *_ in delays][:4] == [1, 2, 3, 4], \
+        "the replacements count as lost in a row: none ran a prompt"
+    assert_restarts_back_off(delays)  # 0, 0.5, 1, then the cap (1 where 2 would be)
+    assert fatal is not None and "no healthy endpoint" in str(fatal), \
+        "the endpoint, down since its first loss, never tripped the dead-fleet deadline"
 
 
 # --- 6. all_turns: only failed attempts count -------------------------------------------------------------------

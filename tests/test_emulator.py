@@ -474,11 +474,13 @@ def test_hang_reset_and_health_trap(fresh):
     assert time.monotonic() - t >= 0.25
     status, answer = jcall(u, "/admin/faults", {"tok_per_s": -1})
     assert status == 400 and "tok_per_s must be >= 0" in answer["error"]["message"]
-    # a refused body changes nothing, a non-finite speed is refused
-    for body in ({"fault_500": 0.5, "tok_per_s": -1}, {"tok_per_s": "nan"}, {"fault_500": 0.5, "context_length": -5}):
+    # a refused body changes nothing; no value is converted into another ("false" into True, 1.9 into 1)
+    before = jcall(u, "/admin/faults")[1]
+    for body in ({"fault_500": 0.5, "tok_per_s": -1}, {"tok_per_s": "nan"}, {"fault_500": 0.5, "context_length": -5},
+                 {"health_503": "false"}, {"context_length": 1.9}, {"context_length": True}, {"fault_seed": 1.5},
+                 {"served_model_name": None}, {"tok_per_s": True}, {"fault_500": True}):
         assert jcall(u, "/admin/faults", body)[0] == 400, body
-    faults = jcall(u, "/admin/faults")[1]
-    assert faults["fault_500"] == 0.0 and faults["tok_per_s"] == 20.0 and faults["context_length"] > 0
+    assert jcall(u, "/admin/faults")[1] == before and before["tok_per_s"] == 20.0
     stats = jcall(u, "/admin/stats")[1]
     assert stats["requests"]["/v1/chat/completions"]["hang"] == 1
     assert stats["requests"]["/v1/chat/completions"]["reset"] == 2

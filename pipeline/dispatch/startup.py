@@ -126,6 +126,7 @@ class StartGate:
         self.total, self.ready = len(slots), 0
         self.ready_at: float | None = None
         self.working = False  # an actor has answered the call that carried its first work
+        self.counted: set[str] = set()  # endpoints whose actor has answered once (a replacement is not counted again)
 
     def due(self, slots: dict[str, Slot]) -> list[Slot]:
         now = time.monotonic()
@@ -151,8 +152,9 @@ class StartGate:
         """The slot's actor answered (`slot.assigned`: the work it held during the call); its first answer is told in
         the log: the startup story."""
         self.working = self.working or bool(slot.assigned)
-        if slot.answered or self.ready >= self.total:
+        if slot.label in self.counted or self.ready >= self.total:
             return
+        self.counted.add(slot.label)
         self.ready += 1
         self.ready_at = self.ready_at or time.monotonic()
         first_or_last = self.ready in (1, self.total)

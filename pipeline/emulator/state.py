@@ -193,9 +193,9 @@ class ServerState:
         bad = sorted(set(body) - set(FAULT_FIELDS))
         if bad:
             raise ValueError(f"unknown fault settings {bad}; valid: {list(FAULT_FIELDS)}")
-        if "tok_per_s" in body and self.cfg.throughput_curve:
-            raise ValueError("tok_per_s has no effect with the throughput curve on (its step_ms times the batch)")
         checked = {k: self._checked_fault(k, v) for k, v in body.items()}
+        if checked.get("tok_per_s") and self.cfg.throughput_curve:
+            raise ValueError("tok_per_s has no effect with the throughput curve on (its step_ms times the batch)")
         for k, v in checked.items():
             setattr(self.cfg, k, v)
         if "fault_seed" in body:
@@ -204,23 +204,30 @@ class ServerState:
         return self.cfg.faults()
 
     def _checked_fault(self, k: str, v: Any) -> Any:
+        """The value as the setting's type, never a conversion that changes what was asked ("false" is no bool,
+        1.9 no int)."""
+        current = getattr(self.cfg, k)
         if k == "served_model_name":
-            return str(v)
-        if isinstance(getattr(self.cfg, k), bool) or k in ("health_ok_while_hung", "health_503"):
-            return bool(v)
-        if k in ("context_length", "fault_seed"):
-            v = int(v)
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"{k} must be a non-empty string")
+            return v
+        if isinstance(current, bool):
+            if not isinstance(v, bool):
+                raise ValueError(f"{k} must be true or false")
+            return v
+        if isinstance(current, int):  # context_length, fault_seed
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{k} must be an integer")
             if k == "context_length" and v <= 0:
                 raise ValueError("context_length must be > 0")
             return v
-        v = float(v)
-        if not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ValueError(f"{k} must be a finite number")
         if k in RATE_FIELDS and not 0.0 <= v <= 1.0:
             raise ValueError(f"{k} must be in [0, 1]")
         if v < 0.0:
             raise ValueError(f"{k} must be >= 0")
-        return v
+        return float(v)
 
     def poison(self, body: dict) -> str | None:
         """The poison fault, if this request carries the poison text (and the hits are not used up)."""
