@@ -233,6 +233,16 @@ def test_the_card_keeps_earlier_sessions_when_the_last_one_reported_no_endpoint(
     assert "- sgl:" in text, text
 
 
+
+def test_an_endpoint_in_the_last_session_without_a_figure_is_not_said_to_be_absent(tmp_path):
+    """sgl took part in the last session, but its actor never reported a concurrency (it never answered): the card
+    said `not in the last session`, which is false."""
+    run = RunDir(known_run(tmp_path / "run"))
+    session(run, {"sgl": auto_stats(32, 24)})
+    session(run, {"sgl": {"state": "open", "in_flight": 0}})
+    line = next(x for x in Path(card.write_card(run.path)).read_text().splitlines() if x.startswith("- sgl:"))
+    assert "no figure from the last session" in line and "not in the last session" not in line, line
+
 # --- 3. the doc's card example cannot be produced ---------------------------------------------------------------
 def test_the_docs_card_example_is_what_the_card_prints():
     """docs/preflight-and-fleet.md: `... 64 at the end of the last session (its highest 96); earlier sessions ended

@@ -515,3 +515,16 @@ def test_sigkill_and_restart():
         assert after["choices"][0]["message"] == before["choices"][0]["message"]
     finally:
         p.stop()
+
+
+
+def test_a_setting_takes_its_fields_type_not_the_value_it_holds():
+    """An emulator built in this process with `tok_per_s=50` (an int) refused 12.5 as "an integer"; NaN and Inf,
+    which no JSON body can carry, are refused here too."""
+    from pipeline.emulator.state import ServerState
+
+    state = ServerState(make_config(tok_per_s=50, slow_stream_s=0))
+    assert state.update_faults({"tok_per_s": 12.5, "slow_stream_s": 0.2})["tok_per_s"] == 12.5
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite"):
+            state.update_faults({"tok_per_s": bad})

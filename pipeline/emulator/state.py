@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import dataclasses
 import math
 import random
 import time
@@ -13,6 +14,8 @@ import orjson
 
 from .batch import Batch
 from .config import FAULT_FIELDS, RATE_FIELDS, EmulatorConfig
+
+_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(EmulatorConfig)}  # annotations: "int", "bool", ...
 
 _MASK = (1 << 61) - 1
 _MUL = 1_000_003
@@ -206,16 +209,16 @@ class ServerState:
     def _checked_fault(self, k: str, v: Any) -> Any:
         """The value as the setting's type, never a conversion that changes what was asked ("false" is no bool,
         1.9 no int)."""
-        current = getattr(self.cfg, k)
+        declared = _FIELD_TYPES[k]  # the field's type, not its current value's (a launch may pass 40 for 40.0)
         if k == "served_model_name":
             if not isinstance(v, str) or not v:
                 raise ValueError(f"{k} must be a non-empty string")
             return v
-        if isinstance(current, bool):
+        if declared == "bool":
             if not isinstance(v, bool):
                 raise ValueError(f"{k} must be true or false")
             return v
-        if isinstance(current, int):  # context_length, fault_seed
+        if declared == "int":  # context_length, fault_seed
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{k} must be an integer")
             if k == "context_length" and v <= 0:

@@ -19,8 +19,9 @@ def concurrency_lines(run_dir: RunDir) -> list[str]:
         last = endpoints.get(label)
         if isinstance(last, dict) and _has_concurrency(last):
             lines.append(concurrency_line(label, last, history))
-        elif history:  # removed or renamed since, or the last session reported no endpoint
-            lines.append(concurrency_line(label, history[-1], history[:-1], in_last=False))
+        elif history:  # removed or renamed since, or its actor reported no figure in the last session
+            absent = "no figure from the last session" if label in endpoints else "not in the last session"
+            lines.append(concurrency_line(label, history[-1], history[:-1], in_last=False, absent=absent))
     return [*lines, ""] if lines else []
 
 
@@ -28,10 +29,11 @@ def _has_concurrency(stats: dict) -> bool:
     return stats.get("concurrency") is not None
 
 
-def concurrency_line(label: str, stats: dict, earlier: list[dict] | None = None, in_last: bool = True) -> str:
+def concurrency_line(label: str, stats: dict, earlier: list[dict] | None = None, in_last: bool = True,
+                     absent: str = "not in the last session") -> str:
     """`earlier`: the endpoint's stats at the end of the earlier sessions, oldest first; `in_last`: `stats` are of
     the run's last session, else of the last session the endpoint took part in."""
-    absent = "" if in_last else "; not in the last session"
+    absent = "" if in_last else f"; {absent}"
     before = ""
     if earlier:
         before = f"; earlier sessions ended at {', '.join(_ended_at(s) for s in earlier)}"
