@@ -44,11 +44,13 @@ class FakeCaptureServer:
     error: tuple[int, str] | None = None  # answer every completion with this status and message
     drop_connection: bool = False  # close the connection without an answer
     answer_delay_s: float = 0.0
+    hold_until_in_flight: int = 0  # answer only once this many requests are in flight (or hold_limit_s passed)
+    hold_limit_s: float = 30.0
     write_delay_s: float = 0.0  # the file is written (and its lock released) this long after the answer
     in_flight: int = 0
     max_in_flight: int = 0
     answered: int = 0
-    guard: threading.Lock = field(default_factory=threading.Lock)
+    guard: threading.Condition = field(default_factory=threading.Condition)
 
     def server_metadata(self) -> dict[str, str]:
         if self.metadata is not None:
@@ -114,21 +116,29 @@ def _handler(server: FakeCaptureServer):
             with server.guard:
                 server.in_flight += 1
                 server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                server.guard.notify_all()
+                server.guard.wait_for(lambda: server.in_flight >= server.hold_until_in_flight, server.hold_limit_s)
             try:
-                time.sleep(server.answer_delay_s)
-                if server.drop_connection:
-                    self.close_connection = True
-                    self.connection.close()
-                    return
-                if server.error:
-                    status, message = server.error
-                    self._send(status, {"error": {"message": message, "type": "BadRequestError", "code": status}})
-                    return
-                path = server.complete(self.headers["X-Request-Id"], list(request["prompt"]))
-                self._send(200, {"choices": [{"text": "x"}], "kv_transfer_params": {"hidden_states_path": path}})
-            finally:
+                reply = self._reply(request)
+            finally:  # done before the answer leaves: a client may send its next request the moment it has it
                 with server.guard:
                     server.in_flight -= 1
                     server.answered += 1
+            if reply is None:
+                self.close_connection = True
+                self.connection.close()
+            else:
+                self._send(*reply)
+
+        def _reply(self, request: dict) -> tuple[int, dict] | None:
+            """The status and body to answer, or None to drop the connection."""
+            time.sleep(server.answer_delay_s)
+            if server.drop_connection:
+                return None
+            if server.error:
+                status, message = server.error
+                return status, {"error": {"message": message, "type": "BadRequestError", "code": status}}
+            path = server.complete(self.headers["X-Request-Id"], list(request["prompt"]))
+            return 200, {"choices": [{"text": "x"}], "kv_transfer_params": {"hidden_states_path": path}}
 
     return Handler

@@ -155,10 +155,11 @@ def test_a_file_written_after_its_lock_timed_out_is_still_removed(server, model)
 
 
 def test_capture_many_keeps_concurrency_requests_in_flight_and_returns_each_samples_outcome(server, model):
-    route = route_for(server, model, concurrency=3)
-    server.answer_delay_s = 1.0  # long enough that the three overlap on a loaded machine
+    route = route_for(server, model, concurrency=3, timeout_s=60)
+    server.hold_until_in_flight = 3  # each answer waits until three are in flight (30 s at most, then fails below)
     outcomes = route.capture_many([list(range(1, k + 1)) for k in range(2, 8)])
     assert server.max_in_flight == 3
+    server.hold_until_in_flight = 0
     assert [o.shape[0] for o in outcomes] == list(range(2, 8))
     server.answer_delay_s, server.error = 0.0, (400, "invalid prompt")
     outcomes = route.capture_many([IDS, IDS])
