@@ -101,6 +101,33 @@ def reset_faults(*servers) -> None:
         assert status == 200, answer
 
 
+def set_speed(servers, tok_per_s: float) -> None:
+    """Every emulator's decode speed: requests that start from now on run at it (those in flight keep theirs)."""
+    for server in servers:
+        set_faults(server, tok_per_s=tok_per_s)
+
+
+def regen_log_says(run: Path, text: str):
+    """A predicate: the run's own log (RUN/logs/regen.log) holds `text`."""
+    log = run / "logs" / "regen.log"
+    return lambda: log.exists() and text in log.read_text(errors="replace")
+
+
+def wait_while_running(proc: subprocess.Popen, output: Path, predicate, timeout: float, what: str) -> None:
+    """Wait for `predicate` while regen runs: a run that ends first fails the test at once, with its output. A test
+    that needs an event during a run holds the servers slow (`set_speed`) until it has seen it: on a loaded machine
+    a Ray actor can take 30 s to start, longer than a fast run lasts."""
+    def seen() -> bool:
+        running = proc.poll() is None  # read before the predicate: a run that logs the event and ends passes
+        if predicate():
+            return True
+        assert running, f"the run ended (exit {proc.returncode}) before {what}:\n" + \
+            output.read_text(errors="replace")[-3000:]
+        return False
+
+    wait_for(seen, timeout, 0.1, what)
+
+
 def regen_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pipeline", *args]
 

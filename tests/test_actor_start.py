@@ -11,7 +11,10 @@ import orjson
 import pyarrow.parquet as pq
 
 from pipeline.endpoints.probes import PROBE_RID_PREFIX
-from tests.helpers import all_prompt_ids, emulators, prompt_source, run_regen, write_config
+from tests.helpers import (
+    all_prompt_ids, emulators, prompt_source, regen_log_says, regen_running, run_regen, set_speed,
+    wait_while_running, write_config,
+)
 
 MODEL = "moonshotai/Kimi-K2.5"
 SHORT_CONTEXT = 200  # below max_tokens + min_prompt_tokens: the preflight refuses it
@@ -51,13 +54,25 @@ def test_one_actor_starts_first_and_takes_work_before_the_others_are_ready(tmp_p
     """actor_start_concurrency 1 over four servers: one actor starts before the preflight, the other three once it
     is ready; the log tells each ready in turn, a prompt is done before the last actor is ready (work went to the
     first at once), and every prompt is committed once."""
-    with emulators(4, preset="kimi", tok_per_s=40) as servers:  # a run that outlasts the start
+    run, console = tmp_path / "out" / "t", tmp_path / "console.txt"
+    first_log = tmp_path / "e0.jsonl"
+    with emulators(1, preset="kimi", tok_per_s=40, request_log=str(first_log)) as first, \
+            emulators(3, preset="kimi", tok_per_s=40) as others:
+        servers = first + others
         endpoints = [{"url": s.url, "concurrency": 2, "name": f"emu-{i}"} for i, s in enumerate(servers)]
         config = write_config(tmp_path, endpoints, [prompt_source(tmp_path, 80)], model=MODEL,
                               sampling={"temperature": 0.0, "max_tokens": 16},
                               ray={"address": ray_cluster["address"], "actor_start_concurrency": 1})
-        out = run_regen("generate", "--config", str(config), timeout=240)
-    assert out.returncode == 0, out.stderr[-2000:]
+        with regen_running("generate", "--config", str(config), log=console) as proc:
+            # emu-0 alone would finish the 80 prompts before three actors start on a loaded machine: once it has
+            # answered a prompt the servers slow down, until the log says all four actors are ready
+            wait_while_running(proc, console, lambda: any(not r["rid"].startswith(PROBE_RID_PREFIX)
+                                                          for r in requests_to(first_log)), 240, "emu-0's first prompt")
+            set_speed(servers, 2)
+            wait_while_running(proc, console, regen_log_says(run, "4 of 4 endpoint actors ready"), 240,
+                               "the four actors ready")
+            set_speed(servers, 40)
+            assert proc.wait(timeout=240) == 0, console.read_text()[-2000:]
     run = tmp_path / "out" / "t"
     lines = (run / "logs" / "regen.log").read_text().splitlines()
     assert any("started 1 of 4 endpoint actors while the run is read and the fleet probed (1 at a time)" in line

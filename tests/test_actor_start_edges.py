@@ -3,9 +3,9 @@ the run is read and the fleet probed, signals during the start. Real `regen gene
 head, against SGLang emulators that log every request they get."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -14,7 +14,10 @@ import psutil
 import pytest
 
 from pipeline.endpoints.probes import PROBE_RID_PREFIX
-from tests.helpers import committed_ids, emulators, prompt_source, regen_cmd, regen_running, wait_for, write_config
+from tests.helpers import (
+    committed_ids, emulators, prompt_source, regen_cmd, regen_running, set_faults, wait_for, wait_while_running,
+    write_config,
+)
 from tests.test_actor_start import MODEL, SHORT_CONTEXT, requests_to
 
 
@@ -26,41 +29,39 @@ def run_log(tmp_path: Path) -> str:
 @pytest.mark.parametrize("edit", ["concurrency", "replaced"])
 def test_an_endpoint_edited_into_the_file_during_the_preflight_still_gets_work(tmp_path, ray_cluster, edit):
     """Two actors (one CPU each, the cluster's two) start early for the endpoints file's first two servers; while a
-    third endpoint that never answers holds the preflight, the second server's concurrency is edited (`concurrency`)
-    or it is replaced by another server (`replaced`). The early actor of the old entry must not sit on the CPU the new
-    entry's actor needs: the edited (or new) server gets prompts. A server the fleet's preflight did not judge joins
-    through its own, after the unreachable third endpoint's actor has started: with 0.6 CPU an actor, the cluster's
-    two CPUs hold the first server's, the third's and the new one's only if the old entry's early actor is gone."""
-    hole = socket.socket()
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(64)  # accepts connections (the kernel's backlog) and never answers: the preflight waits for it
+    third endpoint whose generation probe takes 30 s (0.25 tok/s: the probe's timeout) holds the preflight, the
+    second server's concurrency is edited (`concurrency`) or it is replaced by another server (`replaced`). The early
+    actor of the old entry must not sit on the CPU the new entry's actor needs: the edited (or new) server gets
+    prompts. A server the fleet's preflight did not judge joins through its own, after the held-out third endpoint's
+    actor has started: with 0.6 CPU an actor, the cluster's two CPUs hold the first server's, the third's and the
+    new one's only if the old entry's early actor is gone. The first server answers slowly until the edited one has
+    taken work: alone, it would finish the run before a new actor starts on a loaded machine."""
     fleet = tmp_path / "fleet.txt"
     logs = [tmp_path / f"e{i}.jsonl" for i in range(3)]
-    try:
-        with emulators(1, preset="kimi", tok_per_s=20, request_log=str(logs[0])) as first, \
-                emulators(1, preset="kimi", tok_per_s=20, request_log=str(logs[1])) as second, \
-                emulators(1, preset="kimi", tok_per_s=20, request_log=str(logs[2])) as third:
-            urls = [s.url for s in first + second] + [f"http://127.0.0.1:{hole.getsockname()[1]}"]
-            fleet.write_text("".join(f"{url} 2\n" for url in urls))
-            config = write_config(tmp_path, [], [prompt_source(tmp_path, 40)], model=MODEL,
-                                  sampling={"temperature": 0.0, "max_tokens": 16}, endpoints_file=str(fleet),
-                                  endpoints_file_interval_s=1, dead_fleet_deadline_s=120,
-                                  ray={"address": ray_cluster["address"], "actor_start_concurrency": 2,
-                                       "actor_num_cpus": 1 if edit == "concurrency" else 0.6})
-            with regen_running("generate", "--config", str(config), "--start-with-passing",
-                               log=tmp_path / "console.txt") as proc:
-                wait_for(lambda: "started 2 of 3 endpoint actors" in run_log(tmp_path), 120, 0.02, "the early actors")
-                assert " regen.dispatch: dispatch: " not in run_log(tmp_path), "the preflight was over before the edit"
-                edited = f"{urls[1]} 3" if edit == "concurrency" else f"{third[0].url} 2"
-                fleet.write_text(f"{urls[0]} 2\n{edited}\n{urls[2]} 2\n")
-                proc.wait(timeout=240)
-    finally:
-        hole.close()
-    console = (tmp_path / "console.txt").read_text()
-    assert proc.returncode == 0, console[-3000:]
-    generations = [r for r in requests_to(logs[1 if edit == "concurrency" else 2])
-                   if not r["rid"].startswith(PROBE_RID_PREFIX)]
-    assert generations, run_log(tmp_path)[-4000:]
+    edited_log = logs[1 if edit == "concurrency" else 2]
+    console = tmp_path / "console.txt"
+    with emulators(1, preset="kimi", tok_per_s=1, request_log=str(logs[0])) as first, \
+            emulators(1, preset="kimi", tok_per_s=20, request_log=str(logs[1])) as second, \
+            emulators(1, preset="kimi", tok_per_s=20, request_log=str(logs[2])) as third, \
+            emulators(1, preset="kimi", tok_per_s=0.25) as holding:
+        urls = [s.url for s in first + second + holding]
+        fleet.write_text("".join(f"{url} 2\n" for url in urls))
+        config = write_config(tmp_path, [], [prompt_source(tmp_path, 40)], model=MODEL,
+                              sampling={"temperature": 0.0, "max_tokens": 16}, endpoints_file=str(fleet),
+                              endpoints_file_interval_s=1, dead_fleet_deadline_s=120,
+                              ray={"address": ray_cluster["address"], "actor_start_concurrency": 2,
+                                   "actor_num_cpus": 1 if edit == "concurrency" else 0.6})
+        with regen_running("generate", "--config", str(config), "--start-with-passing", log=console) as proc:
+            wait_for(lambda: "started 2 of 3 endpoint actors" in run_log(tmp_path), 120, 0.02, "the early actors")
+            assert " regen.dispatch: dispatch: " not in run_log(tmp_path), "the preflight was over before the edit"
+            edited = f"{urls[1]} 3" if edit == "concurrency" else f"{third[0].url} 2"
+            fleet.write_text(f"{urls[0]} 2\n{edited}\n{urls[2]} 2\n")
+            wait_while_running(proc, console, lambda: any(not r["rid"].startswith(PROBE_RID_PREFIX)
+                                                          for r in requests_to(edited_log)), 240,
+                               "a prompt sent to the edited server")
+            set_faults(first[0], tok_per_s=20)
+            proc.wait(timeout=240)
+    assert proc.returncode == 0, console.read_text()[-3000:]
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -131,7 +132,9 @@ def test_a_signal_while_the_embedded_ray_cluster_starts_stops_the_run_and_leaves
             if driver.poll() is None:
                 driver.kill()
                 driver.wait()
-        time.sleep(5)  # what dies with its parent has died by now
+        # what dies with its parent goes within seconds; a minute bounds the wait on a loaded machine
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: not still_running(list(seen.values())), 60, 0.2, "the cluster's processes to exit")
         left = still_running(list(seen.values()))
         for proc in seen.values():
             try:

@@ -9,9 +9,10 @@ MODEL = "moonshotai/Kimi-K2.5"
 
 
 def test_bench_endpoints_reports_speed_and_accept_length(tmp_path):
-    draft = start_emulator(preset="kimi", tok_per_s=400, speculative_algorithm="EAGLE3", accept_length=3.0,
+    # 0.4 s and 0.8 s a request: the client's own time a request (more on a loaded machine) barely moves the ratio
+    draft = start_emulator(preset="kimi", tok_per_s=100, speculative_algorithm="EAGLE3", accept_length=3.0,
                            enable_metrics=True)
-    plain = start_emulator(preset="kimi", tok_per_s=200)
+    plain = start_emulator(preset="kimi", tok_per_s=50)
     try:
         write_prompts(tmp_path / "p.jsonl", 1)
         config = write_config(tmp_path, [{"url": draft.url, "name": "eagle3"}, {"url": plain.url, "name": "plain"}],
@@ -27,7 +28,7 @@ def test_bench_endpoints_reports_speed_and_accept_length(tmp_path):
         assert "spec_accept_length" in eagle and "spec_accept_rate" in eagle, "the /metrics gauges were sampled"
         assert "speculative" not in rest.split("speed-up")[0], "no accept figures without a draft"
         ratio = float(out.split("eagle3")[-1].split("x one at a time")[0].split()[-1])
-        assert 1.5 < ratio < 2.5, f"400 vs 200 tok/s a request should show about 2x, got {ratio}"
+        assert 1.5 < ratio < 2.5, f"100 vs 50 tok/s a request should show about 2x, got {ratio}"
     finally:
         draft.stop()
         plain.stop()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from pipeline.dispatch.capacity import AutoConcurrency
 from pipeline.endpoints.capacity import Gauges, Limits, capacity_line, far_below, parse_gauges, sglang_limits
 from pipeline.emulator.batch import Batch, step_time
@@ -188,18 +190,33 @@ def test_latency_mode_settles_past_the_knee():
     assert knee <= ctl.limit <= 4 * knee
 
 
-def test_curve_batch_throughput_rises_flattens_and_retracts():
-    """The emulator's batch in virtual terms: B requests of n tokens take n * step(B); a small pool retracts."""
+def test_curve_batch_throughput_rises_flattens_and_retracts(monkeypatch):
+    """The emulator's batch in virtual terms: B requests of n tokens take n * step(B); a small pool retracts. The
+    batch reads a clock the test moves to each event it waits for: no wall time, so no load, changes a figure."""
+    from types import SimpleNamespace
+
+    import pipeline.emulator.batch as batch_module
+
+    clock = [0.0]
+    monkeypatch.setattr(batch_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
     async def run(batch: Batch, n: int, tokens: int) -> tuple[float, int]:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        results = await asyncio.gather(*(batch.run(20, 20, tokens, tokens, None) for _ in range(n)))
+        t0 = clock[0]
+        tasks = [asyncio.ensure_future(batch.run(20, 20, tokens, tokens, None)) for _ in range(n)]
+        while not all(task.done() for task in tasks):
+            await asyncio.sleep(0)
+            due = batch._next_event()
+            if due is not None:  # the time the batch sleeps until, at once; a real clock always moves a little
+                clock[0] = max(due, clock[0] + 1e-7)  # (at a full pool the batch waits for V to pass its edge)
+                batch._wake.set()
         batch.close()
-        return loop.time() - t0, sum(results)
+        return clock[0] - t0, sum(task.result() for task in tasks)
 
     small, _ = asyncio.run(run(Batch(0.002, 8, 10**6, 256), 4, 50))
     knee, _ = asyncio.run(run(Batch(0.002, 8, 10**6, 256), 8, 50))
     big, _ = asyncio.run(run(Batch(0.002, 8, 10**6, 256), 32, 50))
+    assert small == pytest.approx(50 * step_time(0.002, 8, 4), rel=1e-4)
+    assert knee == pytest.approx(50 * step_time(0.002, 8, 8), rel=1e-4)
     assert knee < small * 1.6                        # memory-bound: twice the batch, about the same time
     assert big > knee * 2.5                          # compute-bound: 4x the batch, ~4x the time
     _, retracted = asyncio.run(run(Batch(0.002, 8, 1200, 256), 32, 50))
@@ -279,12 +296,12 @@ def test_auto_on_an_emulated_server_fills_its_batch_and_resettles_after_a_restar
                 seen.append(worker.auto.limit)
 
         try:
-            await drive_until(lambda: worker.auto.limit >= 40, 40.0)
+            await drive_until(lambda: worker.auto.limit >= 40, 180.0)  # a ceiling: it ends on the event
             assert worker.auto.ctl.limits.max_running == 40
             assert 40 <= worker.auto.limit <= 42 and max(seen) <= 42
             server.restart(capacity=12)
             seen.clear()
-            await drive_until(lambda: worker.auto.limit <= 16 and worker.state == "healthy", 40.0)
+            await drive_until(lambda: worker.auto.limit <= 16 and worker.state == "healthy", 180.0)
             assert worker.auto.limit <= 16, seen
             assert worker.stats()["concurrency"] == worker.auto.limit
         finally:

@@ -16,8 +16,8 @@ from pipeline.emulator import make_config, start_emulator
 from pipeline.emulator.model import expected_chat
 from pipeline.store.rundir import RunDir
 from tests.helpers import (
-    all_prompt_ids, committed_ids, data_parts, run_regen, sigkill, start_regen, temp_files, wait_for, write_config,
-    write_prompts, write_source,
+    all_prompt_ids, committed_ids, data_parts, run_regen, set_faults, sigkill, start_regen, temp_files, wait_for,
+    wait_while_running, write_config, write_prompts, write_source,
 )
 
 MODEL = "moonshotai/Kimi-K2.5"
@@ -149,34 +149,37 @@ def test_a_dying_actor_has_its_work_requeued(tmp_path, ray_cluster):
 
     from pipeline.dispatch.actors import ACTOR_NAMESPACE
 
-    slow = start_emulator(preset="kimi", tok_per_s=15)
+    # Slow until the actor is killed: 20 prompts stay in flight however late the test gets there (Ray is joined
+    # first, a few seconds on a loaded machine)
+    slow, proc = start_emulator(preset="kimi", tok_per_s=1), None
+    ray.init(address=ray_cluster["address"], namespace=ACTOR_NAMESPACE)
     try:
         prompts = tmp_path / "p.jsonl"
         write_prompts(prompts, 120)
         config = write_config(tmp_path, endpoints([slow], concurrency=32), [write_source(tmp_path, prompts)],
                               model=MODEL, sampling={"temperature": 0.0, "max_tokens": 32}, flush_records=20,
                               status_interval_s=0.2)
-        run = tmp_path / "out" / "t"
-        proc = start_regen("generate", "--config", str(config), log=tmp_path / "log")
+        run, console = tmp_path / "out" / "t", tmp_path / "log"
+        proc = start_regen("generate", "--config", str(config), log=console)
 
         def in_flight() -> int:
             return status_of(run).get("endpoints", {}).get("emu-0", {}).get("in_flight", 0)
 
-        wait_for(lambda: in_flight() >= 20, 180, what="20 prompts in flight")
-        ray.init(address=ray_cluster["address"], namespace=ACTOR_NAMESPACE)
-        try:
-            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                     if a["namespace"] == ACTOR_NAMESPACE and ":emu-0:" in a["name"]]
-            assert len(names) == 1
-            ray.kill(ray.get_actor(names[0]))
-        finally:
-            ray.shutdown()
-        assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-3000:]
+        wait_while_running(proc, console, lambda: in_flight() >= 20, 180, "20 prompts in flight")
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == ACTOR_NAMESPACE and ":emu-0:" in a["name"]]
+        assert len(names) == 1
+        ray.kill(ray.get_actor(names[0]))
+        set_faults(slow, tok_per_s=15)
+        assert proc.wait(timeout=300) == 0, console.read_text()[-3000:]
         final = status_of(run)
         assert final["actor_restarts"] == 1 and final["requeued"] >= 20, final
         ids = committed_ids(run)
         assert len(ids) == len(set(ids)) == 120
     finally:
+        if proc is not None:
+            proc.kill()
+        ray.shutdown()
         slow.stop()
 
 

@@ -21,13 +21,13 @@ from tests.helpers import wait_for
 MODEL = "moonshotai/Kimi-K2.5"
 MAIN_OPTS = dict(preset="kimi", enable_metrics=True, enable_cache_report=True, context_length=4096, fault_seed=7)
 # queue_timeout: long enough for a third request to arrive while a second waits, on a loaded machine
-SMALL_OPTS = dict(capacity=1, max_queue=1, tok_per_s=50.0, queue_timeout=1.0)
+SMALL_OPTS = dict(capacity=1, max_queue=1, tok_per_s=50.0, queue_timeout=5.0)
 # an EAGLE3 draft: speculative meta in meta_info and /metrics
 EAGLE_OPTS = dict(preset="kimi-eagle3", enable_metrics=True, sglang_version="0.5.18")
 
 
 # --- helpers --------------------------------------------------------------------------------------
-def call(url: str, path: str, body=None, timeout: float = 10.0, raw: bytes | None = None):
+def call(url: str, path: str, body=None, timeout: float = 30.0, raw: bytes | None = None):
     """(status, headers, body bytes) of one request; POST when a body is given."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
@@ -312,9 +312,9 @@ def test_every_400_message(fresh, small):
     st, b = jcall(u, "/v1/chat/completions", {**chat("x"), "model": "someone/else"})
     assert st == 200 and b["model"] == "someone/else"  # SGLang's chat checks no model name: it echoes it
     # a rid that is still running
-    with cf.ThreadPoolExecutor(2) as ex:  # the first runs for 2 s: the second is sent once it runs
+    with cf.ThreadPoolExecutor(2) as ex:  # the first runs for 6 s: the second is sent once it runs
         first = ex.submit(jcall, small.url, "/v1/chat/completions",
-                          chat("slow", max_tokens=100, rid="dup", ignore_eos=True))
+                          chat("slow", max_tokens=300, rid="dup", ignore_eos=True))
         wait_for(lambda: admission(small) == (1, 0), 30, what="the first request running")
         st, b = jcall(small.url, "/v1/chat/completions", chat("again", max_tokens=2, rid="dup"))
         assert first.result()[0] == 200
@@ -322,10 +322,11 @@ def test_every_400_message(fresh, small):
 
 
 def test_queue_full_and_queue_timeout(small):
-    # each request is sent once the one before it holds its place (running 4 s, waiting up to queue_timeout)
+    # each request is sent once the one before it holds its place (running 6 s, waiting up to queue_timeout, 5 s:
+    # the window in which the third finds the queue full)
     with cf.ThreadPoolExecutor(3) as ex:
         running = ex.submit(jcall, small.url, "/v1/chat/completions",
-                            chat("long one", max_tokens=200, ignore_eos=True))
+                            chat("long one", max_tokens=300, ignore_eos=True))
         wait_for(lambda: admission(small) == (1, 0), 30, what="the first request running")
         waiting = ex.submit(jcall, small.url, "/v1/chat/completions", chat("second", max_tokens=2))
         wait_for(lambda: admission(small) == (1, 1), 30, 0.01, what="the second request waiting")
@@ -446,8 +447,16 @@ def test_fault_draws_are_deterministic(fresh):
 def test_hang_reset_and_health_trap(fresh):
     u = fresh.url
     jcall(u, "/admin/faults", {"fault_hang": 1.0})
-    with pytest.raises((TimeoutError, socket.timeout, urllib.error.URLError)):
-        call(u, "/v1/chat/completions", chat("hang"), timeout=0.3)
+    host, port = u.removeprefix("http://").split(":")
+    body = json.dumps(chat("hang")).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:  # held open until the server counted it
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: emu\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda: jcall(u, "/admin/stats")[1]["requests"].get("/v1/chat/completions", {}).get("hang") == 1,
+                 30, what="the hung request counted")
+        sock.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            sock.recv(1)  # counted as hung, and no answer
     jcall(u, "/admin/faults", {"fault_hang": 0.0, "fault_reset": 1.0})
 
     async def fetch(body):

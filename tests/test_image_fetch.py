@@ -12,6 +12,7 @@ from pipeline.core.config_sections import Images
 from pipeline.core.errors import ImageFetchFailed
 from pipeline.endpoints import image_fetch
 from pipeline.endpoints.image_fetch import fetch_image, image_fetcher
+from tests.helpers import wait_for
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
 
@@ -74,7 +75,9 @@ def test_a_transient_failure_is_tried_once_more_and_a_stuck_server_times_out(ser
     assert fetch_image(f"{base}/flaky.png", timeout_s=5, max_bytes=1 << 20) == PNG and hits["/flaky.png"] == 2
     with pytest.raises(ImageFetchFailed) as err:
         fetch_image(f"{base}/stuck.png", timeout_s=0.3, max_bytes=1 << 20)
-    assert err.value.status is None and hits["/stuck.png"] == 2
+    assert err.value.status is None
+    # the server counts a request when its thread reads it: on a loaded machine, maybe after the client gave up
+    wait_for(lambda: hits.get("/stuck.png") == 2, 30, what="the stuck server to have been asked twice")
 
 
 def test_only_http_is_fetched_and_never_more_than_max_bytes_plus_one(server):
@@ -83,7 +86,7 @@ def test_only_http_is_fetched_and_never_more_than_max_bytes_plus_one(server):
         with pytest.raises(ImageFetchFailed, match="not an http"):
             fetch_image(url, timeout_s=1, max_bytes=10)
     with pytest.raises(ImageFetchFailed, match="only http") as err:
-        fetch_image(f"{base}/to-ftp", timeout_s=1, max_bytes=10)
+        fetch_image(f"{base}/to-ftp", timeout_s=30, max_bytes=10)
     assert err.value.status == 302
     assert fetch_image(f"{base}/ok.png", timeout_s=5, max_bytes=100) == PNG[:101], "the reader rejects it as too large"
     assert image_fetcher(Images(remote="refuse")) is None, "images.remote: refuse hands no fetcher to the build"

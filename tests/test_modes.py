@@ -94,7 +94,9 @@ def test_all_turns_history_is_the_targets_own_replies_and_exports(tmp_path, ray_
 
 
 def test_sigkill_mid_conversation_never_commits_half(tmp_path, ray_cluster):
-    slow = start_emulator(preset="kimi", tok_per_s=60)
+    # the last conversation's last turn hangs until the server restarts: the run cannot end before the SIGKILL,
+    # however late the test gets to it
+    slow = start_emulator(preset="kimi", tok_per_s=60, poison_text="topic 71.", poison_fault="hang")
     try:
         source = tmp_path / "conv.jsonl"
         write_conversations(source, 24)
@@ -108,6 +110,7 @@ def test_sigkill_mid_conversation_never_commits_half(tmp_path, ray_cluster):
         for prompt_id, count in collections.Counter(committed_ids(run)).items():
             assert count == 3, f"conversation {prompt_id} committed with {count} of 3 turns"
         assert len(set(committed_ids(run))) < 24
+        slow.restart(poison_text=None)
         assert run_regen("generate", "--config", str(config)).returncode == 0
         turns = collections.Counter((r["prompt_id"], r["turn_index"]) for r in rows_of(run))
         assert len(turns) == 72 and set(turns.values()) == {1}

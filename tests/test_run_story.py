@@ -13,7 +13,8 @@ import pytest
 
 from tests.helpers import (
     KILLED, KILLED_BEFORE_ITS_PREFLIGHT,
-    committed_ids, emulators, prompt_source, regen_cmd, run_regen, start_regen, wait_for, write_config,
+    committed_ids, emulators, prompt_source, regen_cmd, regen_log_says, run_regen, set_speed, start_regen,
+    wait_while_running, write_config,
 )
 
 MODEL = "moonshotai/Kimi-K2.5"
@@ -68,16 +69,24 @@ def story(tmp_path_factory, ray_cluster):
         servers[3].stop()
         proc = start_regen("generate", "--config", str(config), log=console)  # stdout and stderr: a file
         try:
-            # Each step is taken at once, none waits for the run: on a busy machine the run could end first.
-            wait_for(lambda: run.exists() and len(committed_ids(run)) >= 16, 120, 0.2, "a first commit")
+            # The run is held (its servers answer slowly) from its first commit until the log has told each story:
+            # on a busy machine it could end first. Requests started before keep their speed.
+            wait_while_running(proc, console, lambda: run.exists() and len(committed_ids(run)) >= 16, 120,
+                               "a first commit")
+            set_speed([servers[0], servers[1]], 2)
             # emu-2's actor may start last on a busy machine: killed before it serves, it would see only the
             # restarted server's other weights, never a dropped request
-            wait_for(lambda: serving(run, "emu-2"), 120, 0.2, "emu-2 serving")
+            wait_while_running(proc, console, lambda: serving(run, "emu-2"), 120, "emu-2 serving")
             servers[2].kill()  # in-flight requests are dropped: its circuit opens
             servers[3].start()
+            set_speed([servers[3]], 2)
             servers[2].restart(weight_version="other-weights")
             status_running = run_regen("status", str(run))
             kill_actor(ray_cluster["address"], "emu-0")
+            for said in ("endpoint emu-3: circuit closed", "endpoint emu-2 answers again but is refused",
+                         "endpoint emu-0: actor restarted"):
+                wait_while_running(proc, console, regen_log_says(run, said), 180, f"the log saying {said!r}")
+            set_speed([servers[0], servers[1], servers[3]], 30)
             proc.wait(timeout=300)
         finally:
             if proc.poll() is None:

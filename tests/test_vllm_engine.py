@@ -344,5 +344,5 @@ def test_sigkill_of_one_server_mid_run_moves_its_work(tmp_path, ray_cluster, vll
     # A record is stamped when the driver builds it: an answer local-1 sent just before it died may be built a
     # moment later (and committed after at_kill was counted), never long after.
     late = [r["created_at"] for r in rows if r["endpoint"] == label1
-            and r["created_at"] > killed_at + datetime.timedelta(seconds=10)]
+            and r["created_at"] > killed_at + datetime.timedelta(seconds=30)]
     assert not late, f"local-1 answered after it was killed at {killed_at}: {late}"
