@@ -22,7 +22,8 @@ SHORT_CONTEXT = 200  # below max_tokens + min_prompt_tokens: the preflight refus
 
 def requests_to(log: Path) -> list[dict]:
     """The generation requests an emulator got (its request log), preflight probes included."""
-    return [orjson.loads(line) for line in log.read_bytes().splitlines()] if log.exists() else []
+    data = log.read_bytes() if log.exists() else b""
+    return [orjson.loads(line) for line in data[:data.rfind(b"\n") + 1].splitlines()]  # lines written whole
 
 
 def logged_at(line: str) -> float:

@@ -191,8 +191,9 @@ def test_latency_mode_settles_past_the_knee():
 
 
 def test_curve_batch_throughput_rises_flattens_and_retracts(monkeypatch):
-    """The emulator's batch in virtual terms: B requests of n tokens take n * step(B); a small pool retracts. The
-    batch reads a clock the test moves to each event it waits for: no wall time, so no load, changes a figure."""
+    """The emulator's batch in virtual terms: B requests of n tokens take n * step(B); a small pool retracts. Time is
+    virtual (no load changes a figure): the clock moves only when the batch's own scheduler waits out the timeout it
+    chose, so a scheduler that slept too long, or never woke, fails here."""
     from types import SimpleNamespace
 
     import pipeline.emulator.batch as batch_module
@@ -200,17 +201,26 @@ def test_curve_batch_throughput_rises_flattens_and_retracts(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(batch_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
 
+    async def waits_in_virtual_time(awaitable, timeout):
+        if timeout is None:
+            return await awaitable                # nothing runs: only an arrival wakes it
+        task = asyncio.ensure_future(awaitable)
+        await asyncio.sleep(0)                    # arrivals scheduled now get in first
+        if task.done():
+            return task.result()
+        task.cancel()
+        clock[0] += max(timeout, 1e-7)            # the timeout passes (a real clock always moves a little)
+        raise TimeoutError
+
+    virtual_asyncio = SimpleNamespace(**{**vars(asyncio), "wait_for": waits_in_virtual_time})
+    monkeypatch.setattr(batch_module, "asyncio", virtual_asyncio)
+
     async def run(batch: Batch, n: int, tokens: int) -> tuple[float, int]:
         t0 = clock[0]
-        tasks = [asyncio.ensure_future(batch.run(20, 20, tokens, tokens, None)) for _ in range(n)]
-        while not all(task.done() for task in tasks):
-            await asyncio.sleep(0)
-            due = batch._next_event()
-            if due is not None:  # the time the batch sleeps until, at once; a real clock always moves a little
-                clock[0] = max(due, clock[0] + 1e-7)  # (at a full pool the batch waits for V to pass its edge)
-                batch._wake.set()
+        requests = asyncio.gather(*(batch.run(20, 20, tokens, tokens, None) for _ in range(n)))
+        retracted = await asyncio.wait_for(requests, 60)  # real seconds: a batch that never finishes fails
         batch.close()
-        return clock[0] - t0, sum(task.result() for task in tasks)
+        return clock[0] - t0, sum(retracted)
 
     small, _ = asyncio.run(run(Batch(0.002, 8, 10**6, 256), 4, 50))
     knee, _ = asyncio.run(run(Batch(0.002, 8, 10**6, 256), 8, 50))

@@ -149,11 +149,11 @@ def test_a_dying_actor_has_its_work_requeued(tmp_path, ray_cluster):
 
     from pipeline.dispatch.actors import ACTOR_NAMESPACE
 
-    # Slow until the actor is killed: 20 prompts stay in flight however late the test gets there (Ray is joined
-    # first, a few seconds on a loaded machine)
+    # Slow (32 s a prompt) until the actor is killed: 20 prompts stay in flight while the test gets there (Ray is
+    # joined first, a few seconds on a loaded machine)
     slow, proc = start_emulator(preset="kimi", tok_per_s=1), None
-    ray.init(address=ray_cluster["address"], namespace=ACTOR_NAMESPACE)
     try:
+        ray.init(address=ray_cluster["address"], namespace=ACTOR_NAMESPACE)
         prompts = tmp_path / "p.jsonl"
         write_prompts(prompts, 120)
         config = write_config(tmp_path, endpoints([slow], concurrency=32), [write_source(tmp_path, prompts)],

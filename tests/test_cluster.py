@@ -62,8 +62,9 @@ def two_node_cluster(tmp_path):
 
 
 def test_losing_a_worker_node_moves_its_work_to_the_survivors(tmp_path, two_node_cluster):
-    # The servers answer slowly until the node is gone: the run cannot end before the second node's actors work
-    # and the test has killed it, however late they start (an event, not a guess at start-up times)
+    # The servers answer slowly (about 100 s of work) until the node is gone: the run lasts until the second
+    # node's actors work and the test has killed it, unless they take minutes to start; then the test fails
+    # saying so (an event, not a guess at start-up times)
     with emulators(4, preset="kimi", tok_per_s=4) as servers:
         config = write_config(tmp_path, [{"url": s.url, "concurrency": 2, "name": f"emu-{i}"}
                                          for i, s in enumerate(servers)],
@@ -90,7 +91,8 @@ def test_losing_a_worker_node_moves_its_work_to_the_survivors(tmp_path, two_node
 def test_actors_are_pinned_by_resource_or_label_and_the_rest_spread(tmp_path, two_node_cluster):
     pins = [{"name": "on-head", "ray_resources": {"node:127.0.0.2": 0.01}},
             {"name": "on-rack-b", "ray_labels": {"regen-rack": "b"}}, {"name": "free-0"}, {"name": "free-1"}]
-    with emulators(4, preset="kimi", tok_per_s=2) as servers:  # slow until all four actors are ready: each works
+    # slow (about 100 s of work for three endpoints) until all four actors are ready, so that each takes work
+    with emulators(4, preset="kimi", tok_per_s=1) as servers:
         config = write_config(tmp_path, [{"url": s.url, "concurrency": 4, **pin} for s, pin in zip(servers, pins)],
                               [prompt_source(tmp_path, 160)], model=MODEL,
                               sampling={"temperature": 0.0, "max_tokens": 8}, status_interval_s=0.2,

@@ -21,7 +21,7 @@ from tests.helpers import wait_for
 MODEL = "moonshotai/Kimi-K2.5"
 MAIN_OPTS = dict(preset="kimi", enable_metrics=True, enable_cache_report=True, context_length=4096, fault_seed=7)
 # queue_timeout: long enough for a third request to arrive while a second waits, on a loaded machine
-SMALL_OPTS = dict(capacity=1, max_queue=1, tok_per_s=50.0, queue_timeout=5.0)
+SMALL_OPTS = dict(capacity=1, max_queue=1, tok_per_s=50.0, queue_timeout=3.0)
 # an EAGLE3 draft: speculative meta in meta_info and /metrics
 EAGLE_OPTS = dict(preset="kimi-eagle3", enable_metrics=True, sglang_version="0.5.18")
 
@@ -322,8 +322,8 @@ def test_every_400_message(fresh, small):
 
 
 def test_queue_full_and_queue_timeout(small):
-    # each request is sent once the one before it holds its place (running 6 s, waiting up to queue_timeout, 5 s:
-    # the window in which the third finds the queue full)
+    # each request is sent once the one before it holds its place: the first runs 6 s; the second waits 3 s
+    # (queue_timeout: the window in which the third finds the queue full), timing out 3 s before the first ends
     with cf.ThreadPoolExecutor(3) as ex:
         running = ex.submit(jcall, small.url, "/v1/chat/completions",
                             chat("long one", max_tokens=300, ignore_eos=True))

