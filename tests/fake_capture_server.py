@@ -47,6 +47,7 @@ class FakeCaptureServer:
     hold_until_in_flight: int = 0  # answer only once this many requests are in flight (or hold_limit_s passed)
     hold_limit_s: float = 30.0
     write_delay_s: float = 0.0  # the file is written (and its lock released) this long after the answer
+    write_gate: threading.Event | None = None  # if set: the file is written once the test opens the gate
     in_flight: int = 0
     max_in_flight: int = 0
     answered: int = 0
@@ -84,6 +85,8 @@ class FakeCaptureServer:
 
         def write() -> None:
             time.sleep(self.write_delay_s)
+            if self.write_gate is not None:
+                self.write_gate.wait(60)
             try:
                 if self.write:
                     save_file({"hidden_states": states, "token_ids": np.asarray(ids, dtype=np.int64)}, str(file),

@@ -5,6 +5,7 @@ are checked in tests/test_vllm_capture.py."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import numpy as np
@@ -99,11 +100,11 @@ def test_a_folder_this_host_cannot_see_is_a_contract_error_within_seconds(server
 
 
 def test_an_unreachable_dropped_or_hung_server_is_endpoint_down_or_retryable_not_a_raw_urlerror(server, model):
-    route = route_for(server, model, timeout_s=0.5)
     server.drop_connection = True
     with pytest.raises(ConnectionDropped):
-        route.capture(IDS)
-    server.drop_connection, server.answer_delay_s = False, 1.5
+        route_for(server, model, timeout_s=60).capture(IDS)  # however late the server's thread drops it
+    route = route_for(server, model, timeout_s=0.5)
+    server.drop_connection, server.answer_delay_s = False, 1.5  # never answers within the timeout
     with pytest.raises(Retryable) as hung:
         route.capture(IDS)
     assert not isinstance(hung.value, EndpointDown)
@@ -145,11 +146,12 @@ def test_a_path_outside_the_servers_folder_or_of_another_request_is_refused_and_
 
 def test_a_file_written_after_its_lock_timed_out_is_still_removed(server, model):
     route = route_for(server, model, lock_timeout_s=0.3)
-    server.write_delay_s = 3.0  # well past the 0.3 s lock timeout, even if the route starts late
+    server.write_gate = threading.Event()  # the file is written once the route has given up on its lock
     with pytest.raises(Retryable, match="still locked"):
         route.capture(IDS)
+    server.write_gate.set()
     wait_for(lambda: any(n.endswith(".safetensors") for n in server.files()), timeout=30, what="the late file")
-    server.write_delay_s = 0.0
+    server.write_gate = None
     route.capture(IDS)
     wait_for(lambda: server.files() == [], timeout=30, what="every file of this route removed")
 
