@@ -51,7 +51,9 @@ def capture_with_fault(tmp_path, tok, fault: str, records=None, **cfg):
     config = str(config_file(tmp_path, model, **cfg))
     script.write_text(DRIVER.format(calls=str(calls), run=str(run.path), config=config,
                                     fault=textwrap.indent(textwrap.dedent(fault), " " * 8)))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    # a safety net below pytest's 600 s, not a budget: each actor the fault kills is replaced, and a Ray actor
+    # takes 13-38 s to start on a loaded 2-core machine (240 s ran out here beside two busy loops)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=540)
     return proc, run, calls.read_text().split() if calls.exists() else []
 
 
