@@ -54,7 +54,16 @@ def scrape(tmp_path_factory, ray_cluster):
 
             wait_for(lambda: ready(status_of(run)), 120, 0.2, "a third of the prompts done and an error")
             url = status_of(run)["metrics_url"]
-            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            scraped = []
+
+            def scraped_a_third_done() -> bool:  # /metrics is refreshed on its own beat: wait for what it says
+                scraped[:] = [urllib.request.urlopen(url, timeout=30).read().decode()]
+                done = [s.value for f in text_string_to_metric_families(scraped[0]) for s in f.samples
+                        if s.name == "regen_prompts" and s.labels.get("state") == "done"]
+                return bool(done) and done[0] >= PROMPTS // 3
+
+            wait_for(scraped_a_third_done, 120, 0.2, "/metrics to show a third of the prompts done")
+            text = scraped[0]
             proc.send_signal(signal.SIGINT)  # a stop asked for: the buffer is committed, the run ends with 130
             proc.wait(timeout=180)
         finally:

@@ -14,7 +14,8 @@ import pytest
 
 from pipeline.emulator import start_emulator
 from tests.helpers import (
-    all_prompt_ids, regen_cmd, reset_faults, run_regen, set_faults, wait_for, write_config, write_prompts, write_source,
+    all_prompt_ids, regen_cmd, regen_log_says, reset_faults, run_regen, set_faults, set_speed, wait_while_running,
+    write_config, write_prompts, write_source,
 )
 
 MODEL = "moonshotai/Kimi-K2.5"
@@ -57,8 +58,7 @@ def test_start_with_passing_runs_without_the_refused_server_until_it_is_fixed(tm
     log = tmp_path / "driver.log"
     with open(log, "wb") as sink:
         try:
-            for good in fleet[:2]:  # held slow until the readmission is seen, so the run cannot end before it
-                set_faults(good, tok_per_s=SLOWED_TOK_PER_S)
+            set_speed(fleet[:2], SLOWED_TOK_PER_S)  # held slow until the readmission is seen: the run outlasts it
             driver = subprocess.Popen(regen_cmd("generate", "--config", str(config), "--start-with-passing"),
                                       stdout=sink, stderr=subprocess.STDOUT)
             try:
@@ -67,21 +67,14 @@ def test_start_with_passing_runs_without_the_refused_server_until_it_is_fixed(tm
                     return status.exists() and orjson.loads(status.read_bytes())["endpoints"].get(
                         "emu-2", {}).get("state") == "refused"
 
-                def readmitted() -> bool:
-                    if "endpoint emu-2 now passes the preflight" in (run / "logs" / "regen.log").read_text():
-                        return True
-                    assert driver.poll() is None, "the run ended before emu-2 was readmitted: " + \
-                        log.read_text()[-3000:]
-                    return False
-
-                wait_for(refused_in_status, 90, 0.2, "status.json to show emu-2 refused")
+                wait_while_running(driver, log, refused_in_status, 90, "status.json to show emu-2 refused")
                 entry = orjson.loads((run / "status.json").read_bytes())["endpoints"]["emu-2"]
                 assert entry["refused"].startswith("the preflight refused it: ") and \
                     "--context-length" in entry["refused"]
                 set_faults(fleet[2], context_length=262144)
-                wait_for(readmitted, 240, 0.2, "the fixed emu-2 to be readmitted")
-                for good in fleet[:2]:
-                    set_faults(good, tok_per_s=40)
+                wait_while_running(driver, log, regen_log_says(run, "endpoint emu-2 now passes the preflight"), 240,
+                                   "the fixed emu-2 to be readmitted")
+                set_speed(fleet[:2], 40)
                 assert driver.wait(timeout=180) == 0, log.read_text()[-3000:]
             finally:
                 driver.kill()
