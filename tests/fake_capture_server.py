@@ -119,6 +119,8 @@ def _handler(server: FakeCaptureServer):
             with server.guard:
                 server.in_flight += 1
                 server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                if server.hold_until_in_flight and server.in_flight >= server.hold_until_in_flight:
+                    server.hold_until_in_flight = 0  # a one-shot barrier: the ones after it are not held
                 server.guard.notify_all()
                 server.guard.wait_for(lambda: server.in_flight >= server.hold_until_in_flight, server.hold_limit_s)
             try:

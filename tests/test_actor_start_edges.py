@@ -53,7 +53,7 @@ def test_an_endpoint_edited_into_the_file_during_the_preflight_still_gets_work(t
                                    "actor_num_cpus": 1 if edit == "concurrency" else 0.6})
         with regen_running("generate", "--config", str(config), "--start-with-passing", log=console) as proc:
             wait_for(lambda: "started 2 of 3 endpoint actors" in run_log(tmp_path), 120, 0.02, "the early actors")
-            assert " regen.dispatch: dispatch: " not in run_log(tmp_path), "the preflight was over before the edit"
+            assert " regen: dispatch: " not in run_log(tmp_path), "the preflight was over before the edit"
             edited = f"{urls[1]} 3" if edit == "concurrency" else f"{third[0].url} 2"
             fleet.write_text(f"{urls[0]} 2\n{edited}\n{urls[2]} 2\n")
             wait_while_running(proc, console, lambda: any(not r["rid"].startswith(PROBE_RID_PREFIX)

@@ -103,7 +103,8 @@ def test_an_unreachable_dropped_or_hung_server_is_endpoint_down_or_retryable_not
     server.drop_connection = True
     with pytest.raises(ConnectionDropped):
         route_for(server, model, timeout_s=60).capture(IDS)  # however late the server's thread drops it
-    route = route_for(server, model, timeout_s=0.5)
+    route = route_for(server, model, timeout_s=60)  # its start asks /v1/models: never timed out on a loaded machine
+    route.opts = route.opts.model_copy(update={"timeout_s": 0.5})
     server.drop_connection, server.answer_delay_s = False, 1.5  # never answers within the timeout
     with pytest.raises(Retryable) as hung:
         route.capture(IDS)
@@ -158,10 +159,9 @@ def test_a_file_written_after_its_lock_timed_out_is_still_removed(server, model)
 
 def test_capture_many_keeps_concurrency_requests_in_flight_and_returns_each_samples_outcome(server, model):
     route = route_for(server, model, concurrency=3, timeout_s=60)
-    server.hold_until_in_flight = 3  # each answer waits until three are in flight (30 s at most, then fails below)
+    server.hold_until_in_flight = 3  # the first answers wait until three are in flight (30 s at most)
     outcomes = route.capture_many([list(range(1, k + 1)) for k in range(2, 8)])
-    assert server.max_in_flight == 3
-    server.hold_until_in_flight = 0
+    assert server.max_in_flight == 3 and route.pool._max_workers == 3
     assert [o.shape[0] for o in outcomes] == list(range(2, 8))
     server.answer_delay_s, server.error = 0.0, (400, "invalid prompt")
     outcomes = route.capture_many([IDS, IDS])
